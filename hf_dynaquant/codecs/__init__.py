@@ -1,0 +1,6 @@
+"""Codecs, one module per method, behind the small interface in :mod:`.base`."""
+
+from .base import BlobSource, Codec, Encoded, codec_names, get_codec, register_codec
+from .lossless import LosslessCodec
+
+__all__ = ["BlobSource", "Codec", "Encoded", "LosslessCodec", "codec_names", "get_codec", "register_codec"]

@@ -1,0 +1,101 @@
+"""The codec interface: how one tensor becomes blobs plus JSON parameters, and back.
+
+A codec never touches files. The store hands it a :class:`~hf_dynaquant.dtypes.RawTensor`
+(and, for delta coding, the *state* the same codec decoded for this tensor in the base entry);
+it returns named byte blobs and a JSON-serialisable ``params`` dict, which the store writes
+into the payload and the manifest. Decoding gets the params back and a :class:`BlobSource`
+that checks each blob's checksum when it is read.
+
+For byte-exact codecs the state is the decoded :class:`RawTensor` itself; lossy codecs may use
+a richer state (for example quantization codes) and turn it into a tensor in
+:meth:`Codec.to_raw`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from ..dtypes import RawTensor
+from ..errors import UnknownCodecError
+
+__all__ = ["Encoded", "BlobSource", "Codec", "register_codec", "get_codec", "codec_names"]
+
+
+@dataclass
+class Encoded:
+    """What a codec produced for one tensor."""
+
+    blobs: dict[str, bytes]
+    params: dict[str, Any]
+    uses_base: bool = False
+    state: Any = field(default=None, repr=False)  # what a later delta on this entry will need
+
+
+class BlobSource(Protocol):
+    """Reads a tensor's blobs by name, verifying checksums; ``where`` names it in errors."""
+
+    where: str
+
+    def __call__(self, name: str) -> np.ndarray: ...
+
+
+class Codec(ABC):
+    """Encodes tensors to blobs and decodes them back. Subclasses register with
+    :func:`register_codec` under a unique ``name``; ``version`` is stored per tensor."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+
+    @abstractmethod
+    def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
+        """Encode ``tensor``; ``base`` is this codec's decoded state of the same tensor in the
+        base entry (or None). Set ``uses_base`` only if decoding will need it."""
+
+    @abstractmethod
+    def decode(self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource,
+               base: Any = None) -> Any:
+        """Decode a tensor's state from its blobs (and the base state when it used one)."""
+
+    def to_raw(self, state: Any) -> RawTensor:
+        """Turn a decoded state into the tensor; identity for byte-exact codecs."""
+        return state
+
+    def keyframe(self, state: Any) -> Encoded:
+        """Re-encode a decoded state self-contained (used to compact a delta chain)."""
+        return self.encode(self.to_raw(state))
+
+    def max_blobs(self, numel: int) -> int:
+        """An upper bound of the blobs :meth:`encode` makes for a tensor of ``numel`` elements
+        (used to reserve the payload header)."""
+        return 1
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec available by its ``name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a codec named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_codec(name: str | Codec, **options: Any) -> Codec:
+    """A codec instance by name (options go to its constructor), or the instance itself."""
+    if isinstance(name, Codec):
+        return name
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise UnknownCodecError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(**options)
+
+
+def codec_names() -> list[str]:
+    """Names of the registered codecs."""
+    return sorted(_REGISTRY)

@@ -1,0 +1,138 @@
+"""The ``lossless`` codec: bit-exact compression of any tensor, after NeuZip.
+
+Floats go through :func:`~hf_dynaquant.core.bitplanes.split_float` (exponent rank + leading
+mantissa bits in a head byte, entropy-coded; the rest in byte planes kept raw unless they
+compress); integers and booleans through byte planes. Tensors are cut in chunks of
+:data:`CHUNK` elements, each with its own exponent table, so memory stays bounded, chunks
+encode in parallel, and a chunk adapts to its own value range.
+
+Delta mode: when the store offers the same tensor from a base checkpoint, the codec tries
+XOR-ing the new bits with the old ones first. Between nearby training checkpoints sign and
+exponent rarely change, so the XOR's head bytes are nearly all zero. A sample decides whether
+the delta pays; if not the tensor is stored self-contained.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from ..core.bitplanes import FloatPlanes, join_bytes, join_float, split_bytes, split_float
+from ..core.entropy import decode_stream, encode_stream
+from ..dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
+from ..errors import CorruptCheckpointError
+from .base import BlobSource, Codec, Encoded, register_codec
+
+__all__ = ["LosslessCodec", "CHUNK"]
+
+CHUNK = 1 << 21  # elements per chunk
+_SAMPLE = 1 << 16  # elements used to decide whether a delta pays
+_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dq-lossless")
+
+
+def _is_split_float(dtype: str) -> bool:
+    layout = FLOAT_LAYOUTS.get(dtype)
+    return layout is not None and layout.width > 8
+
+
+def _encode_chunk(bits: np.ndarray, dtype: str) -> tuple[bytes, dict[str, Any]]:
+    """Encode one chunk; returns its blob and the JSON describing its streams."""
+    if _is_split_float(dtype):
+        planes = split_float(bits, FLOAT_LAYOUTS[dtype])
+        raw_streams = [planes.head, planes.escapes.view(np.uint8), planes.side, planes.rest]
+        extra: dict[str, Any] = {"table": planes.table}
+    else:
+        raw_streams = split_bytes(bits)
+        extra = {}
+    parts, streams = [], []
+    for data in raw_streams:
+        coding, payload = encode_stream(data)
+        parts.append(payload)
+        streams.append([coding, int(data.nbytes), len(payload)])
+    return b"".join(parts), {"n": int(bits.size), "streams": streams, **extra}
+
+
+def _decode_chunk(blob: np.ndarray, info: dict[str, Any], dtype: str, out: np.ndarray, where: str) -> None:
+    """Decode one chunk into ``out`` (the chunk's slice of the tensor's bits)."""
+    streams, pos = [], 0
+    for i, (coding, size, length) in enumerate(info["streams"]):
+        streams.append(decode_stream(coding, blob[pos:pos + length], int(size), f"{where} stream {i}"))
+        pos += length
+    if pos != blob.size or int(info["n"]) != out.size:
+        raise CorruptCheckpointError(f"{where}: chunk layout does not match its blob or the tensor's shape")
+    try:
+        if _is_split_float(dtype):
+            if len(streams) != 4:
+                raise ValueError(f"{len(streams)} streams, a float chunk has 4")
+            planes = FloatPlanes(streams[0], list(info["table"]), streams[1].view("<u2"), streams[2], streams[3])
+            join_float(planes, FLOAT_LAYOUTS[dtype], out=out)
+        else:
+            join_bytes(streams, itemsize(dtype), out=out)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
+
+
+def _run(fn: Callable[[int], Any], count: int) -> list[Any]:
+    """``[fn(i) for i in range(count)]``, on the thread pool when there is more than one."""
+    return [fn(0)] if count == 1 else list(_POOL.map(fn, range(count)))
+
+
+def _chunks(bits: np.ndarray) -> list[np.ndarray]:
+    return [bits[i:i + CHUNK] for i in range(0, max(bits.size, 1), CHUNK)] if bits.size else [bits]
+
+
+def _encoded_size(bits: np.ndarray, dtype: str) -> int:
+    return len(_encode_chunk(bits, dtype)[0])
+
+
+@register_codec
+class LosslessCodec(Codec):
+    """Bit-exact codec for tensors of every dtype; see the module docstring."""
+
+    name = "lossless"
+    version = 1
+
+    def __init__(self, delta: bool = True) -> None:
+        self.delta = delta
+
+    def max_blobs(self, numel: int) -> int:
+        return max(1, -(-numel // CHUNK))
+
+    def _delta_pays(self, tensor: RawTensor, base: RawTensor) -> bool:
+        sample = slice(0, min(tensor.bits.size, _SAMPLE))
+        cur = tensor.bits[sample]
+        return _encoded_size(cur ^ base.bits[sample], tensor.dtype) < 0.95 * _encoded_size(cur, tensor.dtype)
+
+    def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
+        use_base = (
+            self.delta and isinstance(base, RawTensor) and base.dtype == tensor.dtype
+            and base.shape == tensor.shape and tensor.bits.size > 0 and self._delta_pays(tensor, base)
+        )
+        bits = tensor.bits ^ base.bits if use_base else tensor.bits
+        chunks = _chunks(bits)
+        results = _run(lambda i: _encode_chunk(chunks[i], tensor.dtype), len(chunks))
+        blobs = {f"c{i}": blob for i, (blob, _) in enumerate(results)}
+        params = {"chunks": [info for _, info in results], "xor": use_base}
+        return Encoded(blobs, params, uses_base=use_base, state=tensor)
+
+    def decode(self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource,
+               base: Any = None) -> RawTensor:
+        infos, where = params["chunks"], blobs.where
+        n = int(np.prod(shape, dtype=np.int64))
+        bits = np.empty(n, dtype=_BITS[itemsize(dtype)])
+        if sum(int(info["n"]) for info in infos) != n:
+            raise CorruptCheckpointError(f"{where}: chunks hold a different element count than shape {list(shape)}")
+        starts = np.cumsum([0] + [int(info["n"]) for info in infos])
+
+        def one(i: int) -> None:
+            _decode_chunk(blobs(f"c{i}"), infos[i], dtype, bits[starts[i]:starts[i + 1]], f"{where} chunk {i}")
+
+        _run(one, len(infos))
+        if params.get("xor"):
+            if not isinstance(base, RawTensor) or base.bits.size != n:
+                raise CorruptCheckpointError(f"{where}: delta-coded but its base tensor is missing or differs in size")
+            bits ^= base.bits
+        return RawTensor(dtype, tuple(shape), bits)

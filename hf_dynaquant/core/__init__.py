@@ -1,0 +1,1 @@
+"""Numeric primitives: numpy/torch only, no Hugging Face imports, no I/O."""

@@ -1,0 +1,131 @@
+"""Tensor dtypes by their safetensors names, and lossless torch <-> raw-bits conversion.
+
+Codecs work on :class:`RawTensor`: the tensor's bits as a flat little-endian numpy array of
+unsigned integers (or bytes), independent of torch. This keeps numeric code torch-free and lets
+bfloat16 and float8 (which numpy lacks) travel bit-exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedTensorError
+
+__all__ = ["RawTensor", "FloatLayout", "FLOAT_LAYOUTS", "to_raw", "from_raw", "dtype_name", "itemsize"]
+
+# safetensors name -> (torch dtype, item size in bytes)
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "I16": (torch.int16, 2),
+    "U16": (torch.uint16, 2),
+    "I32": (torch.int32, 4),
+    "U32": (torch.uint32, 4),
+    "I64": (torch.int64, 8),
+    "U64": (torch.uint64, 8),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+_BY_TORCH = {t: name for name, (t, _) in _DTYPES.items()}
+# the unsigned integer type that holds one element's bits
+_BITS = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_TORCH_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class FloatLayout:
+    """Bit layout of an IEEE-style float: 1 sign bit, ``exponent_bits``, ``mantissa_bits``."""
+
+    exponent_bits: int
+    mantissa_bits: int
+
+    @property
+    def width(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+
+FLOAT_LAYOUTS: dict[str, FloatLayout] = {
+    "F64": FloatLayout(11, 52),
+    "F32": FloatLayout(8, 23),
+    "BF16": FloatLayout(8, 7),
+    "F16": FloatLayout(5, 10),
+    "F8_E4M3": FloatLayout(4, 3),
+    "F8_E5M2": FloatLayout(5, 2),
+}
+
+
+@dataclass
+class RawTensor:
+    """A tensor as its dtype name, shape and flat raw bits (``uint8/16/32/64``, little-endian)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    bits: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bits.nbytes)
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name."""
+    try:
+        return _DTYPES[dtype][1]
+    except KeyError:
+        raise UnsupportedTensorError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedTensorError(
+            f"dtype {dtype} cannot be stored; supported: {sorted(str(t) for t in _BY_TORCH)}"
+        ) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    itemsize(name)
+    return _DTYPES[name][0]
+
+
+def to_raw(tensor: torch.Tensor, name: str = "tensor") -> RawTensor:
+    """Copy a tensor's bits to a flat numpy array (moves it to the CPU, makes it contiguous)."""
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise UnsupportedTensorError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be stored")
+    if tensor.is_complex():
+        raise UnsupportedTensorError(f"tensor {name!r} is complex ({tensor.dtype}); store real and imaginary parts")
+    dname = dtype_name(tensor.dtype)
+    size = itemsize(dname)
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    bits = flat.view(_TORCH_SIGNED[size]).numpy().view(_BITS[size])
+    return RawTensor(dname, tuple(int(s) for s in tensor.shape), bits)
+
+
+def from_raw(raw: RawTensor) -> torch.Tensor:
+    """Rebuild a torch tensor (CPU) from raw bits; the inverse of :func:`to_raw`."""
+    size = itemsize(raw.dtype)
+    bits = np.ascontiguousarray(raw.bits).view(_BITS[size])
+    signed = torch.from_numpy(bits.view(np.dtype(f"<i{size}") if size > 1 else np.uint8))
+    return signed.view(torch_dtype(raw.dtype)).reshape(raw.shape)
+
+
+def raw_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview | np.ndarray) -> RawTensor:
+    """Wrap a little-endian byte buffer as a :class:`RawTensor` (no copy where possible)."""
+    bits = np.frombuffer(data, dtype=_BITS[itemsize(dtype)])
+    expected = int(np.prod(shape, dtype=np.int64))
+    if bits.size != expected:
+        raise UnsupportedTensorError(f"buffer holds {bits.size} elements of {dtype}, shape {shape} needs {expected}")
+    return RawTensor(dtype, tuple(shape), bits)

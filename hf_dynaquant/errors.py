@@ -1,0 +1,89 @@
+"""One small exception hierarchy for everything hf_dynaquant raises on purpose.
+
+Every error names the file, tensor or step at fault, so a user can act on it without a debugger.
+Catch :class:`DynaQuantError` to handle them all.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DynaQuantError",
+    "FormatError",
+    "UnsupportedFormatVersionError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "MissingBaseError",
+    "EntryNotFoundError",
+    "CodecError",
+    "UnknownCodecError",
+    "UnsupportedTensorError",
+    "UnsafeInputError",
+]
+
+
+class DynaQuantError(Exception):
+    """Base class of every error raised by hf_dynaquant."""
+
+
+class FormatError(DynaQuantError):
+    """A checkpoint container is not what the format specification (FORMAT.md) says."""
+
+
+class UnsupportedFormatVersionError(FormatError):
+    """A manifest or store was written by a format version this library cannot read."""
+
+    def __init__(self, path: str, found: object, supported: int) -> None:
+        super().__init__(
+            f"{path}: format version {found!r} is not supported (this library reads version "
+            f"{supported}); upgrade hf_dynaquant to read it"
+        )
+        self.path, self.found, self.supported = path, found, supported
+
+
+class CorruptCheckpointError(FormatError):
+    """A file of a checkpoint is damaged: truncated, unreadable or inconsistent."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A blob's bytes do not match the checksum its manifest recorded."""
+
+    def __init__(self, path: str, tensor: str, blob: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"{path}: checksum mismatch in tensor {tensor!r} (blob {blob!r}): expected "
+            f"sha256 {expected[:16]}..., found {actual[:16]}...; the file is corrupt"
+        )
+        self.path, self.tensor, self.blob = path, tensor, blob
+
+
+class MissingBaseError(FormatError):
+    """A delta entry names a base entry that is not in the store."""
+
+    def __init__(self, entry: str, base: str, store: str) -> None:
+        super().__init__(
+            f"entry {entry[:16]} in store {store} is a delta on base {base[:16]}, which is "
+            "missing: the chain is broken and this checkpoint cannot be restored"
+        )
+        self.entry, self.base, self.store = entry, base, store
+
+
+class EntryNotFoundError(FormatError, KeyError):
+    """No entry or reference of that name exists in the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class CodecError(DynaQuantError):
+    """A codec cannot encode or decode a tensor."""
+
+
+class UnknownCodecError(CodecError):
+    """A manifest or a caller names a codec that is not registered."""
+
+
+class UnsupportedTensorError(CodecError):
+    """A tensor's dtype or layout cannot be stored."""
+
+
+class UnsafeInputError(DynaQuantError):
+    """An input would need unpickling (or another unsafe load) to be read; we refuse."""

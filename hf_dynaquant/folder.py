@@ -1,0 +1,219 @@
+"""Compress and decompress whole Hugging Face model folders (or single safetensors files).
+
+A compressed folder is the source folder's non-weight files (config, tokenizer, README, ...)
+plus a store in ``dynaquant/`` whose reference ``model`` holds every ``*.safetensors`` file of
+the source, one section per file (named by its relative path), with the files' own metadata.
+Decompressing writes those safetensors files back, so ``from_pretrained`` loads the result.
+Weights stored as pickle (``pytorch_model*.bin``) are refused: we never unpickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from .codecs.base import Codec
+from .dtypes import itemsize
+from .errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
+from .store import CheckpointStore
+from .store.atomic import fsync_dir
+from .store.safetensors_io import StreamingWriter, header_size_estimate
+
+__all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
+
+logger = logging.getLogger(__name__)
+
+STORE_DIR = "dynaquant"
+MODEL_REF = "model"
+_PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+@dataclass(frozen=True)
+class CompressResult:
+    """What :func:`compress_folder` wrote."""
+
+    path: Path
+    entry: str
+    raw_nbytes: int
+    stored_nbytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_nbytes / self.stored_nbytes if self.stored_nbytes else float("inf")
+
+
+class _SafetensorsTensors(Mapping[str, torch.Tensor]):
+    """A safetensors file as a read-only mapping that loads one tensor at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._f = safe_open(str(path), framework="pt")
+            self._keys = list(self._f.keys())
+            self.metadata = self._f.metadata() or {}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{path}: cannot read safetensors file ({exc})") from None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._f.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
+    """(safetensors weight files, other files) under ``src``, as paths relative to it."""
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and STORE_DIR not in p.relative_to(src).parts[:1])
+    weights = [p for p in files if p.suffix == ".safetensors"]
+    pickled = [p for p in files if any(p.match(g) for g in _PICKLE_WEIGHTS)]
+    if pickled and not weights:
+        raise UnsafeInputError(
+            f"{src}: weights are stored as pickle ({', '.join(map(str, pickled))}); hf_dynaquant never unpickles. "
+            "Convert them to safetensors first (for example model.save_pretrained(dir, safe_serialization=True))"
+        )
+    for p in pickled:
+        logger.warning("%s: skipping pickle weight file %s (the safetensors weights are used)", src, p)
+    others = [p for p in files if p not in weights and p not in pickled]
+    return weights, others
+
+
+def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
+    if dst.exists():
+        if not overwrite:
+            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True (--overwrite)")
+        old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        tmp.rename(dst)
+    fsync_dir(dst.parent)
+
+
+def _staging(dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{dst.name}")
+    tmp.mkdir()
+    return tmp
+
+
+def compress_folder(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    codec: Codec | str = "lossless",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> CompressResult:
+    """Compress a model folder (or one ``.safetensors`` file) into the folder ``dst``.
+
+    Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
+    the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
+    """
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if src.is_file():
+        if src.suffix != ".safetensors":
+            raise UnsafeInputError(f"{src}: only .safetensors files (or model folders) can be compressed")
+        root, weights, others = src.parent, [Path(src.name)], []
+    else:
+        root, (weights, others) = src, _weight_files(src)
+        if not weights:
+            raise DynaQuantError(f"{src}: no .safetensors weight files found")
+    tmp = _staging(dst)
+    try:
+        for rel in others:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, tmp / rel)
+        sources = {str(rel): _SafetensorsTensors(root / rel) for rel in weights}
+        store = CheckpointStore(tmp / STORE_DIR)
+        entry = store.write(
+            sources,
+            codecs=codec,
+            ref=MODEL_REF,
+            progress=progress,
+            metadata={"kind": "model_folder", "files": {name: {"metadata": f.metadata} for name, f in sources.items()}},
+        )
+        info = store.info(entry)
+        _publish(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return CompressResult(dst, entry, info.raw_nbytes, info.nbytes)
+
+
+def find_store(path: str | Path) -> CheckpointStore:
+    """The store of a compressed folder, or ``path`` itself when it is a store."""
+    path = Path(path)
+    for candidate in (path / STORE_DIR, path):
+        if CheckpointStore.is_store(candidate):
+            return CheckpointStore(candidate, create=False)
+    raise DynaQuantError(f"{path} is neither a compressed folder (no {STORE_DIR}/store.json) nor a store")
+
+
+def decompress_folder(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    ref: str = MODEL_REF,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write a compressed folder back as a plain Hugging Face folder that ``from_pretrained`` loads."""
+    src, dst = Path(src), Path(dst)
+    store = find_store(src)
+    tmp = _staging(dst)
+    try:
+        if store.path != src:
+            for p in sorted(src.rglob("*")):
+                rel = p.relative_to(src)
+                if p.is_file() and rel.parts[0] != STORE_DIR:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(p, tmp / rel)
+        with store.open(ref) as entry:
+            files: dict[str, Any] = entry.metadata.get("files") or {s: {} for s in entry.sections}
+            total = sum(len(entry.names(s)) for s in files)
+            with tqdm(total=total, desc="decompressing", unit="tensor", disable=not progress) as bar:
+                for section, info in files.items():
+                    _write_safetensors(entry, section, tmp / section, info.get("metadata") or None, bar)
+        _publish(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _write_safetensors(entry: Any, section: str, path: Path, metadata: dict[str, str] | None, bar: Any) -> None:
+    """Stream one section into a safetensors file, one decoded tensor at a time.
+
+    Tensors are ordered by decreasing item size so that, with the 8-byte-aligned header, every
+    tensor starts at an address aligned to its element size.
+    """
+    records = {n: entry.record(section, n) for n in entry.names(section)}
+    order = sorted(records, key=lambda n: (-itemsize(records[n]["dtype"]), n))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = StreamingWriter(path, header_size_estimate(order, per_key_shape_digits=120)
+                             + (len(str(metadata)) * 2 if metadata else 0))
+    try:
+        for name in order:
+            raw = entry.raw(section, name)
+            writer.add(name, raw.dtype, raw.shape, raw.bits)
+            bar.update()
+        writer.close(metadata)
+    except BaseException:
+        writer.abort()
+        raise

@@ -1,0 +1,63 @@
+"""The entry manifest: its JSON schema version, canonical bytes, content id, validation.
+
+A manifest is canonical JSON (sorted keys, no whitespace, UTF-8); the entry's content id is
+the SHA-256 of those bytes, so an entry's id covers every blob checksum it lists and a chain's
+base reference pins the exact base content. FORMAT.md is the specification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
+
+__all__ = ["FORMAT_VERSION", "ENTRY_FORMAT", "STORE_FORMAT", "canonical_json", "content_id", "parse_manifest",
+           "check_store_marker"]
+
+FORMAT_VERSION = 1
+ENTRY_FORMAT = "hf_dynaquant.entry"
+STORE_FORMAT = "hf_dynaquant.store"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes: sorted keys, compact separators, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def content_id(manifest_bytes: bytes) -> str:
+    """An entry's id: hex SHA-256 of its canonical manifest bytes."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def _check_version(doc: Any, kind: str, path: Path) -> None:
+    if not isinstance(doc, dict) or doc.get("format") != kind:
+        raise CorruptCheckpointError(f"{path}: not an {kind} document")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise UnsupportedFormatVersionError(str(path), doc.get("format_version"), FORMAT_VERSION)
+
+
+def parse_manifest(data: bytes, path: Path, expected_id: str | None) -> dict[str, Any]:
+    """Validate manifest bytes (id, JSON, format, version) and return the document."""
+    if expected_id is not None and content_id(data) != expected_id:
+        raise CorruptCheckpointError(f"{path}: manifest does not match its content id {expected_id[:16]}; it is corrupt")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: manifest is not valid JSON ({exc})") from None
+    _check_version(doc, ENTRY_FORMAT, path)
+    for key in ("files", "sections", "trees", "extras", "metadata"):
+        if key not in doc:
+            raise CorruptCheckpointError(f"{path}: manifest lacks {key!r}")
+    return doc
+
+
+def check_store_marker(path: Path) -> None:
+    """Validate a store's ``store.json``."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: unreadable store marker ({exc})") from None
+    _check_version(doc, STORE_FORMAT, path)

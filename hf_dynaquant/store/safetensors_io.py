@@ -1,0 +1,108 @@
+"""Streaming writer for the safetensors format, and a checked reader around ``safe_open``.
+
+``safetensors.save_file`` needs every tensor in memory at once. Writing a compressed checkpoint
+should need no more than one tensor's worth, so :class:`StreamingWriter` appends each tensor's
+bytes as soon as it exists and writes the header last: into space reserved at the front (the
+safetensors spec allows the header JSON to be padded with spaces), or, when the reservation
+was too small, by moving the data once behind a larger header. Files it writes are ordinary
+safetensors files; we read them back with the ``safetensors`` library itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CorruptCheckpointError
+
+__all__ = ["StreamingWriter", "header_size_estimate", "open_safetensors", "read_blob"]
+
+
+def header_size_estimate(keys: list[str], per_key_shape_digits: int = 40) -> int:
+    """Bytes a header for ``keys`` (1-D or small tensors) is very unlikely to exceed."""
+    return 64 + sum(len(json.dumps(k)) + 64 + per_key_shape_digits for k in keys)
+
+
+class StreamingWriter:
+    """Appends tensors to a safetensors file one at a time; :meth:`close` writes the header.
+
+    The file is complete only after :meth:`close`; the caller makes it visible atomically
+    (it is written inside a temporary entry directory, see :mod:`.store`).
+    """
+
+    def __init__(self, path: Path, header_reserve: int) -> None:
+        self.path = Path(path)
+        self._reserve = max(8, (header_reserve + 7) // 8 * 8)
+        self._fh = open(self.path, "wb")
+        self._fh.seek(8 + self._reserve)
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._offset = 0
+
+    def add(self, key: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes | memoryview | np.ndarray) -> None:
+        """Append one tensor's raw little-endian bytes under ``key``."""
+        if key in self._entries:
+            raise ValueError(f"duplicate tensor key {key!r} in {self.path}")
+        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(np.ascontiguousarray(data)).cast("B")
+        self._fh.write(view)
+        end = self._offset + view.nbytes
+        self._entries[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [self._offset, end]}
+        self._offset = end
+
+    def close(self, metadata: dict[str, str] | None = None) -> int:
+        """Write the header and flush to disk; returns the file size."""
+        header: dict[str, Any] = dict(self._entries)
+        if metadata:
+            header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        if len(raw) <= self._reserve:
+            raw = raw + b" " * (self._reserve - len(raw))
+            self._fh.seek(0)
+            self._fh.write(struct.pack("<Q", len(raw)) + raw)
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        else:
+            self._fh.close()
+            self._rewrite_with_header(raw)
+        return 8 + len(raw) + self._offset
+
+    def abort(self) -> None:
+        """Close and delete a file that will not be finished."""
+        self._fh.close()
+        self.path.unlink(missing_ok=True)
+
+    def _rewrite_with_header(self, raw: bytes) -> None:
+        raw = raw + b" " * (-len(raw) % 8)
+        moved = self.path.with_name(self.path.name + ".grow")
+        with open(self.path, "rb") as src, open(moved, "wb") as dst:
+            dst.write(struct.pack("<Q", len(raw)) + raw)
+            src.seek(8 + self._reserve)
+            shutil.copyfileobj(src, dst, 1 << 22)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(moved, self.path)
+
+
+def open_safetensors(path: Path) -> Any:
+    """``safe_open`` (numpy) with damage reported as :class:`CorruptCheckpointError`."""
+    try:
+        return safe_open(str(path), framework="numpy")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: payload file is missing") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: not a readable safetensors file, truncated or damaged ({exc})") from None
+
+
+def read_blob(handle: Any, path: Path, key: str, tensor: str) -> np.ndarray:
+    """One uint8 blob from an open payload file."""
+    try:
+        return handle.get_tensor(key)
+    except (SafetensorError, KeyError, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: blob {key!r} of tensor {tensor!r} cannot be read ({exc})") from None

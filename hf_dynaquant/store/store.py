@@ -1,0 +1,601 @@
+"""The checkpoint store: immutable, content-addressed entries, delta chains, named references.
+
+Layout (FORMAT.md is the specification)::
+
+    <store>/store.json                       format marker and version
+    <store>/entries/<id>/manifest.json       canonical JSON; <id> = sha256 of these bytes
+    <store>/entries/<id>/payload.safetensors uint8 blobs, one or more per tensor
+    <store>/refs/<name>.json                 {"entry": "<id>"}: a name for an entry
+
+An entry is written in a temporary directory and renamed into place in one step, so a reader
+never sees half an entry and a crash leaves every earlier entry intact. A *delta* entry names
+its base by content id; restoring it replays the chain. Entries no reference reaches (directly
+or as a base) are garbage; :meth:`CheckpointStore.gc` removes them, and
+:meth:`CheckpointStore.compact` turns a delta into a self-contained keyframe.
+
+Concurrency: one writer at a time per store; any number of readers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..codecs.base import Codec, Encoded, get_codec
+from ..core.entropy import decode_stream, encode_stream
+from ..dtypes import RawTensor, dtype_name, from_raw, to_raw
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DynaQuantError,
+    EntryNotFoundError,
+    MissingBaseError,
+)
+from .atomic import atomic_write_bytes, fsync_dir, fsync_file
+from .manifest import (
+    ENTRY_FORMAT,
+    FORMAT_VERSION,
+    STORE_FORMAT,
+    canonical_json,
+    check_store_marker,
+    content_id,
+    parse_manifest,
+)
+from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_blob
+from .tree import flatten_tree, unflatten_tree
+
+__all__ = ["CheckpointStore", "EntryReader", "EntryInfo"]
+
+PAYLOAD = "payload.safetensors"
+MANIFEST = "manifest.json"
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_ID = re.compile(r"^[0-9a-f]{64}$")
+_STALE_TMP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """Summary of one entry, as listed by :meth:`CheckpointStore.info`."""
+
+    id: str
+    base: str | None
+    nbytes: int  # bytes on disk (manifest + payload)
+    raw_nbytes: int  # bytes of the tensors and extras it holds, uncompressed
+    metadata: dict[str, Any]
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_nbytes / self.nbytes if self.nbytes else float("inf")
+
+
+def _library_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+class _EntryWriter:
+    """Builds one entry in a temporary directory; :meth:`finish` publishes it atomically."""
+
+    def __init__(self, store: CheckpointStore, blob_keys_estimate: list[str]) -> None:
+        self.store = store
+        self.tmp = store.entries_dir / f".tmp-{uuid.uuid4().hex}"
+        self.tmp.mkdir(parents=True)
+        self.payload = StreamingWriter(self.tmp / PAYLOAD, header_size_estimate(blob_keys_estimate))
+        self.sections: dict[str, dict[str, Any]] = {}
+        self.extras: dict[str, Any] = {}
+        self.uses_base = False
+
+    def _blob(self, key: str, data: bytes | np.ndarray) -> dict[str, Any]:
+        view = memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data)).cast("B")
+        self.payload.add(key, "U8", (view.nbytes,), view)
+        return {"file": 0, "key": key, "nbytes": view.nbytes, "sha256": hashlib.sha256(view).hexdigest()}
+
+    def add_encoded(self, section: str, name: str, raw: RawTensor, codec: Codec, enc: Encoded) -> None:
+        blobs = {b: self._blob(f"{section}/{name}/{b}", data) for b, data in enc.blobs.items()}
+        self.uses_base |= enc.uses_base
+        self.sections.setdefault(section, {})[name] = {
+            "dtype": raw.dtype, "shape": list(raw.shape), "codec": codec.name, "codec_version": codec.version,
+            "params": enc.params, "uses_base": enc.uses_base, "blobs": blobs, "raw_nbytes": raw.nbytes,
+        }
+
+    def copy_record(self, section: str, name: str, record: dict[str, Any], blobs: Mapping[str, np.ndarray]) -> None:
+        """Carry a self-contained tensor over unchanged (compaction)."""
+        new = dict(record)
+        new["blobs"] = {b: self._blob(f"{section}/{name}/{b}", blobs[b]) for b in record["blobs"]}
+        self.sections.setdefault(section, {})[name] = new
+
+    def add_alias(self, section: str, name: str, target: str, raw_like: dict[str, Any]) -> None:
+        self.sections.setdefault(section, {})[name] = {"alias_of": target, **raw_like}
+
+    def add_extra(self, name: str, data: bytes) -> None:
+        coding, payload = encode_stream(data)
+        self.extras[name] = {"coding": coding, "size": len(data), **self._blob(f"extras/{name}", payload)}
+
+    def finish(self, base: str | None, trees: dict[str, Any], metadata: dict[str, Any]) -> str:
+        self.payload.close()
+        manifest = {
+            "format": ENTRY_FORMAT, "format_version": FORMAT_VERSION,
+            "library": {"name": "hf_dynaquant", "version": _library_version()},
+            "base": base if self.uses_base else None, "files": [PAYLOAD], "checksum": "sha256",
+            "sections": self.sections, "trees": trees, "extras": self.extras, "metadata": metadata,
+        }
+        try:
+            data = canonical_json(manifest)
+        except ValueError as exc:
+            raise DynaQuantError(f"metadata cannot be stored as JSON: {exc}") from None
+        entry_id = content_id(data)
+        (self.tmp / MANIFEST).write_bytes(data)
+        fsync_file(self.tmp / MANIFEST)
+        fsync_dir(self.tmp)
+        final = self.store.entries_dir / entry_id
+        if final.exists():  # identical content already stored
+            shutil.rmtree(self.tmp)
+        else:
+            self.tmp.rename(final)
+            fsync_dir(self.store.entries_dir)
+        return entry_id
+
+    def abort(self) -> None:
+        self.payload.abort()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _Blobs:
+    """The :class:`~hf_dynaquant.codecs.base.BlobSource` of one tensor of an open entry."""
+
+    def __init__(self, reader: EntryReader, section: str, name: str, record: dict[str, Any]) -> None:
+        self.reader, self.tensor, self.record = reader, f"{section}/{name}", record
+        self.where = f"{reader.path / PAYLOAD} (tensor {self.tensor!r})"
+
+    def __call__(self, blob: str) -> np.ndarray:
+        try:
+            info = self.record["blobs"][blob]
+        except KeyError:
+            raise CorruptCheckpointError(f"{self.where}: manifest lists no blob {blob!r}") from None
+        return self.reader.read_checked(info, self.tensor, blob)
+
+
+class EntryReader:
+    """Read access to one entry; tensors are decoded one at a time, on demand."""
+
+    def __init__(self, store: CheckpointStore, entry_id: str) -> None:
+        self.store, self.id = store, entry_id
+        self.path = store.entries_dir / entry_id
+        try:
+            data = (self.path / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {store.path}") from None
+        self.manifest = parse_manifest(data, self.path / MANIFEST, entry_id)
+        self._handles: dict[int, Any] = {}
+        self._base: EntryReader | None = None
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def base(self) -> str | None:
+        return self.manifest["base"]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest["metadata"]
+
+    @property
+    def sections(self) -> list[str]:
+        return list(self.manifest["sections"])
+
+    @property
+    def trees(self) -> list[str]:
+        return list(self.manifest["trees"])
+
+    @property
+    def extras(self) -> list[str]:
+        return list(self.manifest["extras"])
+
+    def names(self, section: str) -> list[str]:
+        return list(self._section(section))
+
+    def record(self, section: str, name: str) -> dict[str, Any]:
+        try:
+            return self._section(section)[name]
+        except KeyError:
+            raise EntryNotFoundError(f"entry {self.id[:16]} has no tensor {name!r} in section {section!r}") from None
+
+    def _section(self, section: str) -> dict[str, Any]:
+        try:
+            return self.manifest["sections"][section]
+        except KeyError:
+            raise EntryNotFoundError(f"entry {self.id[:16]} has no section {section!r} (has: {self.sections})") from None
+
+    # -- blobs -----------------------------------------------------------------------------
+    def _handle(self, index: int) -> Any:
+        if index not in self._handles:
+            try:
+                name = self.manifest["files"][index]
+            except (IndexError, TypeError):
+                raise CorruptCheckpointError(f"{self.path / MANIFEST}: blob refers to payload file #{index}, "
+                                             "which the manifest does not list") from None
+            self._handles[index] = open_safetensors(self.path / name)
+        return self._handles[index]
+
+    def read_checked(self, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
+        """Read one blob and check its SHA-256 against the manifest."""
+        path = self.path / self.manifest["files"][info["file"]]
+        data = read_blob(self._handle(info["file"]), path, info["key"], tensor)
+        actual = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+        if actual != info["sha256"] or data.size != info["nbytes"]:
+            raise ChecksumMismatchError(str(path), tensor, blob, info["sha256"], actual)
+        return data
+
+    # -- tensors ---------------------------------------------------------------------------
+    def base_reader(self) -> EntryReader:
+        """The entry this delta was coded against (opened once)."""
+        if self.base is None:
+            raise DynaQuantError(f"entry {self.id[:16]} is a keyframe; it has no base")
+        if self._base is None:
+            if not (self.store.entries_dir / self.base / MANIFEST).exists():
+                raise MissingBaseError(self.id, self.base, str(self.store.path))
+            self._base = self.store.open(self.base)
+        return self._base
+
+    def state(self, section: str, name: str) -> Any:
+        """The codec state of a tensor, replaying the chain back to its keyframe."""
+        rec = self.record(section, name)
+        if "alias_of" in rec:
+            return self.state(section, rec["alias_of"])
+        codec = get_codec(rec["codec"])
+        base = self.base_reader().state(section, name) if rec["uses_base"] else None
+        return codec.decode(rec["dtype"], tuple(rec["shape"]), rec["params"], _Blobs(self, section, name, rec), base)
+
+    def raw(self, section: str, name: str) -> RawTensor:
+        rec = self.record(section, name)
+        codec = get_codec(self.record(section, rec.get("alias_of", name))["codec"])
+        return codec.to_raw(self.state(section, name))
+
+    def tensor(self, section: str, name: str) -> torch.Tensor:
+        """One tensor, decoded (CPU)."""
+        return from_raw(self.raw(section, name))
+
+    def load_section(self, section: str, *, progress: bool = False) -> dict[str, torch.Tensor]:
+        """All tensors of a section; aliases (tied weights) come back as the same tensor object."""
+        out: dict[str, torch.Tensor] = {}
+        records = self._section(section)
+        for name in tqdm(list(records), desc=f"decoding {section}", unit="tensor", disable=not progress):
+            target = records[name].get("alias_of")
+            if target is not None:
+                out[name] = out[target] if target in out else self.tensor(section, target)
+            else:
+                out[name] = self.tensor(section, name)
+        return out
+
+    def tree(self, name: str) -> Any:
+        """A nested structure stored with ``trees=`` (an optimizer state dict, say)."""
+        try:
+            skeleton = self.manifest["trees"][name]
+        except KeyError:
+            raise EntryNotFoundError(f"entry {self.id[:16]} has no tree {name!r} (has: {self.trees})") from None
+        return unflatten_tree(skeleton, lambda key: self.tensor(name, key))
+
+    def extra(self, name: str) -> bytes:
+        """Opaque bytes stored with ``extras=``."""
+        try:
+            info = self.manifest["extras"][name]
+        except KeyError:
+            raise EntryNotFoundError(f"entry {self.id[:16]} has no extra {name!r} (has: {self.extras})") from None
+        payload = self.read_checked(info, f"extras/{name}", name)
+        return decode_stream(info["coding"], payload, int(info["size"]), f"{self.path / PAYLOAD} (extra {name!r})").tobytes()
+
+    def tensor_records(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        """``(section, name, record)`` for every tensor."""
+        for section, records in self.manifest["sections"].items():
+            for name, rec in records.items():
+                yield section, name, rec
+
+    def close(self) -> None:
+        self._handles.clear()
+        if self._base is not None:
+            self._base.close()
+
+    def __enter__(self) -> EntryReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identifies a tensor view exactly; two tensors with the same key are the same tensor
+    under two names (tied weights)."""
+    if t.numel() == 0 or t.layout != torch.strided:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class CheckpointStore:
+    """A directory of compressed checkpoints; see the module docstring for the layout.
+
+    >>> store = CheckpointStore("ckpts")                               # doctest: +SKIP
+    >>> eid = store.write({"model": model.state_dict()}, ref="step-100")
+    >>> state = store.open("step-100").load_section("model")
+    """
+
+    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+        self.path = Path(path)
+        self.entries_dir = self.path / "entries"
+        self.refs_dir = self.path / "refs"
+        marker = self.path / "store.json"
+        if marker.exists():
+            check_store_marker(marker)
+        elif create:
+            self.entries_dir.mkdir(parents=True, exist_ok=True)
+            self.refs_dir.mkdir(exist_ok=True)
+            atomic_write_bytes(marker, canonical_json({"format": STORE_FORMAT, "format_version": FORMAT_VERSION}))
+        else:
+            raise EntryNotFoundError(f"{self.path} is not an hf_dynaquant store (no store.json)")
+        self.entries_dir.mkdir(exist_ok=True)
+        self.refs_dir.mkdir(exist_ok=True)
+
+    @staticmethod
+    def is_store(path: str | Path) -> bool:
+        return (Path(path) / "store.json").is_file()
+
+    # -- references ------------------------------------------------------------------------
+    def refs(self) -> dict[str, str]:
+        """``{ref name: entry id}``."""
+        out = {}
+        for p in sorted(self.refs_dir.glob("*.json")):
+            if p.name.startswith(".tmp-"):
+                continue
+            try:
+                out[p.stem] = json.loads(p.read_bytes())["entry"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CorruptCheckpointError(f"{p}: unreadable reference ({exc})") from None
+        return out
+
+    def set_ref(self, name: str, entry_id: str) -> None:
+        """Point reference ``name`` at an entry (atomically replacing any previous target)."""
+        if not _REF.match(name):
+            raise ValueError(f"invalid reference name {name!r}: use letters, digits, '.', '_' and '-'")
+        if not (self.entries_dir / entry_id / MANIFEST).exists():
+            raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {self.path}")
+        atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
+
+    def delete_ref(self, name: str) -> None:
+        """Remove a reference; the entries it kept alive become garbage for :meth:`gc`."""
+        path = self.refs_dir / f"{name}.json"
+        if not path.exists():
+            raise EntryNotFoundError(f"no reference {name!r} in store {self.path}")
+        path.unlink()
+        fsync_dir(self.refs_dir)
+
+    def resolve(self, ref_or_id: str) -> str:
+        """Entry id for a reference name, a full id, or a unique id prefix (8+ hex digits)."""
+        refs = self.refs()
+        if ref_or_id in refs:
+            return refs[ref_or_id]
+        if _ID.match(ref_or_id) and (self.entries_dir / ref_or_id).is_dir():
+            return ref_or_id
+        if re.fullmatch(r"[0-9a-f]{8,63}", ref_or_id):
+            hits = [e for e in self.entries() if e.startswith(ref_or_id)]
+            if len(hits) == 1:
+                return hits[0]
+        raise EntryNotFoundError(f"store {self.path} has no reference or entry {ref_or_id!r} (refs: {sorted(refs)})")
+
+    # -- entries ---------------------------------------------------------------------------
+    def entries(self) -> list[str]:
+        """Ids of all complete entries."""
+        return sorted(p.name for p in self.entries_dir.iterdir() if _ID.match(p.name))
+
+    def open(self, ref_or_id: str) -> EntryReader:
+        return EntryReader(self, self.resolve(ref_or_id))
+
+    def info(self, ref_or_id: str) -> EntryInfo:
+        with self.open(ref_or_id) as r:
+            raw = sum(rec.get("raw_nbytes", 0) for _, _, rec in r.tensor_records())
+            raw += sum(int(x["size"]) for x in r.manifest["extras"].values())
+            disk = sum(p.stat().st_size for p in r.path.iterdir())
+            return EntryInfo(r.id, r.base, disk, raw, r.metadata)
+
+    def chain(self, ref_or_id: str) -> list[str]:
+        """The entry and its bases back to the keyframe, newest first."""
+        out = [self.resolve(ref_or_id)]
+        while True:
+            with EntryReader(self, out[-1]) as r:
+                if r.base is None:
+                    return out
+                if not (self.entries_dir / r.base).is_dir():
+                    raise MissingBaseError(r.id, r.base, str(self.path))
+                out.append(r.base)
+
+    def write(
+        self,
+        sections: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        *,
+        trees: Mapping[str, Any] | None = None,
+        extras: Mapping[str, bytes] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        codecs: Mapping[str, Codec | str] | Codec | str = "lossless",
+        base: str | None = None,
+        ref: str | None = None,
+        progress: bool = False,
+    ) -> str:
+        """Write one checkpoint as a new entry and return its id.
+
+        Args:
+            sections: named groups of tensors, e.g. ``{"model": model.state_dict()}``.
+                Tensors sharing storage with an earlier one in the same section (tied weights)
+                are stored once.
+            trees: nested structures with tensors inside, e.g. ``{"optimizer": opt.state_dict()}``;
+                their tensors form a section of the same name.
+            extras: opaque bytes (scheduler state, RNG state); stored, never interpreted.
+            metadata: small JSON (step, loss, ...).
+            codecs: one codec (name or instance) for everything, or ``{section: codec}``;
+                sections not named use ``lossless``.
+            base: a reference or id to delta-code against; tensors whose codec gains nothing
+                from it are stored self-contained, and an entry using no base is a keyframe.
+            ref: a reference name to point at the new entry.
+            progress: show a progress bar.
+
+        The tensors are read while this runs; do not modify them concurrently.
+        """
+        groups: dict[str, Mapping[str, torch.Tensor]] = dict(sections or {})
+        skeletons: dict[str, Any] = {}
+        for tname, tree in (trees or {}).items():
+            if tname in groups:
+                raise ValueError(f"a tree and a section are both named {tname!r}")
+            skeletons[tname], groups[tname] = flatten_tree(tree, where=f"tree {tname!r}")
+        extras = dict(extras or {})
+        for name, data in extras.items():
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"extra {name!r} must be bytes, got {type(data).__name__}")
+
+        def codec_for(section: str) -> Codec:
+            spec = codecs.get(section, "lossless") if isinstance(codecs, Mapping) else codecs
+            return get_codec(spec)
+
+        base_reader = self.open(base) if base is not None else None
+        base_id = base_reader.id if base_reader is not None else None
+        keys = [f"{s}/{n}/c{i}" for s, group in groups.items() for n, t in group.items()
+                for i in range(codec_for(s).max_blobs(t.numel()))] + [f"extras/{n}" for n in extras]
+        writer = _EntryWriter(self, keys)
+        try:
+            total = sum(len(g) for g in groups.values())
+            with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
+                for section, group in groups.items():
+                    codec, seen = codec_for(section), {}
+                    for name, tensor in group.items():
+                        bar.update()
+                        key = _storage_key(tensor)
+                        if key in seen:
+                            writer.add_alias(section, name, seen[key],
+                                             {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)})
+                            continue
+                        if key is not None:
+                            seen[key] = name
+                        raw = to_raw(tensor, f"{section}/{name}")
+                        base_state = _base_state(base_reader, section, name, raw)
+                        writer.add_encoded(section, name, raw, codec, codec.encode(raw, base_state))
+            for name, data in extras.items():
+                writer.add_extra(name, bytes(data))
+            return_id = writer.finish(base_id, skeletons, dict(metadata or {}))
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            if base_reader is not None:
+                base_reader.close()
+        if ref is not None:
+            self.set_ref(ref, return_id)
+        return return_id
+
+    # -- maintenance -----------------------------------------------------------------------
+    def reachable(self) -> set[str]:
+        """Entries a reference reaches, directly or as a base."""
+        alive: set[str] = set()
+        for entry in self.refs().values():
+            for eid in self._chain_lenient(entry):
+                alive.add(eid)
+        return alive
+
+    def _chain_lenient(self, entry: str) -> Iterable[str]:
+        while entry and (self.entries_dir / entry).is_dir():
+            yield entry
+            try:
+                with EntryReader(self, entry) as r:
+                    entry = r.base
+            except DynaQuantError:
+                return
+
+    def gc(self) -> list[str]:
+        """Delete entries no reference reaches, and temporary leftovers of crashed writes.
+        Returns the ids removed."""
+        alive = self.reachable()
+        removed = [e for e in self.entries() if e not in alive]
+        for eid in removed:
+            shutil.rmtree(self.entries_dir / eid)
+        now = time.time()
+        for tmp in list(self.entries_dir.glob(".tmp-*")) + list(self.refs_dir.glob(".tmp-*")):
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        fsync_dir(self.entries_dir)
+        return removed
+
+    def compact(self, ref_or_id: str) -> str:
+        """Rewrite an entry as a self-contained keyframe with the same content.
+
+        References that pointed at the old entry are moved to the new one; the old chain becomes
+        garbage for :meth:`gc` unless something else still uses it. Returns the new id.
+        """
+        old = self.open(ref_or_id)
+        with old:
+            if old.base is None:
+                return old.id
+            keys = [f"{s}/{n}/{b}" for s, n, rec in old.tensor_records() for b in rec.get("blobs", {})]
+            writer = _EntryWriter(self, keys + [f"extras/{n}" for n in old.extras])
+            try:
+                for section, name, rec in old.tensor_records():
+                    if "alias_of" in rec:
+                        writer.add_alias(section, name, rec["alias_of"], {"dtype": rec["dtype"], "shape": rec["shape"]})
+                    elif not rec["uses_base"]:
+                        writer.copy_record(section, name, rec, {b: _Blobs(old, section, name, rec)(b) for b in rec["blobs"]})
+                    else:
+                        codec = get_codec(rec["codec"])
+                        state = old.state(section, name)
+                        writer.add_encoded(section, name, codec.to_raw(state), codec, codec.keyframe(state))
+                for name in old.extras:
+                    writer.add_extra(name, old.extra(name))
+                new_id = writer.finish(None, old.manifest["trees"], old.metadata)
+            except BaseException:
+                writer.abort()
+                raise
+        for name, target in self.refs().items():
+            if target == old.id:
+                self.set_ref(name, new_id)
+        return new_id
+
+    def verify(self, ref_or_id: str | None = None, *, deep: bool = False) -> list[str]:
+        """Check manifests, blob checksums and chain links; with ``deep``, also decode every
+        tensor. Returns a list of problems (empty when all is well)."""
+        targets = list(self._chain_lenient(self.resolve(ref_or_id))) if ref_or_id else self.entries()
+        problems: list[str] = []
+        for eid in targets:
+            try:
+                with EntryReader(self, eid) as r:
+                    if r.base is not None and not (self.entries_dir / r.base / MANIFEST).exists():
+                        raise MissingBaseError(r.id, r.base, str(self.path))
+                    for section, name, rec in r.tensor_records():
+                        if deep:
+                            r.raw(section, name)
+                        else:
+                            for b in rec.get("blobs", {}):
+                                _Blobs(r, section, name, rec)(b)
+                    for name in r.extras:
+                        r.extra(name)
+            except DynaQuantError as exc:
+                problems.append(f"entry {eid[:16]}: {exc}")
+        for name, target in self.refs().items():
+            if not (self.entries_dir / target).is_dir():
+                problems.append(f"reference {name!r} points at missing entry {target[:16]}")
+        return problems
+
+
+def _base_state(base: EntryReader | None, section: str, name: str, raw: RawTensor) -> Any:
+    """The base entry's state of the same tensor, when it has a compatible one."""
+    if base is None:
+        return None
+    rec = base.manifest["sections"].get(section, {}).get(name)
+    if rec is None or rec["dtype"] != raw.dtype or tuple(rec["shape"]) != raw.shape:
+        return None
+    return base.state(section, name)
+
