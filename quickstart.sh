@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One command for a fresh machine: set everything up, then run the demo or the tests.
+#
+#   ./quickstart.sh demo     # venv + install + compress a real model and print the table
+#   ./quickstart.sh test     # venv + install + the whole test suite (what CI runs)
+#   ./quickstart.sh test -m "not slow"   # the quick suite, for every edit
+#
+# torch 2.13.0 is installed first: on these machines it is a local CPU build, while any other
+# torch requirement would pull gigabytes of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")"
+what="${1:-demo}"
+shift || true
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+case "$what" in
+  demo)
+    "$VENV/bin/python" -m pip install -q -e ".[demo]"
+    exec "$VENV/bin/hf-dynaquant" demo "$@"
+    ;;
+  test)
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    echo "usage: $0 demo|test [args...]" >&2
+    exit 2
+    ;;
+esac

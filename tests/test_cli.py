@@ -1,0 +1,88 @@
+"""The command line, end to end on the real all-MiniLM-L6-v2 folder."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dynaquant.cli import main
+
+
+def test_cli_roundtrip_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
+    from transformers import AutoModel
+
+    packed, restored = tmp_path / "packed", tmp_path / "restored"
+    assert main(["compress", str(minilm_dir), str(packed), "--quiet"]) == 0
+    assert "1.2" in capsys.readouterr().out  # the ratio is reported
+    assert (packed / "config.json").read_bytes() == (minilm_dir / "config.json").read_bytes()
+    assert (packed / "1_Pooling" / "config.json").exists() and not (packed / "model.safetensors").exists()
+
+    assert main(["inspect", str(packed)]) == 0
+    table = capsys.readouterr().out
+    assert "embeddings.word_embeddings.weight" in table and "F32" in table and "30522x384" in table
+    assert "total" in table and "I64" in table
+
+    assert main(["verify", str(packed), "--deep"]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+
+    assert main(["decompress", str(packed), str(restored), "--quiet"]) == 0
+    assert (restored / "tokenizer.json").exists() and not (restored / "dynaquant").exists()
+    original = AutoModel.from_pretrained(str(minilm_dir)).state_dict()
+    loaded = AutoModel.from_pretrained(str(restored)).state_dict()
+    assert original.keys() == loaded.keys()
+    for name in original:
+        assert torch.equal(original[name], loaded[name]), name
+
+
+def test_cli_single_file_and_errors(minilm_dir: Path, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "weights.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(100, 10), "b": torch.arange(5)}, str(src), metadata={"format": "pt"})
+    assert main(["compress", str(src), str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["decompress", str(tmp_path / "out"), str(tmp_path / "back"), "--quiet"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "back" / "weights.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and torch.equal(f.get_tensor("b"), torch.arange(5))
+    capsys.readouterr()
+
+    assert main(["compress", str(src), str(tmp_path / "out"), "--quiet"]) == 1  # exists
+    assert "already exists" in capsys.readouterr().err
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    assert main(["compress", str(pickled), str(tmp_path / "x"), "--quiet"]) == 1
+    assert "never unpickles" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "neither a compressed folder" in capsys.readouterr().err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "out", broken)
+    victim = next((broken / "dynaquant" / "entries").glob("*/payload.safetensors"))
+    victim.write_bytes(victim.read_bytes()[:-10])
+    assert main(["verify", str(broken)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_console_script_help() -> None:
+    exe = shutil.which("hf-dynaquant")
+    assert exe, "the hf-dynaquant console script is not on PATH: install the package (pip install -e .)"
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("compress", "decompress", "inspect", "verify", "demo"):
+        assert cmd in out
+
+
+@pytest.mark.slow
+def test_demo_runs(capsys) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "bit-exact" in out and "verify --deep: OK" in out

@@ -1,0 +1,177 @@
+"""The checkpoint store: round trips, trees, extras, tied weights, chains, gc, compaction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_dynaquant import CheckpointStore, EntryNotFoundError
+from hf_dynaquant.store.safetensors_io import StreamingWriter
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].contiguous().view(-1).view(torch.uint8)), k
+
+
+def adam_after_steps(model: torch.nn.Module, steps: int = 3) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    for _ in range(steps):
+        model(torch.randint(0, 50, (4, 6))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_full_checkpoint_roundtrip(store, tiny_net) -> None:
+    opt = adam_after_steps(tiny_net)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    eid = store.write(
+        {"model": tiny_net.state_dict()},
+        trees={"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+        extras={"rng.bin": b"\x00\x01" * 1000, "empty": b""},
+        metadata={"step": 3, "loss": 0.5, "note": "héllo"},
+        ref="step-3",
+    )
+    assert store.refs() == {"step-3": eid}
+    with store.open("step-3") as entry:
+        model_sd = entry.load_section("model")
+        assert_state_equal(model_sd, tiny_net.state_dict())
+        assert model_sd["out.weight"] is model_sd["emb.weight"]  # tied weight stored once, shared on load
+        assert entry.record("model", "out.weight")["alias_of"] == "emb.weight"
+        opt_sd = entry.tree("optimizer")
+        assert entry.tree("scheduler") == sched.state_dict()
+        assert entry.extra("rng.bin") == b"\x00\x01" * 1000 and entry.extra("empty") == b""
+        assert entry.metadata == {"step": 3, "loss": 0.5, "note": "héllo"}
+    # the optimizer state loads into a fresh optimizer and matches exactly
+    fresh = torch.optim.AdamW(tiny_net.parameters(), lr=1.0)
+    fresh.load_state_dict(opt_sd)
+    ref_sd, got = opt.state_dict(), fresh.state_dict()
+    assert got["param_groups"] == ref_sd["param_groups"]
+    for idx, st in ref_sd["state"].items():
+        for key, val in st.items():
+            assert torch.equal(got["state"][idx][key], val), (idx, key)
+
+
+def test_tree_encoding_edge_cases(store) -> None:
+    tree = {
+        "ints": {0: torch.ones(2), 5: (1, 2.5, None)},
+        "__weird": [float("nan"), float("inf"), -float("inf"), True, "s"],
+        "nested": {"a/b": torch.zeros(3), "a": {"b": torch.ones(3)}},
+    }
+    store.write(trees={"t": tree}, ref="t")
+    got = store.open("t").tree("t")
+    assert torch.equal(got["ints"][0], torch.ones(2)) and got["ints"][5] == (1, 2.5, None)
+    nan, inf, ninf, flag, s = got["__weird"]
+    assert nan != nan and inf == float("inf") and ninf == -float("inf") and flag is True and s == "s"
+    assert torch.equal(got["nested"]["a/b"], torch.zeros(3)) and torch.equal(got["nested"]["a"]["b"], torch.ones(3))
+
+
+def test_unpicklable_tree_values_refused(store) -> None:
+    from hf_dynaquant import UnsupportedTensorError
+
+    with pytest.raises(UnsupportedTensorError, match="cannot be stored without pickle"):
+        store.write(trees={"t": {"obj": object()}})
+    assert store.entries() == []
+
+
+def test_decode_one_tensor_reads_only_its_blobs(store, monkeypatch) -> None:
+    tensors = {f"w{i}": torch.randn(1000) for i in range(5)}
+    store.write({"model": tensors}, ref="m")
+    entry = store.open("m")
+    seen = []
+    real = entry.read_checked
+    monkeypatch.setattr(entry, "read_checked", lambda info, t, b: seen.append(t) or real(info, t, b))
+    assert torch.equal(entry.tensor("model", "w3"), tensors["w3"])
+    assert seen == ["model/w3"]
+
+
+def test_payload_is_a_plain_safetensors_file(store) -> None:
+    eid = store.write({"model": {"a": torch.randn(10)}})
+    with safe_open(str(store.path / "entries" / eid / "payload.safetensors"), framework="pt") as f:
+        assert list(f.keys()) == ["model/a/c0"]
+        assert f.get_tensor("model/a/c0").dtype == torch.uint8
+    manifest = json.loads((store.path / "entries" / eid / "manifest.json").read_bytes())
+    assert manifest["format_version"] == 1 and manifest["base"] is None
+
+
+def test_streaming_writer_grows_header_when_reservation_too_small(tmp_path) -> None:
+    path = tmp_path / "x.safetensors"
+    w = StreamingWriter(path, header_reserve=0)
+    tensors = {f"tensor-{i}": torch.arange(i + 3, dtype=torch.float32) for i in range(20)}
+    for k, t in tensors.items():
+        w.add(k, "F32", tuple(t.shape), t.numpy())
+    w.close({"format": "pt"})
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for k, t in tensors.items():
+            assert torch.equal(f.get_tensor(k), t)
+
+
+def make_chain(store: CheckpointStore, n: int = 4) -> list[tuple[str, dict]]:
+    torch.manual_seed(0)
+    w = {"a": torch.randn(50_000) * 0.02, "b": torch.randn(300, 40), "i": torch.arange(10)}
+    out, prev = [], None
+    for step in range(n):
+        w = {"a": w["a"] + torch.randn(50_000) * 1e-6, "b": w["b"] + 1e-4 * torch.randn(300, 40), "i": w["i"] + 1}
+        prev = store.write({"model": w}, base=prev, ref=f"step-{step}", metadata={"step": step})
+        out.append((prev, {k: v.clone() for k, v in w.items()}))
+    return out
+
+
+def test_chain_replay_and_delta_savings(store) -> None:
+    chain = make_chain(store)
+    infos = [store.info(eid) for eid, _ in chain]
+    assert infos[0].base is None and all(i.base == chain[k][0] for k, i in enumerate(infos[1:]))
+    assert infos[-1].nbytes < 0.8 * infos[0].nbytes  # deltas are smaller than the keyframe
+    assert store.chain("step-3") == [eid for eid, _ in reversed(chain)]
+    for k, (eid, expected) in enumerate(chain):
+        assert_state_equal(store.open(f"step-{k}").load_section("model"), expected)
+    assert store.verify() == [] and store.verify("step-3", deep=True) == []
+
+
+def test_gc_keeps_chain_bases_and_removes_garbage(store) -> None:
+    chain = make_chain(store)
+    store.delete_ref("step-0")
+    store.delete_ref("step-1")
+    assert store.gc() == []  # still bases of step-2 and step-3
+    store.delete_ref("step-3")
+    assert store.gc() == [chain[3][0]]
+    assert_state_equal(store.open("step-2").load_section("model"), chain[2][1])
+    store.delete_ref("step-2")
+    assert sorted(store.gc()) == sorted(eid for eid, _ in chain[:3])
+    assert store.entries() == []
+
+
+def test_compact_turns_delta_into_keyframe(store) -> None:
+    chain = make_chain(store)
+    new = store.compact("step-3")
+    assert store.refs()["step-3"] == new and store.info(new).base is None
+    for k in range(3):
+        store.delete_ref(f"step-{k}")
+    store.gc()
+    assert store.entries() == [new]
+    assert_state_equal(store.open("step-3").load_section("model"), chain[3][1])
+    assert store.open("step-3").metadata == {"step": 3}
+
+
+def test_resolve_by_prefix_and_clear_errors(store) -> None:
+    eid = store.write({"m": {"x": torch.ones(3)}})
+    assert store.resolve(eid[:10]) == eid
+    with pytest.raises(EntryNotFoundError, match="no reference or entry 'nope'"):
+        store.open("nope")
+    with pytest.raises(EntryNotFoundError, match="no section 'model'"):
+        store.open(eid).load_section("model")
+    with pytest.raises(ValueError, match="invalid reference name"):
+        store.set_ref("../evil", eid)
+
+
+def test_identical_content_is_stored_once(store) -> None:
+    sd = {"x": torch.arange(100.0)}
+    assert store.write({"m": sd}) == store.write({"m": sd})
+    assert len(store.entries()) == 1
