@@ -158,3 +158,54 @@ def test_compresses_real_weights_like_neuzip(minilm_dir) -> None:
     assert w.numel() * 4 / size > 1.18  # exponent entropy ~2.6 bits of 8
     out16, size16 = roundtrip(w.bfloat16())
     assert w.numel() * 2 / size16 > 1.4
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16", "F64"])
+def test_compiled_kernels_match_numpy_reference(dtype: str) -> None:
+    from hf_dynaquant.core import bitplanes
+
+    assert bitplanes._kernels is not None, "the compiled kernels were not built"
+    layout = FLOAT_LAYOUTS[dtype]
+    torch.manual_seed(6)
+    values = torch.cat([torch.randn(30000) * 0.02, torch.exp2(torch.randint(-140, 120, (3000,)).float()),
+                        torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])])
+    bits = to_raw(values.to({"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                             "F64": torch.float64}[dtype])).bits
+    ref = bitplanes._split_float_numpy(bits, layout)
+    fast = bitplanes.split_float(bits, layout)
+    for field in ("head", "escapes", "side", "rest"):
+        assert np.array_equal(getattr(ref, field), getattr(fast, field)), field
+    assert ref.table == fast.table
+    assert np.array_equal(bitplanes.join_float(ref, layout), bits)
+    assert np.array_equal(bitplanes._join_float_numpy(fast, layout), bits)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_packing_matches_numpy_and_roundtrips(bits: int, monkeypatch) -> None:
+    from hf_dynaquant.core import bitplanes
+
+    rng = np.random.default_rng(bits)
+    for n in (0, 1, 7, 1001):
+        values = rng.integers(0, 1 << bits, n, dtype=np.uint8)
+        fast = bitplanes.pack_bits(values, bits)
+        assert np.array_equal(bitplanes.unpack_bits(fast, bits, n), values)
+        monkeypatch.setattr(bitplanes, "_kernels", None)  # the numpy reference
+        assert np.array_equal(bitplanes.pack_bits(values, bits), fast)
+        assert np.array_equal(bitplanes.unpack_bits(fast, bits, n), values)
+        monkeypatch.undo()
+
+
+def test_symbol_streams_pack_uniform_and_zstd_skewed() -> None:
+    from hf_dynaquant.core.entropy import decode_stream, encode_symbols
+
+    rng = np.random.default_rng(0)
+    uniform = rng.integers(0, 64, 100_000, dtype=np.uint8)
+    coding, payload = encode_symbols(uniform, 6)
+    assert coding == "pack6" and len(payload) == 75_000
+    assert np.array_equal(decode_stream(coding, payload, uniform.size, "t"), uniform)
+    sparse = np.where(rng.random(100_000) < 0.9, 0, uniform).astype(np.uint8)  # mostly zeros
+    coding, payload = encode_symbols(sparse, 6)
+    assert coding == "zstd" and len(payload) < 0.6 * 75_000
+    assert np.array_equal(decode_stream(coding, payload, sparse.size, "t"), sparse)
+    with pytest.raises(CorruptCheckpointError, match="cannot hold"):
+        decode_stream("pack6", payload[:10], sparse.size, "t")

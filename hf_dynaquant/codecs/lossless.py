@@ -20,17 +20,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.bitplanes import FloatPlanes, join_bytes, join_float, split_bytes, split_float
-from ..core.entropy import decode_stream, encode_stream
+from ..core.bitplanes import FloatPlanes, join_bytes, join_float, side_bits, split_bytes, split_float
+from ..core.entropy import decode_stream, encode_stream, encode_symbols, packed_bits
 from ..dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
 from ..errors import CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 
 __all__ = ["LosslessCodec", "CHUNK"]
 
-CHUNK = 1 << 21  # elements per chunk
+CHUNK = 1 << 20  # elements per chunk
 _SAMPLE = 1 << 16  # elements used to decide whether a delta pays
-_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dq-lossless")
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="dq-lossless")
 
 
 def _is_split_float(dtype: str) -> bool:
@@ -41,17 +42,21 @@ def _is_split_float(dtype: str) -> bool:
 def _encode_chunk(bits: np.ndarray, dtype: str) -> tuple[bytes, dict[str, Any]]:
     """Encode one chunk; returns its blob and the JSON describing its streams."""
     if _is_split_float(dtype):
-        planes = split_float(bits, FLOAT_LAYOUTS[dtype])
-        raw_streams = [planes.head, planes.escapes.view(np.uint8), planes.side, planes.rest]
+        layout = FLOAT_LAYOUTS[dtype]
+        planes = split_float(bits, layout)
+        coded = [encode_stream(planes.head), encode_stream(planes.escapes.view(np.uint8)),
+                 encode_symbols(planes.side, side_bits(layout)), encode_stream(planes.rest)]
+        sizes = [planes.head.size, planes.escapes.nbytes, planes.side.size, planes.rest.size]
         extra: dict[str, Any] = {"table": planes.table}
     else:
-        raw_streams = split_bytes(bits)
+        byte_planes = split_bytes(bits)
+        coded = [encode_stream(p) for p in byte_planes]
+        sizes = [p.size for p in byte_planes]
         extra = {}
     parts, streams = [], []
-    for data in raw_streams:
-        coding, payload = encode_stream(data)
+    for (coding, payload), size in zip(coded, sizes):
         parts.append(payload)
-        streams.append([coding, int(data.nbytes), len(payload)])
+        streams.append([coding, int(size), len(payload)])
     return b"".join(parts), {"n": int(bits.size), "streams": streams, **extra}
 
 
@@ -59,7 +64,10 @@ def _decode_chunk(blob: np.ndarray, info: dict[str, Any], dtype: str, out: np.nd
     """Decode one chunk into ``out`` (the chunk's slice of the tensor's bits)."""
     streams, pos = [], 0
     for i, (coding, size, length) in enumerate(info["streams"]):
-        streams.append(decode_stream(coding, blob[pos:pos + length], int(size), f"{where} stream {i}"))
+        payload = blob[pos:pos + length]
+        # a packed side stream goes to the join kernel as it is, which unpacks it on the fly
+        packed = i == 2 and _is_split_float(dtype) and packed_bits(coding)
+        streams.append(payload if packed else decode_stream(coding, payload, int(size), f"{where} stream {i}"))
         pos += length
     if pos != blob.size or int(info["n"]) != out.size:
         raise CorruptCheckpointError(f"{where}: chunk layout does not match its blob or the tensor's shape")
@@ -67,7 +75,8 @@ def _decode_chunk(blob: np.ndarray, info: dict[str, Any], dtype: str, out: np.nd
         if _is_split_float(dtype):
             if len(streams) != 4:
                 raise ValueError(f"{len(streams)} streams, a float chunk has 4")
-            planes = FloatPlanes(streams[0], list(info["table"]), streams[1].view("<u2"), streams[2], streams[3])
+            planes = FloatPlanes(streams[0], list(info["table"]), streams[1].view("<u2"), streams[2], streams[3],
+                                 side_packed=packed_bits(info["streams"][2][0]))
             join_float(planes, FLOAT_LAYOUTS[dtype], out=out)
         else:
             join_bytes(streams, itemsize(dtype), out=out)
@@ -81,7 +90,13 @@ def _run(fn: Callable[[int], Any], count: int) -> list[Any]:
 
 
 def _chunks(bits: np.ndarray) -> list[np.ndarray]:
-    return [bits[i:i + CHUNK] for i in range(0, max(bits.size, 1), CHUNK)] if bits.size else [bits]
+    """Equal chunks of at most CHUNK elements; a tensor that needs several gets a multiple of
+    the worker count, so the threads finish together."""
+    count = -(-bits.size // CHUNK)
+    if count > 1:
+        count = -(-count // _WORKERS) * _WORKERS
+    step = max(1, -(-bits.size // max(count, 1)))
+    return [bits[i:i + step] for i in range(0, bits.size, step)] or [bits]
 
 
 def _encoded_size(bits: np.ndarray, dtype: str) -> int:
@@ -99,7 +114,7 @@ class LosslessCodec(Codec):
         self.delta = delta
 
     def max_blobs(self, numel: int) -> int:
-        return max(1, -(-numel // CHUNK))
+        return len(_chunks(np.empty(numel, dtype=np.uint8)))
 
     def _delta_pays(self, tensor: RawTensor, base: RawTensor) -> bool:
         sample = slice(0, min(tensor.bits.size, _SAMPLE))

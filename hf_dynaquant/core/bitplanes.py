@@ -24,15 +24,24 @@ small integers compressible.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..dtypes import FloatLayout
 
-__all__ = ["FloatPlanes", "split_float", "join_float", "split_bytes", "join_bytes", "head_bits"]
+try:  # compiled single-pass kernels (built at install); the numpy reference is used without them
+    from . import _bitplanes as _kernels
+except ImportError:  # pragma: no cover - depends on the build
+    _kernels = None
+if sys.byteorder != "little":  # pragma: no cover - the kernels assume little-endian memory
+    _kernels = None
 
-_STRIDE = 4  # exponent ranks are counted on every 4th element of large chunks
+__all__ = ["FloatPlanes", "split_float", "join_float", "split_bytes", "join_bytes", "head_bits", "side_bits",
+           "pack_bits", "unpack_bits"]
+
+_STRIDE = 4
 _UINT = {8: np.dtype("u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
 _UPPER = np.arange(1 << 16, dtype=np.uint32)  # every possible upper-16-bit pattern
 
@@ -51,6 +60,7 @@ class FloatPlanes:
     escapes: np.ndarray  # <u2: exponents of elements whose rank is the cap
     side: np.ndarray  # uint8: the rest of the upper 16 bits, sign in the top used bit
     rest: np.ndarray  # uint8, (W-16)/8 little-endian bytes per element
+    side_packed: int = 0  # 0: one side byte per element; b > 0: side is packed, b bits each
 
 
 def _rest_fields(width: int) -> list[tuple[int, int]]:
@@ -59,33 +69,30 @@ def _rest_fields(width: int) -> list[tuple[int, int]]:
     return {16: [], 32: [(0, 16)], 64: [(0, 32), (32, 16)]}[width]
 
 
-def _side_bits(layout: FloatLayout) -> int:
+def side_bits(layout: FloatLayout) -> int:
+    """Bits used in each side byte: the mantissa bits below the head's, plus the sign."""
     return 16 - layout.exponent_bits - head_bits(layout)
 
 
 @functools.lru_cache(maxsize=None)
 def _split_tables(layout: FloatLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every upper-16-bit pattern: its exponent, its top k mantissa bits, its side byte."""
-    exp, k, side_bits = layout.exponent_bits, head_bits(layout), _side_bits(layout)
+    exp, k, sb = layout.exponent_bits, head_bits(layout), side_bits(layout)
     exponent_of = ((_UPPER >> (15 - exp)) & ((1 << exp) - 1)).astype(np.uint16)
-    top_bits = ((_UPPER >> (side_bits - 1)) & ((1 << k) - 1)).astype(np.uint8)
-    side = ((_UPPER & ((1 << (side_bits - 1)) - 1)) | ((_UPPER >> 15) << (side_bits - 1))).astype(np.uint8)
+    top_bits = ((_UPPER >> (sb - 1)) & ((1 << k) - 1)).astype(np.uint8)
+    side = ((_UPPER & ((1 << (sb - 1)) - 1)) | ((_UPPER >> 15) << (sb - 1))).astype(np.uint8)
     return exponent_of, top_bits, side
 
 
-def split_float(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
-    """Split raw float bits (``uint16/32/64``, flat) into :class:`FloatPlanes`."""
+def _split_float_numpy(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
+    """Reference implementation of :func:`split_float` in numpy."""
     width, exp = layout.width, layout.exponent_bits
-    k, side_bits = head_bits(layout), _side_bits(layout)
+    k, sb = head_bits(layout), side_bits(layout)
     cap = (1 << (8 - k)) - 1
     x = bits.view(_UINT[width])
     upper = x if width == 16 else (x >> (width - 16)).astype(np.uint16)
-    sample = upper[::_STRIDE] if upper.size > _STRIDE * 4096 else upper  # a ranking needs no exact counts
-    counts = np.bincount((sample >> (15 - exp)) & ((1 << exp) - 1), minlength=1 << exp)
-    order = np.argsort(-counts, kind="stable")
-    table = order[: min(cap, int(np.count_nonzero(counts)))]
-    rank = np.full(1 << exp, cap, dtype=np.uint8)
-    rank[table] = np.arange(table.size, dtype=np.uint8)
+    sample = upper[:: _stride(upper.size)]
+    table, rank = _rank_table(np.bincount((sample >> (15 - exp)) & ((1 << exp) - 1), minlength=1 << exp), cap)
     exponent_of, top_bits, side_lut = _split_tables(layout)
     head_lut = (np.take(rank, exponent_of) << np.uint8(k)) | top_bits
     head = np.take(head_lut, upper, mode="clip")
@@ -93,17 +100,17 @@ def split_float(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
     escaped = np.flatnonzero(head >= cap << k)
     escapes = ((upper[escaped] >> (15 - exp)) & ((1 << exp) - 1)).astype("<u2")
     rest = [(x >> lo).astype(_UINT[bits]).view(np.uint8) for lo, bits in _rest_fields(width)]
-    return FloatPlanes(head, [int(t) for t in table], escapes, side, np.concatenate(rest) if len(rest) > 1 else
+    return FloatPlanes(head, table, escapes, side, np.concatenate(rest) if len(rest) > 1 else
                        (rest[0] if rest else np.empty(0, np.uint8)))
 
 
-def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of :func:`split_float`: the raw bits as a flat unsigned array (into ``out`` if given).
-
-    Raises ``ValueError`` when the parts are inconsistent (the caller names the tensor).
-    """
+def _join_float_numpy(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None = None) -> np.ndarray:
+    """Reference implementation of :func:`join_float` in numpy."""
+    if planes.side_packed:
+        side = unpack_bits(planes.side, planes.side_packed, planes.head.size)
+        planes = FloatPlanes(planes.head, planes.table, planes.escapes, side, planes.rest)
     width, exp = layout.width, layout.exponent_bits
-    k, side_bits = head_bits(layout), _side_bits(layout)
+    k, sb = head_bits(layout), side_bits(layout)
     cap = (1 << (8 - k)) - 1
     utype = _UINT[width]
     head, side = planes.head, planes.side
@@ -117,8 +124,8 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
     exponents = np.zeros(cap + 1, dtype=utype)
     exponents[: len(planes.table)] = planes.table
     code = np.arange(256, dtype=utype)
-    head_lut = (exponents[code >> k] << (15 - exp + shift)) | ((code & ((1 << k) - 1)) << (side_bits - 1 + shift))
-    side_lut = ((code & ((1 << (side_bits - 1)) - 1)) | ((code >> (side_bits - 1) & 1) << 15)) << shift
+    head_lut = (exponents[code >> k] << (15 - exp + shift)) | ((code & ((1 << k) - 1)) << (sb - 1 + shift))
+    side_lut = ((code & ((1 << (sb - 1)) - 1)) | ((code >> (sb - 1) & 1) << 15)) << shift
     x = np.take(head_lut, head, out=out, mode="clip")  # "clip" avoids a buffered copy; indices are bytes
     x |= np.take(side_lut, side, mode="clip")
     pos = 0
@@ -132,6 +139,86 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
             raise ValueError(f"{planes.escapes.size} escaped exponents stored, {escaped.size} needed")
         x[escaped] |= planes.escapes.astype(utype) << (15 - exp + shift)
     return x
+
+
+def _stride(n: int) -> int:
+    """Ranking needs no exact counts: large chunks count every 4th element."""
+    return _STRIDE if n > _STRIDE * 4096 else 1
+
+
+def _rank_table(counts: np.ndarray, cap: int) -> tuple[list[int], np.ndarray]:
+    """Exponents by decreasing count (at most ``cap``), and the rank of every exponent."""
+    order = np.argsort(-counts, kind="stable")
+    table = order[: min(cap, int(np.count_nonzero(counts)))]
+    rank = np.full(counts.size, cap, dtype=np.uint8)
+    rank[table] = np.arange(table.size, dtype=np.uint8)
+    return [int(t) for t in table], rank
+
+
+def split_float(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
+    """Split raw float bits (``uint16/32/64``, flat, contiguous) into :class:`FloatPlanes`."""
+    if _kernels is None:
+        return _split_float_numpy(bits, layout)
+    width, exp, k = layout.width, layout.exponent_bits, head_bits(layout)
+    x = np.ascontiguousarray(bits.view(_UINT[width]))
+    n = x.size
+    counts = np.zeros(1 << exp, dtype=np.int64)
+    _kernels.histogram(x, _stride(n), counts, width, exp)
+    table, rank = _rank_table(counts, (1 << (8 - k)) - 1)
+    head, side = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    rest, escapes = np.empty(n * (width // 8 - 2), np.uint8), np.empty(n, "<u2")
+    found = _kernels.split(x, width, exp, k, rank, head, side, rest, escapes)
+    return FloatPlanes(head, table, escapes[:found].copy(), side, rest)
+
+
+def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`split_float`: the raw bits as a flat unsigned array (into ``out`` if given).
+
+    Raises ``ValueError`` when the parts are inconsistent (the caller names the tensor).
+    """
+    if _kernels is None:
+        return _join_float_numpy(planes, layout, out)
+    width, exp, k = layout.width, layout.exponent_bits, head_bits(layout)
+    cap = (1 << (8 - k)) - 1
+    n = planes.head.size
+    if len(planes.table) > cap:
+        raise ValueError(f"rank table has {len(planes.table)} entries, at most {cap} allowed")
+    if planes.rest.size != n * (width // 8 - 2):
+        raise ValueError(f"rest stream holds {planes.rest.size} bytes, {n} elements need {n * (width // 8 - 2)}")
+    exponents = np.zeros(cap + 1, dtype="<u2")
+    exponents[: len(planes.table)] = planes.table
+    x = np.empty(n, dtype=_UINT[width]) if out is None else out
+    escapes = np.ascontiguousarray(planes.escapes, dtype="<u2")
+    used = _kernels.join(x, width, exp, k, exponents, np.ascontiguousarray(planes.head),
+                         np.ascontiguousarray(planes.side), planes.side_packed, np.ascontiguousarray(planes.rest),
+                         escapes)
+    if used != escapes.size:
+        raise ValueError(f"{escapes.size} escaped exponents stored, {'more' if used < 0 else used} needed")
+    return x
+
+
+def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
+    """``bits``-bit values (one per byte) packed densely, least significant bit first."""
+    values = np.ascontiguousarray(values, dtype=np.uint8)
+    out = np.empty((values.size * bits + 7) // 8, dtype=np.uint8)
+    if _kernels is not None:
+        _kernels.pack(values, bits, out)
+        return out
+    planes = (values[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little")
+
+
+def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``count`` values of ``bits`` bits."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8)
+    if packed.size != (count * bits + 7) // 8:
+        raise ValueError(f"{packed.size} packed bytes cannot hold exactly {count} values of {bits} bits")
+    if _kernels is not None:
+        out = np.empty(count, dtype=np.uint8)
+        _kernels.unpack(packed, bits, out)
+        return out
+    planes = np.unpackbits(packed, bitorder="little", count=count * bits).reshape(count, bits)
+    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
 
 
 def split_bytes(bits: np.ndarray) -> list[np.ndarray]:
