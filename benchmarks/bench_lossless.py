@@ -165,8 +165,13 @@ def dynaquant_method() -> Method:
     def decode(enc: Encoded, t: Tensor) -> np.ndarray:
         return codec.decode(t.dtype, t.shape, enc.params, _Blobs(enc.blobs)).bits
 
-    return Method(OURS, f"per tensor; chunks of {CHUNK:,} elements on the codec's thread pool (<= 4 threads)",
-                  encode, lambda enc: sum(len(b) for b in enc.blobs.values()), decode)
+    return Method(
+        OURS,
+        f"per tensor; chunks of {CHUNK:,} elements on the codec's thread pool (<= 4 threads)",
+        encode,
+        lambda enc: sum(len(b) for b in enc.blobs.values()),
+        decode,
+    )
 
 
 def zipnn_method() -> Method:
@@ -179,22 +184,33 @@ def zipnn_method() -> Method:
     def decode(payload: Any, t: Tensor) -> Any:
         return decompressor.decompress(payload) if t.dtype == "F32" else payload
 
-    how = (f"per tensor, byte input as float32, default threads ({compressor.threads}); "
-           "non-float tensors stored raw (zipnn refuses integers)")
+    how = (
+        f"per tensor, byte input as float32, default threads ({compressor.threads}); "
+        "non-float tensors stored raw (zipnn refuses integers)"
+    )
     return Method(f"zipnn {version('zipnn')}", how, encode, _nbytes, decode)
 
 
 def zstd_method() -> Method:
     compressor, decompressor = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
-    return Method("zstd level 3", "per tensor, single thread",
-                  lambda x, t: compressor.compress(x), _nbytes, lambda p, t: decompressor.decompress(p))
+    return Method(
+        "zstd level 3",
+        "per tensor, single thread",
+        lambda x, t: compressor.compress(x),
+        _nbytes,
+        lambda p, t: decompressor.decompress(p),
+    )
 
 
 def pcodec_method() -> Method:
     config = pcodec.ChunkConfig(compression_level=8)
-    return Method("pcodec level 8", "per tensor, on the values with their dtype, single thread",
-                  lambda x, t: pcodec.standalone.simple_compress(x, config), _nbytes,
-                  lambda p, t: pcodec.standalone.simple_decompress(p))
+    return Method(
+        "pcodec level 8",
+        "per tensor, on the values with their dtype, single thread",
+        lambda x, t: pcodec.standalone.simple_compress(x, config),
+        _nbytes,
+        lambda p, t: pcodec.standalone.simple_decompress(p),
+    )
 
 
 def measure(method: Method, tensors: list[Tensor], repeats: int) -> Result:
@@ -216,8 +232,19 @@ def measure(method: Method, tensors: list[Tensor], repeats: int) -> Result:
         input_intact &= all(t.same_bytes(x) for x, t in zip(inputs, tensors))
     raw = sum(t.nbytes for t in tensors)
     compressed = sum(method.size(p) for p in payloads)
-    return Result(method.name, method.how, raw, compressed, raw / compressed, raw / MB / best_encode,
-                  raw / MB / best_decode, best_encode, best_decode, bit_exact, input_intact)
+    return Result(
+        method.name,
+        method.how,
+        raw,
+        compressed,
+        raw / compressed,
+        raw / MB / best_encode,
+        raw / MB / best_decode,
+        best_encode,
+        best_decode,
+        bit_exact,
+        input_intact,
+    )
 
 
 def folder_sizes(src: Path) -> dict[str, Any]:
@@ -239,11 +266,15 @@ def folder_sizes(src: Path) -> dict[str, Any]:
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| method | compressed bytes | ratio | encode MB/s | decode MB/s | bit-exact | input intact |",
-             "|---|---:|---:|---:|---:|:---:|:---:|"]
+    lines = [
+        "| method | compressed bytes | ratio | encode MB/s | decode MB/s | bit-exact | input intact |",
+        "|---|---:|---:|---:|---:|:---:|:---:|",
+    ]
     for r in results:
-        lines.append(f"| {r.method} | {r.compressed_nbytes:,} | {r.ratio:.4f} | {r.encode_mb_s:,.0f} | "
-                     f"{r.decode_mb_s:,.0f} | {'yes' if r.bit_exact else 'NO'} | {'yes' if r.input_intact else 'no'} |")
+        lines.append(
+            f"| {r.method} | {r.compressed_nbytes:,} | {r.ratio:.4f} | {r.encode_mb_s:,.0f} | "
+            f"{r.decode_mb_s:,.0f} | {'yes' if r.bit_exact else 'NO'} | {'yes' if r.input_intact else 'no'} |"
+        )
     return "\n".join(lines)
 
 
@@ -251,9 +282,11 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     names = [r.method for r in results]
     colors = ["tab:orange" if r.method == OURS else "tab:blue" for r in results]
-    panels = [("ratio (raw / compressed)", [r.ratio for r in results], "{:.3f}"),
-              ("encode MB/s", [r.encode_mb_s for r in results], "{:,.0f}"),
-              ("decode MB/s", [r.decode_mb_s for r in results], "{:,.0f}")]
+    panels = [
+        ("ratio (raw / compressed)", [r.ratio for r in results], "{:.3f}"),
+        ("encode MB/s", [r.encode_mb_s for r in results], "{:,.0f}"),
+        ("decode MB/s", [r.decode_mb_s for r in results], "{:,.0f}"),
+    ]
     fig = Figure(figsize=(15, 4.5))
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels))
@@ -285,21 +318,28 @@ def main() -> None:
     folder_info = folder_sizes(folder)
 
     dtypes = sorted({t.dtype for t in tensors})
-    print(f"Data: {weights} ({len(tensors)} tensors, {', '.join(dtypes)}; {raw:,} bytes = {raw / MB:.2f} MB "
-          f"of tensor data), in memory. Best of {args.repeats} runs after one warm-up; "
-          f"MB/s = 1e6 raw bytes per second; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}).\n")
+    print(
+        f"Data: {weights} ({len(tensors)} tensors, {', '.join(dtypes)}; {raw:,} bytes = {raw / MB:.2f} MB "
+        f"of tensor data), in memory. Best of {args.repeats} runs after one warm-up; "
+        f"MB/s = 1e6 raw bytes per second; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}).\n"
+    )
     print(markdown_table(results))
     print()
     for r in results:
         print(f"- {r.method}: {r.how}")
-    print(f"\ncompress_folder({folder.name}/): weights {folder_info['raw_nbytes']:,} B raw -> "
-          f"{folder_info['stored_nbytes']:,} B stored (ratio {folder_info['ratio']:.4f}); on disk the whole folder "
-          f"goes {folder_info['src_folder_nbytes']:,} B -> {folder_info['dst_folder_nbytes']:,} B, "
-          f"of which {folder_info['dst_store_nbytes']:,} B in {STORE_DIR}/ "
-          "(the rest are the copied non-weight files)")
+    print(
+        f"\ncompress_folder({folder.name}/): weights {folder_info['raw_nbytes']:,} B raw -> "
+        f"{folder_info['stored_nbytes']:,} B stored (ratio {folder_info['ratio']:.4f}); on disk the whole folder "
+        f"goes {folder_info['src_folder_nbytes']:,} B -> {folder_info['dst_folder_nbytes']:,} B, "
+        f"of which {folder_info['dst_store_nbytes']:,} B in {STORE_DIR}/ "
+        "(the rest are the copied non-weight files)"
+    )
 
-    plot(results, PLOT_PATH, f"Lossless, all-MiniLM-L6-v2 ({raw / MB:.2f} MB), best of {args.repeats}, "
-                             f"{os.cpu_count()} CPUs")
+    plot(
+        results,
+        PLOT_PATH,
+        f"Lossless, all-MiniLM-L6-v2 ({raw / MB:.2f} MB), best of {args.repeats}, {os.cpu_count()} CPUs",
+    )
     print(f"\nplot: {PLOT_PATH}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -50,12 +50,19 @@ def main() -> None:
             if step % 50 == 0:
                 rng = io.BytesIO()
                 torch.save(torch.get_rng_state(), rng)  # our own bytes; the store never unpickles
-                prev = store.write({"model": model.state_dict()}, trees={"optimizer": opt.state_dict()},
-                                   extras={"rng": rng.getvalue()}, metadata={"step": step, "loss": loss.item()},
-                                   base=prev, ref=f"step-{step}")
+                prev = store.write(
+                    {"model": model.state_dict()},
+                    trees={"optimizer": opt.state_dict()},
+                    extras={"rng": rng.getvalue()},
+                    metadata={"step": step, "loss": loss.item()},
+                    base=prev,
+                    ref=f"step-{step}",
+                )
                 info = store.info(prev)
-                print(f"step {step}: loss {loss.item():.3f}, checkpoint {info.raw_nbytes / 1e3:.0f} kB -> "
-                      f"{info.nbytes / 1e3:.0f} kB ({info.ratio:.2f}x, {'keyframe' if info.base is None else 'delta'})")
+                print(
+                    f"step {step}: loss {loss.item():.3f}, checkpoint {info.raw_nbytes / 1e3:.0f} kB -> "
+                    f"{info.nbytes / 1e3:.0f} kB ({info.ratio:.2f}x, {'keyframe' if info.base is None else 'delta'})"
+                )
         fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         with store.open("step-300") as entry:

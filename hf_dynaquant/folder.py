@@ -75,7 +75,9 @@ class _SafetensorsTensors(Mapping[str, torch.Tensor]):
 
 def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
     """(safetensors weight files, other files) under ``src``, as paths relative to it."""
-    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and STORE_DIR not in p.relative_to(src).parts[:1])
+    files = sorted(
+        p.relative_to(src) for p in src.rglob("*") if p.is_file() and STORE_DIR not in p.relative_to(src).parts[:1]
+    )
     weights = [p for p in files if p.suffix == ".safetensors"]
     pickled = [p for p in files if any(p.match(g) for g in _PICKLE_WEIGHTS)]
     if pickled and not weights:
@@ -93,7 +95,9 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
     if dst.exists():
         if not overwrite:
-            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True (--overwrite)")
+            raise DynaQuantError(
+                f"{dst} already exists; choose another destination or pass overwrite=True (--overwrite)"
+            )
         old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
         dst.rename(old)
         tmp.rename(dst)
@@ -206,8 +210,9 @@ def _write_safetensors(entry: Any, section: str, path: Path, metadata: dict[str,
     records = {n: entry.record(section, n) for n in entry.names(section)}
     order = sorted(records, key=lambda n: (-itemsize(records[n]["dtype"]), n))
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = StreamingWriter(path, header_size_estimate(order, per_key_shape_digits=120)
-                             + (len(str(metadata)) * 2 if metadata else 0))
+    writer = StreamingWriter(
+        path, header_size_estimate(order, per_key_shape_digits=120) + (len(str(metadata)) * 2 if metadata else 0)
+    )
     try:
         for name in order:
             raw = entry.raw(section, name)

@@ -62,7 +62,7 @@ def test_int_and_bool_roundtrip(dtype: torch.dtype) -> None:
         t = torch.randint(0, 2**15, (1000,), dtype=torch.int64).to(dtype)
     else:
         info = torch.iinfo(dtype)
-        t = torch.randint(max(info.min, -2**40), min(info.max, 2**40), (1000,), dtype=torch.int64).to(dtype)
+        t = torch.randint(max(info.min, -(2**40)), min(info.max, 2**40), (1000,), dtype=torch.int64).to(dtype)
     out, _ = roundtrip(t)
     assert_bits_equal(out, t)
 
@@ -70,8 +70,21 @@ def test_int_and_bool_roundtrip(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_special_values(dtype: torch.dtype) -> None:
     info = torch.finfo(dtype)
-    specials = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, info.tiny, info.tiny / 4, -info.tiny / 8,
-                info.max, -info.max, info.eps, 1.0, -1.0]
+    specials = [
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        -0.0,
+        0.0,
+        info.tiny,
+        info.tiny / 4,
+        -info.tiny / 8,
+        info.max,
+        -info.max,
+        info.eps,
+        1.0,
+        -1.0,
+    ]
     t = torch.tensor(specials * 50, dtype=dtype)
     out, _ = roundtrip(t)
     assert_bits_equal(out, t)  # NaN payloads and the sign of zero survive
@@ -167,10 +180,16 @@ def test_compiled_kernels_match_numpy_reference(dtype: str) -> None:
     assert bitplanes._kernels is not None, "the compiled kernels were not built"
     layout = FLOAT_LAYOUTS[dtype]
     torch.manual_seed(6)
-    values = torch.cat([torch.randn(30000) * 0.02, torch.exp2(torch.randint(-140, 120, (3000,)).float()),
-                        torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])])
-    bits = to_raw(values.to({"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                             "F64": torch.float64}[dtype])).bits
+    values = torch.cat(
+        [
+            torch.randn(30000) * 0.02,
+            torch.exp2(torch.randint(-140, 120, (3000,)).float()),
+            torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")]),
+        ]
+    )
+    bits = to_raw(
+        values.to({"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}[dtype])
+    ).bits
     ref = bitplanes._split_float_numpy(bits, layout)
     fast = bitplanes.split_float(bits, layout)
     for field in ("head", "escapes", "side", "rest"):

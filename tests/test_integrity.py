@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_dynaquant import (
-    ChecksumMismatchError,
     CheckpointStore,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     MissingBaseError,
     UnsupportedFormatVersionError,
@@ -39,7 +39,7 @@ def test_flipped_byte_names_file_and_tensor(store) -> None:
     info = json.loads((path.parent / "manifest.json").read_bytes())["sections"]["model"]["w"]["blobs"]["c0"]
     data = bytearray(path.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    offset = json.loads(data[8:8 + header_len])[info["key"]]["data_offsets"][0]  # where tensor w's blob starts
+    offset = json.loads(data[8 : 8 + header_len])[info["key"]]["data_offsets"][0]  # where tensor w's blob starts
     data[8 + header_len + offset + 5] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatchError) as err:
@@ -81,8 +81,16 @@ def test_missing_base(store) -> None:
 
 
 def test_unknown_format_version(store) -> None:
-    doc = {"format": manifest_mod.ENTRY_FORMAT, "format_version": 99, "files": [], "sections": {}, "trees": {},
-           "extras": {}, "metadata": {}, "base": None}
+    doc = {
+        "format": manifest_mod.ENTRY_FORMAT,
+        "format_version": 99,
+        "files": [],
+        "sections": {},
+        "trees": {},
+        "extras": {},
+        "metadata": {},
+        "base": None,
+    }
     data = manifest_mod.canonical_json(doc)
     eid = manifest_mod.content_id(data)
     (store.path / "entries" / eid).mkdir()

@@ -130,7 +130,7 @@ def test_chain_replay_and_delta_savings(store) -> None:
     assert infos[0].base is None and all(i.base == chain[k][0] for k, i in enumerate(infos[1:]))
     assert infos[-1].nbytes < 0.8 * infos[0].nbytes  # deltas are smaller than the keyframe
     assert store.chain("step-3") == [eid for eid, _ in reversed(chain)]
-    for k, (eid, expected) in enumerate(chain):
+    for k, (_, expected) in enumerate(chain):
         assert_state_equal(store.open(f"step-{k}").load_section("model"), expected)
     assert store.verify() == [] and store.verify("step-3", deep=True) == []
 

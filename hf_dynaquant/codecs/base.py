@@ -56,8 +56,9 @@ class Codec(ABC):
         base entry (or None). Set ``uses_base`` only if decoding will need it."""
 
     @abstractmethod
-    def decode(self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource,
-               base: Any = None) -> Any:
+    def decode(
+        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+    ) -> Any:
         """Decode a tensor's state from its blobs (and the base state when it used one)."""
 
     def to_raw(self, state: Any) -> RawTensor:

@@ -15,8 +15,9 @@ the delta pays; if not the tensor is stored self-contained.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,8 +45,12 @@ def _encode_chunk(bits: np.ndarray, dtype: str) -> tuple[bytes, dict[str, Any]]:
     if _is_split_float(dtype):
         layout = FLOAT_LAYOUTS[dtype]
         planes = split_float(bits, layout)
-        coded = [encode_stream(planes.head), encode_stream(planes.escapes.view(np.uint8)),
-                 encode_symbols(planes.side, side_bits(layout)), encode_stream(planes.rest)]
+        coded = [
+            encode_stream(planes.head),
+            encode_stream(planes.escapes.view(np.uint8)),
+            encode_symbols(planes.side, side_bits(layout)),
+            encode_stream(planes.rest),
+        ]
         sizes = [planes.head.size, planes.escapes.nbytes, planes.side.size, planes.rest.size]
         extra: dict[str, Any] = {"table": planes.table}
     else:
@@ -64,7 +69,7 @@ def _decode_chunk(blob: np.ndarray, info: dict[str, Any], dtype: str, out: np.nd
     """Decode one chunk into ``out`` (the chunk's slice of the tensor's bits)."""
     streams, pos = [], 0
     for i, (coding, size, length) in enumerate(info["streams"]):
-        payload = blob[pos:pos + length]
+        payload = blob[pos : pos + length]
         # a packed side stream goes to the join kernel as it is, which unpacks it on the fly
         packed = i == 2 and _is_split_float(dtype) and packed_bits(coding)
         streams.append(payload if packed else decode_stream(coding, payload, int(size), f"{where} stream {i}"))
@@ -75,8 +80,14 @@ def _decode_chunk(blob: np.ndarray, info: dict[str, Any], dtype: str, out: np.nd
         if _is_split_float(dtype):
             if len(streams) != 4:
                 raise ValueError(f"{len(streams)} streams, a float chunk has 4")
-            planes = FloatPlanes(streams[0], list(info["table"]), streams[1].view("<u2"), streams[2], streams[3],
-                                 side_packed=packed_bits(info["streams"][2][0]))
+            planes = FloatPlanes(
+                streams[0],
+                list(info["table"]),
+                streams[1].view("<u2"),
+                streams[2],
+                streams[3],
+                side_packed=packed_bits(info["streams"][2][0]),
+            )
             join_float(planes, FLOAT_LAYOUTS[dtype], out=out)
         else:
             join_bytes(streams, itemsize(dtype), out=out)
@@ -96,7 +107,7 @@ def _chunks(bits: np.ndarray) -> list[np.ndarray]:
     if count > 1:
         count = -(-count // _WORKERS) * _WORKERS
     step = max(1, -(-bits.size // max(count, 1)))
-    return [bits[i:i + step] for i in range(0, bits.size, step)] or [bits]
+    return [bits[i : i + step] for i in range(0, bits.size, step)] or [bits]
 
 
 def _encoded_size(bits: np.ndarray, dtype: str) -> int:
@@ -123,8 +134,12 @@ class LosslessCodec(Codec):
 
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
         use_base = (
-            self.delta and isinstance(base, RawTensor) and base.dtype == tensor.dtype
-            and base.shape == tensor.shape and tensor.bits.size > 0 and self._delta_pays(tensor, base)
+            self.delta
+            and isinstance(base, RawTensor)
+            and base.dtype == tensor.dtype
+            and base.shape == tensor.shape
+            and tensor.bits.size > 0
+            and self._delta_pays(tensor, base)
         )
         bits = tensor.bits ^ base.bits if use_base else tensor.bits
         chunks = _chunks(bits)
@@ -133,8 +148,9 @@ class LosslessCodec(Codec):
         params = {"chunks": [info for _, info in results], "xor": use_base}
         return Encoded(blobs, params, uses_base=use_base, state=tensor)
 
-    def decode(self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource,
-               base: Any = None) -> RawTensor:
+    def decode(
+        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+    ) -> RawTensor:
         infos, where = params["chunks"], blobs.where
         n = int(np.prod(shape, dtype=np.int64))
         bits = np.empty(n, dtype=_BITS[itemsize(dtype)])
@@ -143,7 +159,7 @@ class LosslessCodec(Codec):
         starts = np.cumsum([0] + [int(info["n"]) for info in infos])
 
         def one(i: int) -> None:
-            _decode_chunk(blobs(f"c{i}"), infos[i], dtype, bits[starts[i]:starts[i + 1]], f"{where} chunk {i}")
+            _decode_chunk(blobs(f"c{i}"), infos[i], dtype, bits[starts[i] : starts[i + 1]], f"{where} chunk {i}")
 
         _run(one, len(infos))
         if params.get("xor"):

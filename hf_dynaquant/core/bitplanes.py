@@ -38,8 +38,17 @@ except ImportError:  # pragma: no cover - depends on the build
 if sys.byteorder != "little":  # pragma: no cover - the kernels assume little-endian memory
     _kernels = None
 
-__all__ = ["FloatPlanes", "split_float", "join_float", "split_bytes", "join_bytes", "head_bits", "side_bits",
-           "pack_bits", "unpack_bits"]
+__all__ = [
+    "FloatPlanes",
+    "split_float",
+    "join_float",
+    "split_bytes",
+    "join_bytes",
+    "head_bits",
+    "side_bits",
+    "pack_bits",
+    "unpack_bits",
+]
 
 _STRIDE = 4
 _UINT = {8: np.dtype("u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
@@ -74,7 +83,7 @@ def side_bits(layout: FloatLayout) -> int:
     return 16 - layout.exponent_bits - head_bits(layout)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _split_tables(layout: FloatLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every upper-16-bit pattern: its exponent, its top k mantissa bits, its side byte."""
     exp, k, sb = layout.exponent_bits, head_bits(layout), side_bits(layout)
@@ -87,7 +96,7 @@ def _split_tables(layout: FloatLayout) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def _split_float_numpy(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
     """Reference implementation of :func:`split_float` in numpy."""
     width, exp = layout.width, layout.exponent_bits
-    k, sb = head_bits(layout), side_bits(layout)
+    k = head_bits(layout)
     cap = (1 << (8 - k)) - 1
     x = bits.view(_UINT[width])
     upper = x if width == 16 else (x >> (width - 16)).astype(np.uint16)
@@ -100,8 +109,13 @@ def _split_float_numpy(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
     escaped = np.flatnonzero(head >= cap << k)
     escapes = ((upper[escaped] >> (15 - exp)) & ((1 << exp) - 1)).astype("<u2")
     rest = [(x >> lo).astype(_UINT[bits]).view(np.uint8) for lo, bits in _rest_fields(width)]
-    return FloatPlanes(head, table, escapes, side, np.concatenate(rest) if len(rest) > 1 else
-                       (rest[0] if rest else np.empty(0, np.uint8)))
+    return FloatPlanes(
+        head,
+        table,
+        escapes,
+        side,
+        np.concatenate(rest) if len(rest) > 1 else (rest[0] if rest else np.empty(0, np.uint8)),
+    )
 
 
 def _join_float_numpy(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None = None) -> np.ndarray:
@@ -130,7 +144,7 @@ def _join_float_numpy(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray 
     x |= np.take(side_lut, side, mode="clip")
     pos = 0
     for lo, bits in _rest_fields(width):
-        field = planes.rest[pos:pos + n * bits // 8].view(_UINT[bits])
+        field = planes.rest[pos : pos + n * bits // 8].view(_UINT[bits])
         pos += field.nbytes
         x |= field.astype(utype) << lo if lo else field
     if planes.escapes.size:  # (without escapes no head byte reaches the cap; checksums guard the data)
@@ -189,9 +203,18 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
     exponents[: len(planes.table)] = planes.table
     x = np.empty(n, dtype=_UINT[width]) if out is None else out
     escapes = np.ascontiguousarray(planes.escapes, dtype="<u2")
-    used = _kernels.join(x, width, exp, k, exponents, np.ascontiguousarray(planes.head),
-                         np.ascontiguousarray(planes.side), planes.side_packed, np.ascontiguousarray(planes.rest),
-                         escapes)
+    used = _kernels.join(
+        x,
+        width,
+        exp,
+        k,
+        exponents,
+        np.ascontiguousarray(planes.head),
+        np.ascontiguousarray(planes.side),
+        planes.side_packed,
+        np.ascontiguousarray(planes.rest),
+        escapes,
+    )
     if used != escapes.size:
         raise ValueError(f"{escapes.size} escaped exponents stored, {'more' if used < 0 else used} needed")
     return x

@@ -75,7 +75,7 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
 
 def packed_bits(coding: str) -> int:
     """The symbol width of a ``pack<N>`` coding, 0 for any other coding."""
-    return int(coding[len(PACK):]) if coding.startswith(PACK) and coding[len(PACK):].isdigit() else 0
+    return int(coding[len(PACK) :]) if coding.startswith(PACK) and coding[len(PACK) :].isdigit() else 0
 
 
 def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: int, where: str) -> np.ndarray:

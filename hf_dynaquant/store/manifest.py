@@ -14,8 +14,15 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
 
-__all__ = ["FORMAT_VERSION", "ENTRY_FORMAT", "STORE_FORMAT", "canonical_json", "content_id", "parse_manifest",
-           "check_store_marker"]
+__all__ = [
+    "FORMAT_VERSION",
+    "ENTRY_FORMAT",
+    "STORE_FORMAT",
+    "canonical_json",
+    "content_id",
+    "parse_manifest",
+    "check_store_marker",
+]
 
 FORMAT_VERSION = 1
 ENTRY_FORMAT = "hf_dynaquant.entry"
@@ -42,7 +49,9 @@ def _check_version(doc: Any, kind: str, path: Path) -> None:
 def parse_manifest(data: bytes, path: Path, expected_id: str | None) -> dict[str, Any]:
     """Validate manifest bytes (id, JSON, format, version) and return the document."""
     if expected_id is not None and content_id(data) != expected_id:
-        raise CorruptCheckpointError(f"{path}: manifest does not match its content id {expected_id[:16]}; it is corrupt")
+        raise CorruptCheckpointError(
+            f"{path}: manifest does not match its content id {expected_id[:16]}; it is corrupt"
+        )
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -45,11 +45,17 @@ class StreamingWriter:
         self._entries: dict[str, dict[str, Any]] = {}
         self._offset = 0
 
-    def add(self, key: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes | memoryview | np.ndarray) -> None:
+    def add(
+        self, key: str, dtype: str, shape: tuple[int, ...] | list[int], data: bytes | memoryview | np.ndarray
+    ) -> None:
         """Append one tensor's raw little-endian bytes under ``key``."""
         if key in self._entries:
             raise ValueError(f"duplicate tensor key {key!r} in {self.path}")
-        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(np.ascontiguousarray(data)).cast("B")
+        view = (
+            memoryview(data).cast("B")
+            if not isinstance(data, np.ndarray)
+            else memoryview(np.ascontiguousarray(data)).cast("B")
+        )
         self._fh.write(view)
         end = self._offset + view.nbytes
         self._entries[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [self._offset, end]}

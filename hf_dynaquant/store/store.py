@@ -107,8 +107,14 @@ class _EntryWriter:
         blobs = {b: self._blob(f"{section}/{name}/{b}", data) for b, data in enc.blobs.items()}
         self.uses_base |= enc.uses_base
         self.sections.setdefault(section, {})[name] = {
-            "dtype": raw.dtype, "shape": list(raw.shape), "codec": codec.name, "codec_version": codec.version,
-            "params": enc.params, "uses_base": enc.uses_base, "blobs": blobs, "raw_nbytes": raw.nbytes,
+            "dtype": raw.dtype,
+            "shape": list(raw.shape),
+            "codec": codec.name,
+            "codec_version": codec.version,
+            "params": enc.params,
+            "uses_base": enc.uses_base,
+            "blobs": blobs,
+            "raw_nbytes": raw.nbytes,
         }
 
     def copy_record(self, section: str, name: str, record: dict[str, Any], blobs: Mapping[str, np.ndarray]) -> None:
@@ -127,10 +133,16 @@ class _EntryWriter:
     def finish(self, base: str | None, trees: dict[str, Any], metadata: dict[str, Any]) -> str:
         self.payload.close()
         manifest = {
-            "format": ENTRY_FORMAT, "format_version": FORMAT_VERSION,
+            "format": ENTRY_FORMAT,
+            "format_version": FORMAT_VERSION,
             "library": {"name": "hf_dynaquant", "version": _library_version()},
-            "base": base if self.uses_base else None, "files": [PAYLOAD], "checksum": "sha256",
-            "sections": self.sections, "trees": trees, "extras": self.extras, "metadata": metadata,
+            "base": base if self.uses_base else None,
+            "files": [PAYLOAD],
+            "checksum": "sha256",
+            "sections": self.sections,
+            "trees": trees,
+            "extras": self.extras,
+            "metadata": metadata,
         }
         try:
             data = canonical_json(manifest)
@@ -216,7 +228,9 @@ class EntryReader:
         try:
             return self.manifest["sections"][section]
         except KeyError:
-            raise EntryNotFoundError(f"entry {self.id[:16]} has no section {section!r} (has: {self.sections})") from None
+            raise EntryNotFoundError(
+                f"entry {self.id[:16]} has no section {section!r} (has: {self.sections})"
+            ) from None
 
     # -- blobs -----------------------------------------------------------------------------
     def _handle(self, index: int) -> Any:
@@ -224,8 +238,9 @@ class EntryReader:
             try:
                 name = self.manifest["files"][index]
             except (IndexError, TypeError):
-                raise CorruptCheckpointError(f"{self.path / MANIFEST}: blob refers to payload file #{index}, "
-                                             "which the manifest does not list") from None
+                raise CorruptCheckpointError(
+                    f"{self.path / MANIFEST}: blob refers to payload file #{index}, which the manifest does not list"
+                ) from None
             self._handles[index] = open_safetensors(self.path / name)
         return self._handles[index]
 
@@ -294,7 +309,9 @@ class EntryReader:
         except KeyError:
             raise EntryNotFoundError(f"entry {self.id[:16]} has no extra {name!r} (has: {self.extras})") from None
         payload = self.read_checked(info, f"extras/{name}", name)
-        return decode_stream(info["coding"], payload, int(info["size"]), f"{self.path / PAYLOAD} (extra {name!r})").tobytes()
+        return decode_stream(
+            info["coding"], payload, int(info["size"]), f"{self.path / PAYLOAD} (extra {name!r})"
+        ).tobytes()
 
     def tensor_records(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
         """``(section, name, record)`` for every tensor."""
@@ -466,8 +483,12 @@ class CheckpointStore:
 
         base_reader = self.open(base) if base is not None else None
         base_id = base_reader.id if base_reader is not None else None
-        keys = [f"{s}/{n}/c{i}" for s, group in groups.items() for n, t in group.items()
-                for i in range(codec_for(s).max_blobs(t.numel()))] + [f"extras/{n}" for n in extras]
+        keys = [
+            f"{s}/{n}/c{i}"
+            for s, group in groups.items()
+            for n, t in group.items()
+            for i in range(codec_for(s).max_blobs(t.numel()))
+        ] + [f"extras/{n}" for n in extras]
         writer = _EntryWriter(self, keys)
         try:
             total = sum(len(g) for g in groups.values())
@@ -478,8 +499,12 @@ class CheckpointStore:
                         bar.update()
                         key = _storage_key(tensor)
                         if key in seen:
-                            writer.add_alias(section, name, seen[key],
-                                             {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)})
+                            writer.add_alias(
+                                section,
+                                name,
+                                seen[key],
+                                {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)},
+                            )
                             continue
                         if key is not None:
                             seen[key] = name
@@ -548,7 +573,9 @@ class CheckpointStore:
                     if "alias_of" in rec:
                         writer.add_alias(section, name, rec["alias_of"], {"dtype": rec["dtype"], "shape": rec["shape"]})
                     elif not rec["uses_base"]:
-                        writer.copy_record(section, name, rec, {b: _Blobs(old, section, name, rec)(b) for b in rec["blobs"]})
+                        writer.copy_record(
+                            section, name, rec, {b: _Blobs(old, section, name, rec)(b) for b in rec["blobs"]}
+                        )
                     else:
                         codec = get_codec(rec["codec"])
                         state = old.state(section, name)
@@ -598,4 +625,3 @@ def _base_state(base: EntryReader | None, section: str, name: str, raw: RawTenso
     if rec is None or rec["dtype"] != raw.dtype or tuple(rec["shape"]) != raw.shape:
         return None
     return base.state(section, name)
-

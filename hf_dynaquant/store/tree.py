@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,7 +51,9 @@ def flatten_tree(tree: Any, where: str = "tree") -> tuple[Any, dict[str, torch.T
         if isinstance(obj, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in obj):
                 return {k: enc(v, f"{path}/{k}") for k, v in obj.items()}
-            return {"__dict__": [[enc(k, f"{path}/key{i}"), enc(v, f"{path}/{k}")] for i, (k, v) in enumerate(obj.items())]}
+            return {
+                "__dict__": [[enc(k, f"{path}/key{i}"), enc(v, f"{path}/{k}")] for i, (k, v) in enumerate(obj.items())]
+            }
         raise UnsupportedTensorError(
             f"{where}: value of type {type(obj).__name__} at {path or '/'} cannot be stored without pickle; "
             "store it as bytes in 'extras' or convert it to tensors, numbers and strings"
