@@ -10,6 +10,7 @@ Weights stored as pickle (``pytorch_model*.bin``) are refused: we never unpickle
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
@@ -65,6 +66,10 @@ class _SafetensorsTensors(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._f.get_tensor(key)
+
+    def numels(self) -> dict[str, int]:
+        """Element counts from the header, without loading any tensor."""
+        return {k: math.prod(self._f.get_slice(k).get_shape()) for k in self._keys}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

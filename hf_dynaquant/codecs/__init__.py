@@ -1,6 +1,17 @@
 """Codecs, one module per method, behind the small interface in :mod:`.base`."""
 
 from .base import BlobSource, Codec, Encoded, codec_names, get_codec, register_codec
+from .dynaquant import DynaQuantCodec, QuantState
 from .lossless import LosslessCodec
 
-__all__ = ["BlobSource", "Codec", "Encoded", "LosslessCodec", "codec_names", "get_codec", "register_codec"]
+__all__ = [
+    "BlobSource",
+    "Codec",
+    "DynaQuantCodec",
+    "Encoded",
+    "LosslessCodec",
+    "QuantState",
+    "codec_names",
+    "get_codec",
+    "register_codec",
+]

@@ -16,7 +16,7 @@ import zstandard
 from ..errors import CorruptCheckpointError
 from .bitplanes import pack_bits, unpack_bits
 
-__all__ = ["encode_stream", "encode_symbols", "decode_stream", "packed_bits", "RAW", "ZSTD"]
+__all__ = ["encode_stream", "encode_symbols", "decode_stream", "decompress", "packed_bits", "RAW", "ZSTD"]
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -27,12 +27,14 @@ _PAYS = 0.995  # compress only when it saves at least 0.5%
 _local = threading.local()
 
 
-def _compressor() -> zstandard.ZstdCompressor:
-    # zstd contexts are not thread-safe; one per thread, reused across calls
-    c = getattr(_local, "c", None)
-    if c is None:
-        c = _local.c = zstandard.ZstdCompressor(level=1, write_checksum=False, write_content_size=True)
-    return c
+def _compressor(level: int = 1) -> zstandard.ZstdCompressor:
+    # zstd contexts are not thread-safe; one per thread and level, reused across calls
+    cache = getattr(_local, "c", None)
+    if cache is None:
+        cache = _local.c = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+    return cache[level]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -42,15 +44,16 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def encode_stream(data: np.ndarray | bytes) -> tuple[str, bytes]:
+def encode_stream(data: np.ndarray | bytes, level: int = 1) -> tuple[str, bytes]:
     """Return ``(coding, payload)``: zstd-compressed when that saves space, else the raw bytes.
 
-    zstd level 1 gives up on incompressible input at well over 1 GB/s, so trying costs little.
+    zstd level 1 gives up on incompressible input at well over 1 GB/s, so trying costs little;
+    small, highly redundant streams (delta tokens) use a higher ``level``.
     """
     buf = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     if not buf:
         return RAW, b""
-    packed = _compressor().compress(buf)
+    packed = _compressor(level).compress(buf)
     if len(packed) <= _PAYS * len(buf):
         return ZSTD, packed
     return RAW, buf
@@ -73,6 +76,14 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
     return f"{PACK}{bits}", pack_bits(values, bits).tobytes()
 
 
+def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int = 0) -> bytes:
+    """One zstd frame (its decoded size is in its header; ``size`` caps it when known)."""
+    try:
+        return _decompressor().decompress(payload, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"{where}: zstd stream cannot be decoded ({exc})") from None
+
+
 def packed_bits(coding: str) -> int:
     """The symbol width of a ``pack<N>`` coding, 0 for any other coding."""
     return int(coding[len(PACK) :]) if coding.startswith(PACK) and coding[len(PACK) :].isdigit() else 0
@@ -83,10 +94,7 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
     if coding == RAW:
         out = np.frombuffer(payload, dtype=np.uint8)
     elif coding == ZSTD:
-        try:
-            out = np.frombuffer(_decompressor().decompress(payload, max_output_size=size), dtype=np.uint8)
-        except zstandard.ZstdError as exc:
-            raise CorruptCheckpointError(f"{where}: zstd stream cannot be decoded ({exc})") from None
+        out = np.frombuffer(decompress(payload, where, size), dtype=np.uint8)
     elif packed_bits(coding):
         try:
             out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), packed_bits(coding), size)

@@ -24,7 +24,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,7 +442,7 @@ class CheckpointStore:
         trees: Mapping[str, Any] | None = None,
         extras: Mapping[str, bytes] | None = None,
         metadata: Mapping[str, Any] | None = None,
-        codecs: Mapping[str, Codec | str] | Codec | str = "lossless",
+        codecs: Mapping[str, Codec | str] | Codec | str | Callable[[str, str], Codec | str] = "lossless",
         base: str | None = None,
         ref: str | None = None,
         progress: bool = False,
@@ -457,8 +457,8 @@ class CheckpointStore:
                 their tensors form a section of the same name.
             extras: opaque bytes (scheduler state, RNG state); stored, never interpreted.
             metadata: small JSON (step, loss, ...).
-            codecs: one codec (name or instance) for everything, or ``{section: codec}``;
-                sections not named use ``lossless``.
+            codecs: one codec (name or instance) for everything, ``{section: codec}`` (sections
+                not named use ``lossless``), or a function ``(section, name) -> codec``.
             base: a reference or id to delta-code against; tensors whose codec gains nothing
                 from it are stored self-contained, and an entry using no base is a keyframe.
             ref: a reference name to point at the new entry.
@@ -477,24 +477,25 @@ class CheckpointStore:
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"extra {name!r} must be bytes, got {type(data).__name__}")
 
-        def codec_for(section: str) -> Codec:
-            spec = codecs.get(section, "lossless") if isinstance(codecs, Mapping) else codecs
-            return get_codec(spec)
+        def codec_for(section: str, name: str) -> Codec:
+            if isinstance(codecs, Mapping):
+                return get_codec(codecs.get(section, "lossless"))
+            return get_codec(codecs(section, name) if callable(codecs) and not isinstance(codecs, Codec) else codecs)
 
         base_reader = self.open(base) if base is not None else None
         base_id = base_reader.id if base_reader is not None else None
         keys = [
             f"{s}/{n}/c{i}"
             for s, group in groups.items()
-            for n, t in group.items()
-            for i in range(codec_for(s).max_blobs(t.numel()))
+            for n, numel in _numels(group).items()
+            for i in range(codec_for(s, n).max_blobs(numel))
         ] + [f"extras/{n}" for n in extras]
         writer = _EntryWriter(self, keys)
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 for section, group in groups.items():
-                    codec, seen = codec_for(section), {}
+                    seen = {}
                     for name, tensor in group.items():
                         bar.update()
                         key = _storage_key(tensor)
@@ -508,6 +509,7 @@ class CheckpointStore:
                             continue
                         if key is not None:
                             seen[key] = name
+                        codec = codec_for(section, name)
                         raw = to_raw(tensor, f"{section}/{name}")
                         base_state = _base_state(base_reader, section, name, raw)
                         writer.add_encoded(section, name, raw, codec, codec.encode(raw, base_state))
@@ -615,6 +617,13 @@ class CheckpointStore:
             if not (self.entries_dir / target).is_dir():
                 problems.append(f"reference {name!r} points at missing entry {target[:16]}")
         return problems
+
+
+def _numels(group: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Element counts of a section's tensors; a lazily loading mapping (one that has a
+    ``numels()`` method, like a safetensors file) answers without loading them."""
+    numels = getattr(group, "numels", None)
+    return numels() if callable(numels) else {n: t.numel() for n, t in group.items()}
 
 
 def _base_state(base: EntryReader | None, section: str, name: str, raw: RawTensor) -> Any:

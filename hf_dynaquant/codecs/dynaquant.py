@@ -1,0 +1,167 @@
+"""The ``dynaquant`` codec: quantized codes, keyframes and quantization-aware deltas.
+
+A tensor is quantized under its :class:`~hf_dynaquant.core.quantizer.TensorPlan` into one byte
+per value (``0`` pruned, ``1`` protected, ``2 + i`` centre ``i``) plus the protected values as
+bfloat16. The codec's *state* of a tensor is those codes, the centres and the protected values;
+a later checkpoint codes its codes as a delta on the base's (section 6 of the paper, see
+:mod:`hf_dynaquant.core.delta`) and falls back to a keyframe when the delta would be larger.
+
+Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16).
+Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
+(``regroup`` | ``rle`` | ``entropy``), ``protected`` (the lossless params of the protected
+values, with their count ``n``), ``layer_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.delta import (
+    apply_delta,
+    cyclic_delta,
+    regroup,
+    rle_decode,
+    rle_encode,
+    ungroup,
+    varint_decode,
+    varint_encode,
+)
+from ..core.entropy import decode_stream, decompress, encode_stream
+from ..core.quantizer import FIRST_CENTRE, TensorPlan, dequantize, quantize
+from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
+from ..errors import CodecError, CorruptCheckpointError
+from .base import BlobSource, Codec, Encoded, register_codec
+from .lossless import LosslessCodec
+
+__all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS"]
+
+DELTA_CODINGS = ("regroup", "rle", "entropy")
+_TOKEN_LEVEL = 9  # zstd level for delta streams: small after RLE, so a strong level is cheap
+
+
+@dataclass
+class QuantState:
+    """A quantized tensor: what a delta on it needs, and what dequantizes it."""
+
+    codes: np.ndarray  # uint8, flat
+    levels: int
+    centres: np.ndarray  # float32
+    protected: np.ndarray  # uint16 bf16 bits, in element order
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> bytes:
+    delta = cyclic_delta(prev, cur, levels)
+    if coding == "entropy":
+        return encode_stream(delta, level=_TOKEN_LEVEL)[1]
+    stream = regroup(delta, prev) if coding == "regroup" else delta
+    return encode_stream(varint_encode(rle_encode(stream)), level=_TOKEN_LEVEL)[1]
+
+
+def _undo_delta(prev: np.ndarray, payload: np.ndarray, levels: int, coding: str, n: int, where: str) -> np.ndarray:
+    try:
+        if coding == "entropy":
+            delta = decode_stream("zstd", payload, n, where)
+        else:
+            tokens = varint_decode(np.frombuffer(decompress(payload, where), dtype=np.uint8))
+            stream = rle_decode(tokens).astype(np.uint8)
+            if stream.size != n:
+                raise ValueError(f"delta decodes to {stream.size} values, expected {n}")
+            delta = ungroup(stream, prev) if coding == "regroup" else stream
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
+    return apply_delta(prev, delta, levels)
+
+
+class _Prefixed:
+    """The blobs of the protected values, seen through the tensor's blob source."""
+
+    def __init__(self, blobs: BlobSource, prefix: str) -> None:
+        self.blobs, self.prefix, self.where = blobs, prefix, blobs.where
+
+    def __call__(self, name: str) -> np.ndarray:
+        return self.blobs(self.prefix + name)
+
+
+@register_codec
+class DynaQuantCodec(Codec):
+    """Quantize with a plan (encode); decode needs only the stored params and blobs."""
+
+    name = "dynaquant"
+    version = 1
+
+    def __init__(self, plan: TensorPlan | None = None, delta_coding: str = "regroup") -> None:
+        if delta_coding not in DELTA_CODINGS:
+            raise ValueError(f"delta_coding must be one of {DELTA_CODINGS}, got {delta_coding!r}")
+        self.plan, self.delta_coding = plan, delta_coding
+
+    def max_blobs(self, numel: int) -> int:
+        return 1 + LosslessCodec().max_blobs(numel)
+
+    def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
+        if self.plan is None:
+            raise CodecError(
+                "the dynaquant codec quantizes with a plan made for the whole checkpoint; use "
+                "hf_dynaquant.Compressor or compress_state_dict rather than the bare codec"
+            )
+        codes, protected = quantize(from_raw(tensor), self.plan)
+        state = QuantState(
+            codes, FIRST_CENTRE + len(self.plan.centres), self.plan.centres, protected, tensor.dtype, tensor.shape
+        )
+        return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
+
+    def keyframe(self, state: QuantState) -> Encoded:
+        return self._encode_state(state, None, {})
+
+    def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
+        blobs = {"codes": encode_stream(state.codes, level=_TOKEN_LEVEL)[1]}
+        params: dict[str, Any] = {
+            "mode": "keyframe",
+            "levels": state.levels,
+            "centres": state.centres.tolist(),
+            **extra,
+        }
+        if isinstance(base, QuantState) and base.codes.size == state.codes.size:
+            levels = max(base.levels, state.levels)
+            delta = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
+            if len(delta) < len(blobs["codes"]):
+                blobs = {"delta": delta}
+                params.update(mode="delta", delta_levels=levels, delta_coding=self.delta_coding)
+        prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
+        blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
+        params["protected"] = {"n": int(state.protected.size), **prot.params}
+        return Encoded(blobs, params, uses_base=params["mode"] == "delta", state=state)
+
+    def decode(
+        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+    ) -> QuantState:
+        n = int(np.prod(shape, dtype=np.int64))
+        where = blobs.where
+        if params["mode"] == "delta":
+            if not isinstance(base, QuantState) or base.codes.size != n:
+                raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
+            codes = _undo_delta(
+                base.codes, blobs("delta"), int(params["delta_levels"]), params["delta_coding"], n, where
+            )
+        else:
+            codes = decode_stream("zstd", blobs("codes"), n, where) if n else np.zeros(0, np.uint8)
+        prot_params = params["protected"]
+        m = int(prot_params["n"])
+        protected = LosslessCodec().decode("BF16", (m,), prot_params, _Prefixed(blobs, "p.")).bits
+        centres = np.asarray(params["centres"], dtype=np.float32)
+        if codes.size and int(codes.max()) >= FIRST_CENTRE + centres.size:
+            raise CorruptCheckpointError(f"{where}: a code exceeds the {centres.size} stored centres")
+        return QuantState(codes, int(params["levels"]), centres, protected, dtype, tuple(shape))
+
+    def to_raw(self, state: QuantState) -> RawTensor:
+        try:
+            values = dequantize(state.codes, state.centres, state.protected)
+        except ValueError as exc:
+            raise CorruptCheckpointError(str(exc)) from None
+        tensor = torch.from_numpy(values).to(torch_dtype(state.dtype)).reshape(state.shape)
+        return to_raw(tensor)

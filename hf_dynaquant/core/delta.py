@@ -1,0 +1,117 @@
+"""Quantization-aware delta encoding between consecutive checkpoints (DynaQuant section 6).
+
+Both checkpoints are integer codes (pruned and protected values are levels of their own).
+
+* **Cyclic delta** (after QD-Compressor): ``D = (C_prev - C_cur) mod B`` and
+  ``C_cur = (C_prev - D) mod B``, with ``B`` the larger level count of the two checkpoints, so
+  deltas need no more bits than codes.
+* **Regrouping** (Alg. 5 and 6): deltas are ordered by the *previous* checkpoint's code (a stable
+  sort), so each quantization bucket's deltas are contiguous and a bucket with a high migration
+  rate does not break the runs of the others. The decoder knows the previous codes, so it
+  recomputes the same order: nothing extra is stored.
+* **Run-length encoding with negated values**: each run is ``-value`` (<= 0) followed by its
+  length only when the length exceeds 1 (> 0), so no marker is needed.
+* **Entropy coding**: tokens become LEB128 varints (even numbers for values, odd for lengths) and
+  then zstd, whose Huffman stage codes the skewed byte alphabet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "cyclic_delta",
+    "apply_delta",
+    "regroup",
+    "ungroup",
+    "rle_encode",
+    "rle_decode",
+    "varint_encode",
+    "varint_decode",
+]
+
+
+def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
+    """``(prev - cur) mod levels`` as uint8 (codes must be below ``levels`` <= 256)."""
+    return ((prev.astype(np.int16) - cur.astype(np.int16)) % levels).astype(np.uint8)
+
+
+def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:
+    """Inverse of :func:`cyclic_delta`: the current codes."""
+    return ((prev.astype(np.int16) - delta.astype(np.int16)) % levels).astype(np.uint8)
+
+
+def regroup(values: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
+    """Values ordered by previous code (stable): each bucket's values become contiguous."""
+    return values[np.argsort(prev_codes, kind="stable")]
+
+
+def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`regroup`."""
+    out = np.empty_like(grouped)
+    out[np.argsort(prev_codes, kind="stable")] = grouped
+    return out
+
+
+def rle_encode(values: np.ndarray) -> np.ndarray:
+    """Run-length tokens of small non-negative integers: ``-value`` per run, then the run's
+    length if it is longer than 1."""
+    v = np.asarray(values).astype(np.int64)
+    if v.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
+    lengths = np.diff(np.append(starts, v.size))
+    width = 1 + (lengths > 1)
+    pos = np.cumsum(width) - width
+    tokens = np.empty(int(width.sum()), dtype=np.int64)
+    tokens[pos] = -v[starts]
+    long_runs = lengths > 1
+    tokens[pos[long_runs] + 1] = lengths[long_runs]
+    return tokens
+
+
+def rle_decode(tokens: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`rle_encode`."""
+    t = np.asarray(tokens, dtype=np.int64)
+    is_value = t <= 0
+    if t.size and not is_value[0]:
+        raise ValueError("run-length stream starts with a length")
+    if np.any(~is_value[1:] & ~is_value[:-1]):
+        raise ValueError("run-length stream has two lengths in a row")
+    values = -t[is_value]
+    lengths = np.ones(values.size, dtype=np.int64)
+    owner = np.cumsum(is_value) - 1
+    lengths[owner[~is_value]] = t[~is_value]
+    return np.repeat(values, lengths)
+
+
+def varint_encode(tokens: np.ndarray) -> np.ndarray:
+    """LEB128 bytes of RLE tokens: value ``-t`` as ``2 * -t``, length ``L`` as ``2 * L - 1``."""
+    t = np.asarray(tokens, dtype=np.int64)
+    u = np.where(t <= 0, -2 * t, 2 * t - 1).astype(np.uint64)
+    nbytes = np.ones(u.size, dtype=np.int64)
+    for shift in (7, 14, 21, 28, 35, 42):
+        nbytes += u >= (1 << shift)
+    pos = np.cumsum(nbytes) - nbytes
+    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    for j in range(int(nbytes.max(initial=0))):
+        sel = nbytes > j
+        more = (nbytes[sel] > j + 1).astype(np.uint8) << 7
+        out[pos[sel] + j] = ((u[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8) | more
+    return out
+
+
+def varint_decode(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`varint_encode`."""
+    b = np.asarray(data, dtype=np.uint8)
+    if b.size and b[-1] & 0x80:
+        raise ValueError("varint stream is truncated")
+    ends = np.flatnonzero(b < 0x80)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    u = np.zeros(ends.size, dtype=np.uint64)
+    for j in range(int(lengths.max(initial=0))):
+        sel = lengths > j
+        u[sel] |= (b[starts[sel] + j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
+    u = u.astype(np.int64)
+    return np.where(u % 2 == 0, -(u // 2), (u + 1) // 2)
