@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import __version__
 from .codecs import codec_names
+from .core.quantizer import QuantConfig
 from .errors import DynaQuantError
 from .folder import MODEL_REF, compress_folder, decompress_folder, find_store
 
@@ -34,7 +35,18 @@ def _human(n: float) -> str:
 
 def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    res = compress_folder(args.src, args.dst, codec=args.codec, overwrite=args.overwrite, progress=not args.quiet)
+    quant = None
+    if args.codec == "dynaquant":
+        quant = QuantConfig(
+            bins=args.bins,
+            prune=args.prune,
+            protect=args.protect,
+            metric=args.metric,
+            embedding_bins=args.embedding_bins,
+        )
+    res = compress_folder(
+        args.src, args.dst, codec=args.codec, quant=quant, overwrite=args.overwrite, progress=not args.quiet
+    )
     dt = time.perf_counter() - t0
     print(
         f"{args.src} -> {res.path}: {_human(res.raw_nbytes)} -> {_human(res.stored_nbytes)} "
@@ -148,7 +160,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="model folder or .safetensors file")
     p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--codec", default="lossless", choices=codec_names(), help="compression method (default: lossless)")
+    p.add_argument(
+        "--codec",
+        default="lossless",
+        choices=codec_names(),
+        help="lossless: bit-exact; dynaquant: quantized (see the options below). Default: lossless",
+    )
+    q = p.add_argument_group("dynaquant options (with --codec dynaquant)")
+    defaults = QuantConfig()
+    q.add_argument(
+        "--bins", type=int, default=defaults.bins, help="quantization levels per tensor (2-254; default %(default)s)"
+    )
+    q.add_argument(
+        "--embedding-bins",
+        type=int,
+        default=defaults.embedding_bins,
+        help="levels for embedding tensors, which are never pruned (default %(default)s)",
+    )
+    q.add_argument(
+        "--prune",
+        type=float,
+        default=defaults.prune,
+        help="fraction of each layer type's weights set to zero (default %(default)s)",
+    )
+    q.add_argument(
+        "--protect",
+        type=float,
+        default=defaults.protect,
+        help="fraction of weights kept in bfloat16 (default %(default)s)",
+    )
+    q.add_argument(
+        "--metric",
+        choices=["magnitude", "sensitivity"],
+        default=defaults.metric,
+        help="pruning metric; sensitivity needs gradients, so for a saved model it means magnitude",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_compress)
@@ -201,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (DynaQuantError, FileNotFoundError) as exc:
+    except (DynaQuantError, FileNotFoundError, ValueError) as exc:
         print(f"hf-dynaquant {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -147,14 +147,13 @@ class Compressor:
             pname = by_ptr.get(tensor.data_ptr())
             if pname is not None and self.ema.get(pname) is not None:
                 out[name] = self.ema.sensitivity(pname, tensor)
-        if not out:
+        if not out and self.config.metric != "sensitivity":  # (with it, the planner warns)
             warnings.warn(
                 "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
                 "(call on_backward_pass_end() after backward)",
                 stacklevel=3,
             )
-            return None
-        return out
+        return out or None
 
     def compress(
         self, step: int, *, extras: Mapping[str, bytes] | None = None, metadata: Mapping[str, Any] | None = None

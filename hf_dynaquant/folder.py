@@ -23,6 +23,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .codecs.base import Codec
+from .codecs.dynaquant import DynaQuantCodec
+from .core.quantizer import QuantConfig, plan_quantization
 from .dtypes import itemsize
 from .errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
 from .store import CheckpointStore
@@ -78,6 +80,27 @@ class _SafetensorsTensors(Mapping[str, torch.Tensor]):
         return len(self._keys)
 
 
+class _AllSections(Mapping[str, torch.Tensor]):
+    """The tensors of every source file as one lazy mapping, for checkpoint-wide thresholds."""
+
+    def __init__(self, sources: Mapping[str, _SafetensorsTensors]) -> None:
+        self.sources = sources
+
+    @staticmethod
+    def key(section: str, name: str) -> str:
+        return f"{section}::{name}"
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        section, _, name = key.partition("::")
+        return self.sources[section][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self.key(s, n) for s, tensors in self.sources.items() for n in tensors)
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.sources.values())
+
+
 def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
     """(safetensors weight files, other files) under ``src``, as paths relative to it."""
     files = sorted(
@@ -124,6 +147,7 @@ def compress_folder(
     dst: str | Path,
     *,
     codec: Codec | str = "lossless",
+    quant: QuantConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> CompressResult:
@@ -131,6 +155,8 @@ def compress_folder(
 
     Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
     the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
+    With ``codec="dynaquant"`` the weights are quantized with ``quant`` (default
+    :class:`QuantConfig`); without gradients, sensitivity means magnitude.
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -150,13 +176,21 @@ def compress_folder(
             shutil.copy2(root / rel, tmp / rel)
         sources = {str(rel): _SafetensorsTensors(root / rel) for rel in weights}
         store = CheckpointStore(tmp / STORE_DIR)
-        entry = store.write(
-            sources,
-            codecs=codec,
-            ref=MODEL_REF,
-            progress=progress,
-            metadata={"kind": "model_folder", "files": {name: {"metadata": f.metadata} for name, f in sources.items()}},
-        )
+        metadata: dict[str, Any] = {
+            "kind": "model_folder",
+            "files": {name: {"metadata": f.metadata} for name, f in sources.items()},
+        }
+        codecs: Any = codec
+        if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
+            quant = quant or QuantConfig()
+            plan = plan_quantization(_AllSections(sources), quant)
+            metadata["quant_config"] = quant.to_dict()
+            codecs = lambda section, name: (  # noqa: E731
+                DynaQuantCodec(plan.tensors[_AllSections.key(section, name)])
+                if _AllSections.key(section, name) in plan.tensors
+                else "lossless"
+            )
+        entry = store.write(sources, codecs=codecs, ref=MODEL_REF, progress=progress, metadata=metadata)
         info = store.info(entry)
         _publish(tmp, dst, overwrite)
     except BaseException:

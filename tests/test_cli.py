@@ -86,3 +86,43 @@ def test_demo_runs(capsys) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "bit-exact" in out and "verify --deep: OK" in out
+
+
+def test_cli_dynaquant_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    packed, restored = tmp_path / "packed", tmp_path / "restored"
+    args = [
+        "compress",
+        str(minilm_dir),
+        str(packed),
+        "--codec",
+        "dynaquant",
+        "--bins",
+        "16",
+        "--prune",
+        "0.05",
+        "--protect",
+        "0.005",
+        "--metric",
+        "sensitivity",
+        "--quiet",
+    ]
+    with pytest.warns(UserWarning, match="magnitude"):  # no gradients for a saved model
+        assert main(args) == 0
+    assert main(["inspect", str(packed)]) == 0
+    table = capsys.readouterr().out
+    assert "dynaquant" in table and "lossless" in table  # weights quantized, biases and norms exact
+    assert main(["decompress", str(packed), str(restored), "--quiet"]) == 0
+    stored = sum(p.stat().st_size for p in (packed / "dynaquant").rglob("*") if p.is_file())
+    assert (minilm_dir / "model.safetensors").stat().st_size / stored > 5
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir))
+    batch = tok(["Checkpoints are big.", "Quantization makes them small."], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        a = AutoModel.from_pretrained(str(minilm_dir))(**batch).last_hidden_state.mean(1)
+        b = AutoModel.from_pretrained(str(restored))(**batch).last_hidden_state.mean(1)
+    assert torch.nn.functional.cosine_similarity(a, b).min() > 0.9  # a fixed configuration; the search tunes it
+
+    assert main(["compress", str(minilm_dir), str(tmp_path / "bad"), "--codec", "dynaquant", "--bins", "1"]) == 1
+    assert "bins must be between 2 and 254" in capsys.readouterr().err

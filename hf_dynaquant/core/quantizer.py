@@ -23,13 +23,15 @@ so sharded models get the thresholds of the whole model.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from .kmeans import approximate_kmeans, assign
+from .bitplanes import _kernels
+from .kmeans import approximate_kmeans
 from .sketch import LogSketch
 
 __all__ = [
@@ -121,24 +123,45 @@ class TensorPlan:
     """How one tensor is quantized: its thresholds and codebook."""
 
     layer_type: str
-    centres: np.ndarray
+    centres: np.ndarray  # float32, sorted
     protect_magnitude: float  # |w| above this is protected
     protect_sensitivity: float | None  # sensitivity above this is protected (None: unused)
     prune_threshold: float | None  # metric below this is pruned (None: no pruning)
     metric: str
     sensitivity: torch.Tensor | None = field(default=None, repr=False)
 
-    def masks(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(protected, pruned) boolean masks for the flat weights ``w``."""
-        mag = w.abs()
+    def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """``(codes, protected count)`` of flat float32 weights; without centres every value
+        that is neither pruned nor protected gets code ``FIRST_CENTRE``."""
+        centres = self.centres if centres is None else centres
+        mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
+        sens = None if self.sensitivity is None else _flat(self.sensitivity).numpy()
+        tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
+        tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
+        by_sens = self.metric == "sensitivity" and sens is not None
+        if _kernels is not None:
+            codes = np.empty(w.size, dtype=np.uint8)
+            nprot = _kernels.partition_f32(
+                w,
+                sens if sens is not None else w,
+                sens is not None,
+                self.protect_magnitude,
+                tau_sens,
+                tau_prune,
+                by_sens,
+                mids,
+                codes,
+            )
+            return codes, nprot
+        mag = np.abs(w)
         protected = mag > self.protect_magnitude
-        sens = self.sensitivity.reshape(-1) if self.sensitivity is not None else None
-        if self.protect_sensitivity is not None and sens is not None:
-            protected |= sens > self.protect_sensitivity
-        if self.prune_threshold is None:
-            return protected, torch.zeros_like(protected)
-        metric = sens if self.metric == "sensitivity" and sens is not None else mag
-        return protected, (metric < self.prune_threshold) & ~protected
+        if sens is not None:
+            protected |= sens > tau_sens
+        pruned = ((sens if by_sens else mag) < tau_prune) & ~protected
+        codes = (np.searchsorted(mids, w, side="left") + FIRST_CENTRE).astype(np.uint8)
+        codes[pruned] = PRUNED
+        codes[protected] = PROTECTED
+        return codes, int(protected.sum())
 
 
 @dataclass
@@ -150,7 +173,7 @@ class QuantPlan:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).float()
+    return t.detach().reshape(-1).float().contiguous()
 
 
 def plan_quantization(
@@ -164,61 +187,70 @@ def plan_quantization(
 
     ``types`` maps names to layer types (see :func:`layer_types`; inferred when missing);
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
+    Each tensor is read a few times, one at a time, so a lazily loading mapping works.
     """
-    names = [n for n, t in tensors.items() if is_quantizable(t, config)]
+    names, kinds, mag_sketches = [], {}, {}
+    for n in tensors:
+        t = tensors[n]
+        if is_quantizable(t, config):
+            names.append(n)
+            kinds[n] = (types or {}).get(n) or infer_layer_type(n, tuple(t.shape))
+            mag_sketches[n] = LogSketch(config.alpha).add(t, magnitude=True)
     sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
-    kinds = {n: (types or {}).get(n) or infer_layer_type(n, tuple(tensors[n].shape)) for n in names}
+    use_sens = bool(names) and len(sens) == len(names)
+    if config.metric == "sensitivity" and names and not use_sens:
+        warnings.warn(
+            "metric 'sensitivity' needs gradients (|EMA(g) * w|) for every quantized tensor; without them "
+            "pruning and protection fall back to magnitude",
+            stacklevel=2,
+        )
 
-    # protection thresholds, global
-    mag_sketch = LogSketch(config.alpha)
-    for n in names:
-        mag_sketch.add(_flat(tensors[n]).abs())
-    use_sens = bool(sens) and len(sens) == len(names)
+    def merged(sketches: list[LogSketch]) -> LogSketch:
+        out = LogSketch(config.alpha)
+        for sk in sketches:
+            out.merge(sk)
+        return out
+
+    # protection thresholds, global: half by magnitude, half by sensitivity
     share = config.protect / 2 if use_sens else config.protect
-    tau_mag = mag_sketch.quantile(1 - share) if names and config.protect > 0 else float("inf")
+    no_protection = not names or config.protect <= 0
+    tau_mag = float("inf") if no_protection else merged(list(mag_sketches.values())).quantile(1 - share)
     tau_sens = None
-    if use_sens and config.protect > 0:
-        sens_sketch = LogSketch(config.alpha)
-        for n in names:
-            sens_sketch.add(sens[n])
-        tau_sens = sens_sketch.quantile(1 - share)
+    if use_sens and not no_protection:
+        tau_sens = merged([LogSketch(config.alpha).add(sens[n]) for n in names]).quantile(1 - share)
 
     # pruning thresholds, one per layer type
     metric = config.metric if use_sens else "magnitude"
     prune_tau: dict[str, float | None] = {}
     for kind in sorted(set(kinds.values())):
+        members = [n for n in names if kinds[n] == kind]
         if kind == EMBEDDING or config.prune <= 0:
             prune_tau[kind] = None
-            continue
-        sketch = LogSketch(config.alpha)
-        for n in names:
-            if kinds[n] == kind:
-                sketch.add(sens[n] if metric == "sensitivity" else _flat(tensors[n]).abs())
-        prune_tau[kind] = sketch.quantile(config.prune)
+        elif metric == "sensitivity":
+            prune_tau[kind] = merged([LogSketch(config.alpha).add(sens[n]) for n in members]).quantile(config.prune)
+        else:
+            prune_tau[kind] = merged([mag_sketches[n] for n in members]).quantile(config.prune)
 
     plans = {}
     for n in names:
-        plan = TensorPlan(kinds[n], np.zeros(0), tau_mag, tau_sens, prune_tau[kinds[n]], metric, sens.get(n))
-        w = _flat(tensors[n])
-        protected, pruned = plan.masks(w)
-        rest = w[~(protected | pruned)]
+        plan = TensorPlan(
+            kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], metric, sens.get(n)
+        )
+        w = _flat(tensors[n]).numpy()
+        codes, _ = plan.codes(w, np.zeros(0, np.float32))
+        rest = w[codes == FIRST_CENTRE]
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
-        plan.centres = (
-            approximate_kmeans(rest.numpy(), k, sigma=config.sigma, seed=config.seed) if rest.numel() else np.zeros(1)
-        ).astype(np.float32)
+        centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.size else np.zeros(1)
+        plan.centres = centres.astype(np.float32)
         plans[n] = plan
     return QuantPlan(config, plans)
 
 
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan."""
-    flat = _flat(w)
-    protected, pruned = plan.masks(flat)
-    codes = assign(flat.numpy(), plan.centres.astype(np.float32)).astype(np.uint8) + FIRST_CENTRE
-    codes[pruned.numpy()] = PRUNED
-    prot = protected.numpy()
-    codes[prot] = PROTECTED
-    kept = flat[protected].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    flat = _flat(w).numpy()
+    codes, _ = plan.codes(flat)
+    kept = torch.from_numpy(flat[codes == PROTECTED]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return codes, kept
 
 

@@ -110,13 +110,17 @@ class LogSketch:
         """The representative magnitude of a bucket (within ``alpha`` of all its values)."""
         return 2.0 * np.power(self.gamma, key) / (self.gamma + 1.0)
 
-    def add(self, values: torch.Tensor | np.ndarray) -> LogSketch:
-        """Add values (any shape, any float dtype, float32 precision; NaNs are refused)."""
+    def add(self, values: torch.Tensor | np.ndarray, *, magnitude: bool = False) -> LogSketch:
+        """Add values (any shape, any float dtype, float32 precision; NaNs are refused).
+        With ``magnitude``, add their absolute values (without computing them)."""
         x = torch.as_tensor(values).detach().reshape(-1).float()
         if x.device.type == "cpu" and _kernels is not None:
             self._add_cpu(x.contiguous().numpy())
         else:
             self._add_torch(x)
+        if magnitude:
+            self.positive.add_counts(self.negative.offset, self.negative.counts)
+            self.negative = _Store()
         return self
 
     def _add_cpu(self, x: np.ndarray) -> None:

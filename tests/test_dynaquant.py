@@ -1,0 +1,284 @@
+"""The DynaQuant quantizer, delta encoder, codec, Compressor and CLI."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_dynaquant import CheckpointStore
+from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
+from hf_dynaquant.compressor import Compressor, compress_state_dict
+from hf_dynaquant.core import quantizer as quantizer_mod
+from hf_dynaquant.core.delta import (
+    apply_delta,
+    cyclic_delta,
+    regroup,
+    rle_decode,
+    rle_encode,
+    ungroup,
+    varint_decode,
+    varint_encode,
+)
+from hf_dynaquant.core.quantizer import (
+    FIRST_CENTRE,
+    PROTECTED,
+    PRUNED,
+    QuantConfig,
+    dequantize,
+    layer_types,
+    plan_quantization,
+    quantize,
+)
+from hf_dynaquant.core.ranking import GradientEMA
+from hf_dynaquant.errors import CodecError
+
+
+def toy_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(500, 32, generator=g) * 0.1,
+        "fc1.weight": torch.randn(64, 128, generator=g) * 0.05,
+        "fc1.bias": torch.randn(64, generator=g),
+        "conv.weight": torch.randn(16, 8, 3, 3, generator=g) * 0.2,
+        "counter": torch.tensor([3, 4]),
+    }
+
+
+def test_partition_fractions_and_layer_rules() -> None:
+    state = toy_state()
+    plan = plan_quantization(state, QuantConfig(bins=8, prune=0.3, protect=0.01, min_numel=1000))
+    assert set(plan.tensors) == {"embed.weight", "fc1.weight", "conv.weight"}  # 1-D and int stay lossless
+    assert plan.tensors["embed.weight"].layer_type == "Embedding"
+    counts = {n: np.bincount(quantize(state[n], p)[0], minlength=FIRST_CENTRE + 1) for n, p in plan.tensors.items()}
+    total = sum(c.sum() for c in counts.values())
+    protected = sum(c[PROTECTED] for c in counts.values()) / total
+    assert 0.008 <= protected <= 0.012  # top 1% by magnitude, to the sketch's accuracy
+    assert counts["embed.weight"][PRUNED] == 0  # embeddings are never pruned
+    for name in ("fc1.weight", "conv.weight"):  # 30% of each layer type
+        assert abs(counts[name][PRUNED] / counts[name].sum() - 0.3) < 0.02
+    assert plan.tensors["embed.weight"].centres.size == 32 and plan.tensors["fc1.weight"].centres.size == 8
+
+
+def test_codes_are_nearest_centre_and_protected_exact() -> None:
+    state = toy_state(1)
+    plan = plan_quantization(state, QuantConfig(bins=6, prune=0.2, protect=0.02, min_numel=1000))
+    for name, tp in plan.tensors.items():
+        w = state[name].reshape(-1).numpy()
+        codes, prot = quantize(state[name], tp)
+        values = dequantize(codes, tp.centres, prot)
+        q = codes >= FIRST_CENTRE
+        gap = np.abs(w[q, None] - tp.centres[None, :]).min(axis=1)
+        np.testing.assert_allclose(np.abs(w[q] - values[q]), gap, rtol=1e-6, atol=1e-9)  # error = distance to codebook
+        assert np.all(values[codes == PRUNED] == 0)
+        bf16 = torch.from_numpy(w[codes == PROTECTED]).bfloat16().float().numpy()
+        np.testing.assert_array_equal(values[codes == PROTECTED], bf16)
+        # kernel and numpy reference agree
+        saved, quantizer_mod._kernels = quantizer_mod._kernels, None
+        try:
+            assert np.array_equal(quantize(state[name], tp)[0], codes)
+        finally:
+            quantizer_mod._kernels = saved
+
+
+def test_sensitivity_protection_and_pruning() -> None:
+    state = {"w": torch.randn(100, 100)}
+    sens = {"w": torch.zeros(100, 100)}
+    sens["w"][0, :50] = 1.0  # 50 very sensitive weights, whatever their magnitude
+    sens["w"] += torch.rand(100, 100) * 1e-3
+    plan = plan_quantization(
+        state, QuantConfig(prune=0.2, protect=0.01, metric="sensitivity", min_numel=100), sensitivity=sens
+    )
+    codes, _ = quantize(state["w"], plan.tensors["w"])
+    assert np.all(codes.reshape(100, 100)[0, :50] == PROTECTED)
+    assert abs((codes == PRUNED).mean() - 0.2) < 0.02
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="bins"):
+        QuantConfig(bins=300)
+    with pytest.raises(ValueError, match="prune"):
+        QuantConfig(prune=1.0)
+    with pytest.raises(ValueError, match="metric"):
+        QuantConfig(metric="hessian")
+
+
+def test_layer_types_from_model() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16))
+    types = layer_types(model)
+    assert types["transformer.wte.weight"] == "Embedding"
+    assert types["transformer.h.0.attn.c_attn.weight"] == "Conv1D"
+    assert types["transformer.h.0.ln_1.weight"] == "LayerNorm"
+
+
+codes_strategy = st.integers(2, 256).flatmap(
+    lambda levels: st.tuples(st.just(levels), st.lists(st.integers(0, levels - 1), min_size=0, max_size=300))
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prev=codes_strategy, cur=codes_strategy, seed=st.integers(0, 2**16))
+def test_delta_roundtrip_across_changing_levels(prev, cur, seed) -> None:
+    (lp, p), (lc, c) = prev, cur
+    n = min(len(p), len(c))
+    p, c = np.array(p[:n], dtype=np.uint8), np.array(c[:n], dtype=np.uint8)
+    rng = np.random.default_rng(seed)
+    keep = rng.random(n) < 0.7  # mostly unchanged, like training
+    c[keep] = p[keep]
+    c = np.minimum(c, lc - 1).astype(np.uint8)
+    levels = max(lp, lc)
+    d = cyclic_delta(p, c, levels)
+    assert np.array_equal(apply_delta(p, d, levels), c)
+    g = regroup(d, p)
+    assert np.array_equal(ungroup(g, p), d)
+    tokens = rle_encode(g)
+    assert np.all((tokens <= 0) | (tokens > 1))  # values negated, lengths only when > 1
+    assert np.array_equal(rle_decode(tokens), g)
+    assert np.array_equal(varint_decode(varint_encode(tokens)), tokens)
+
+
+def test_rle_rejects_malformed_streams() -> None:
+    with pytest.raises(ValueError):
+        rle_decode(np.array([3, 0]))
+    with pytest.raises(ValueError):
+        rle_decode(np.array([0, 3, 4]))
+    with pytest.raises(ValueError):
+        varint_decode(np.array([0x80], dtype=np.uint8))
+
+
+@pytest.mark.parametrize("coding", ["regroup", "rle", "entropy"])
+def test_chain_of_20_checkpoints_reconstructs_codes_exactly(tmp_path, coding: str) -> None:
+    """Bins change along the chain; every checkpoint decodes to exactly the codes it quantized to."""
+    store = CheckpointStore(tmp_path / coding)
+    torch.manual_seed(0)
+    w = {"a.weight": torch.randn(80, 80) * 0.05, "b.weight": torch.randn(40, 200) * 0.05, "b.bias": torch.randn(40)}
+    prev, expected = None, []
+    for step in range(20):
+        w = {k: v + 1e-3 * torch.randn_like(v) * (step % 3 == 0) for k, v in w.items()}
+        config = QuantConfig(bins=[8, 16, 6, 32, 12][step % 5], prune=0.1, protect=0.005, min_numel=1000)
+        plan = plan_quantization(w, config)
+        codes = {n: quantize(w[n], tp) for n, tp in plan.tensors.items()}
+        expected.append({n: dequantize(c, plan.tensors[n].centres, p) for n, (c, p) in codes.items()})
+        prev = compress_state_dict(store, w, config, base=prev, ref=f"s{step}", delta_coding=coding)
+        expected[-1]["b.bias"] = w["b.bias"].numpy().copy()
+    assert len(store.chain("s19")) == 20 and store.info("s5").base is not None
+    for step in range(20):
+        got = store.open(f"s{step}").load_section("model")
+        for n, values in expected[step].items():
+            np.testing.assert_array_equal(got[n].reshape(-1).numpy(), values.reshape(-1))
+    assert store.verify(deep=True) == []
+
+
+def test_delta_smaller_than_keyframe_and_compaction(tmp_path) -> None:
+    store = CheckpointStore(tmp_path)
+    w = {"w": torch.randn(300, 300) * 0.05}
+    config = QuantConfig(bins=16, prune=0.2, min_numel=100)
+    first = compress_state_dict(store, w, config, ref="k")
+    w2 = {"w": w["w"] + 1e-4 * torch.randn(300, 300)}
+    second = compress_state_dict(store, w2, config, base=first, ref="d")
+    assert store.info(second).base == first
+    assert store.info(second).nbytes < 0.6 * store.info(first).nbytes
+    before = store.open("d").load_section("model")["w"]
+    store.compact("d")
+    store.delete_ref("k")
+    store.gc()
+    assert len(store.entries()) == 1 and torch.equal(store.open("d").load_section("model")["w"], before)
+
+
+def test_bare_codec_needs_a_plan() -> None:
+    from hf_dynaquant.dtypes import to_raw
+
+    with pytest.raises(CodecError, match="plan"):
+        DynaQuantCodec().encode(to_raw(torch.randn(10, 10)))
+    state = QuantState(
+        np.array([2, 3, 0, 1], np.uint8),
+        4,
+        np.array([-1.0, 1.0], np.float32),
+        np.array([0x3F80], np.uint16),
+        "F32",
+        (2, 2),
+    )
+    raw = DynaQuantCodec().to_raw(state)
+    assert raw.dtype == "F32" and np.frombuffer(raw.bits.tobytes(), np.float32).tolist() == [-1.0, 1.0, 0.0, 1.0]
+
+
+def test_gradient_ema_formula_and_window() -> None:
+    lin = torch.nn.Linear(3, 2, bias=False)
+    ema = GradientEMA(lin.named_parameters(), beta=0.9)
+    grads = [torch.ones(2, 3), 2 * torch.ones(2, 3), -torch.ones(2, 3)]
+    expected = grads[0].reshape(-1)
+    for i, g in enumerate(grads):
+        lin.weight.grad = g.clone()
+        ema.start()
+        ema.finish()
+        if i:
+            expected = 0.9 * g.reshape(-1) + 0.1 * expected
+    torch.testing.assert_close(ema.get("weight"), expected)
+    torch.testing.assert_close(ema.sensitivity("weight", lin.weight), (expected.view(2, 3) * lin.weight).abs().detach())
+    with pytest.warns(UserWarning, match="falls back to magnitude"):
+        GradientEMA(lin.named_parameters()).sensitivity("weight", lin.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
+def test_gradient_ema_cuda_matches_cpu() -> None:
+    lin_gpu = torch.nn.Linear(64, 64).cuda()
+    lin_cpu = torch.nn.Linear(64, 64)
+    ema_gpu, ema_cpu = GradientEMA(lin_gpu.named_parameters()), GradientEMA(lin_cpu.named_parameters())
+    for _ in range(3):
+        g = torch.randn(64, 64)
+        lin_gpu.weight.grad, lin_cpu.weight.grad = g.cuda(), g.clone()
+        lin_gpu.bias.grad, lin_cpu.bias.grad = g[0].cuda(), g[0].clone()
+        for e in (ema_gpu, ema_cpu):
+            e.start()
+            e.finish()
+    torch.testing.assert_close(ema_gpu.get("weight"), ema_cpu.get("weight"))
+
+
+def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
+    opt = torch.optim.AdamW(tiny_net.parameters(), lr=1e-3)
+    comp = Compressor(
+        tiny_net,
+        tmp_path,
+        QuantConfig(bins=12, prune=0.1, metric="sensitivity", min_numel=256),
+        optimizer=opt,
+        checkpoint_every=10,
+        ema_steps=3,
+        keyframe_every=3,
+    )
+    recorded = []
+    for step in range(1, 31):
+        tiny_net(torch.randint(0, 50, (4, 6))).pow(2).mean().backward()
+        comp.on_backward_pass_end()
+        opt.step()
+        comp.before_gradient_flush()
+        opt.zero_grad()
+        if step % 10 == 0:
+            recorded.append(comp.ema.steps)
+            comp.compress(step)
+    assert recorded == [3, 3, 3]  # only the window before each checkpoint
+    assert [comp.store.info(f"step-{s}").base is None for s in (10, 20, 30)] == [True, False, False]
+    fresh = type(tiny_net)()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    meta = comp.restore(30, fresh, fresh_opt)
+    assert meta["step"] == 30 and meta["quant_config"]["bins"] == 12
+    decoded = comp.store.open("step-30").load_section("model")
+    for name, t in fresh.state_dict().items():
+        assert torch.equal(t, decoded[name])
+    assert fresh.out.weight is fresh.emb.weight  # still tied
+    assert torch.equal(fresh.steps, tiny_net.steps) and torch.equal(fresh.bf16_buf, tiny_net.bf16_buf)
+    assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_compressor_warns_without_gradients(tmp_path, tiny_net) -> None:
+    comp = Compressor(tiny_net, tmp_path, QuantConfig(min_numel=256))
+    with pytest.warns(UserWarning, match="sensitivity falls back to magnitude"):
+        comp.compress(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        comp.restore(1)

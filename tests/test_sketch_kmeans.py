@@ -1,0 +1,142 @@
+"""Quantile sketch and approximate K-means against exact and library references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ddsketch import DDSketch
+
+from hf_dynaquant.core import sketch as sketch_mod
+from hf_dynaquant.core.kmeans import approximate_kmeans, assign, bucket_weights, weighted_kmeans
+from hf_dynaquant.core.sketch import LogSketch
+
+QS = [0.0, 0.0005, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 0.9995, 1.0]
+
+
+def data(kind: str, n: int = 200_000) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return {
+        "normal": rng.normal(0, 0.02, n),
+        "lognormal": rng.lognormal(-3, 2, n),
+        "zeros": np.where(rng.random(n) < 0.3, 0.0, rng.normal(0, 1, n)),
+        "negative": -np.abs(rng.standard_cauchy(n)),
+    }[kind].astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["normal", "lognormal", "zeros", "negative"])
+@pytest.mark.parametrize("alpha", [0.01, 0.002])
+def test_quantiles_within_relative_error(kind: str, alpha: float) -> None:
+    x = data(kind)
+    est = LogSketch(alpha).add(x).quantiles(QS)
+    exact = np.quantile(x.astype(np.float64), QS, method="lower")
+    tol = alpha * np.abs(exact) + 1e-30
+    assert np.all(np.abs(est - exact) <= tol * (1 + 1e-9)), (est, exact)
+
+
+def test_matches_ddsketch() -> None:
+    x = data("normal", 20_000).astype(np.float64)
+    ours = LogSketch(0.01).add(x)
+    ref = DDSketch(relative_accuracy=0.01)
+    for v in x.tolist():
+        ref.add(v)
+    for q in (0.01, 0.1, 0.5, 0.9, 0.99):
+        assert ours.quantile(q) == pytest.approx(ref.get_quantile_value(q), rel=1e-6)
+
+
+def test_merge_equals_sketch_of_union_and_serialises() -> None:
+    x = data("zeros")
+    a, b = LogSketch(0.01).add(x[:70_000]), LogSketch(0.01).add(x[70_000:])
+    whole = LogSketch(0.01).add(x)
+    assert a.merge(b).to_dict() == whole.to_dict()
+    assert LogSketch.from_dict(whole.to_dict()).to_dict() == whole.to_dict()
+    with pytest.raises(ValueError, match="cannot merge"):
+        LogSketch(0.01).merge(LogSketch(0.02))
+
+
+def test_kernel_and_torch_paths_agree() -> None:
+    x = torch.from_numpy(data("lognormal")) * torch.sign(torch.randn(200_000))
+    x[:10] = float("inf")
+    fast = LogSketch(0.01).add(x)
+    slow = LogSketch(0.01)
+    slow._add_torch(x)
+    assert fast.to_dict() == slow.to_dict()
+
+
+def test_magnitude_mode_and_bad_input() -> None:
+    x = data("normal")
+    assert LogSketch(0.01).add(x, magnitude=True).to_dict() == LogSketch(0.01).add(np.abs(x)).to_dict()
+    with pytest.raises(ValueError, match="NaN"):
+        LogSketch(0.01).add(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="empty"):
+        LogSketch(0.01).quantile(0.5)
+    with pytest.raises(ValueError, match="alpha"):
+        LogSketch(1.5)
+    assert sketch_mod._kernels is not None  # the compiled path is what runs in production
+
+
+def brute_force_kmeans_cost(points: np.ndarray, weights: np.ndarray, k: int) -> float:
+    """Optimal weighted 1-D k-means cost by dynamic programming over contiguous groups."""
+    order = np.argsort(points)
+    p, w = points[order], weights[order]
+    n = p.size
+
+    def cost(i: int, j: int) -> float:  # points i..j-1 in one cluster
+        ww, pp = w[i:j], p[i:j]
+        mu = (ww * pp).sum() / ww.sum()
+        return float((ww * (pp - mu) ** 2).sum())
+
+    best = np.full((k + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(1, n + 1):
+            best[c, j] = min(best[c - 1, i] + cost(i, j) for i in range(j))
+    return float(best[k, n])
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 6])
+def test_weighted_kmeans_near_brute_force_optimum(k: int) -> None:
+    rng = np.random.default_rng(k)
+    points = np.concatenate([rng.normal(c, 0.05, 4) for c in range(k)])
+    weights = rng.uniform(0.5, 2.0, points.size)
+    centres = weighted_kmeans(points, weights, k, seed=0)
+    assert centres.size == k and np.all(np.diff(centres) > 0)
+    ours = float((weights * (points - centres[assign(points, centres)]) ** 2).sum())
+    assert ours <= brute_force_kmeans_cost(points, weights, k) * 1.0001 + 1e-12
+
+
+def test_weights_act_like_repeated_points_and_seed_determinism() -> None:
+    points = np.array([0.0, 0.1, 5.0, 5.2, 10.0])
+    weights = np.array([3, 1, 2, 2, 1], dtype=float)
+    expanded = np.repeat(points, weights.astype(int))
+    a = weighted_kmeans(points, weights, 3, seed=1)
+    b = weighted_kmeans(expanded, np.ones(expanded.size), 3, seed=1)
+    np.testing.assert_allclose(a, b)
+    np.testing.assert_allclose(a, [0.025, 5.1, 10.0])
+    x = data("normal", 50_000)
+    assert np.array_equal(approximate_kmeans(x, 12, seed=7), approximate_kmeans(x, 12, seed=7))
+    assert weighted_kmeans(np.array([1.0, 1.0, 2.0]), np.ones(3), 5).tolist() == [1.0, 2.0]  # fewer distinct points
+
+
+@pytest.mark.parametrize("k", [4, 6, 12, 32])
+def test_approximate_kmeans_close_to_sklearn(k: int) -> None:
+    from sklearn.cluster import KMeans
+
+    x = data("normal", 100_000)
+    ours = approximate_kmeans(x, k, sigma=1.0)
+    ref = np.sort(KMeans(k, n_init=1, random_state=0).fit(x.reshape(-1, 1)).cluster_centers_.ravel())
+
+    def mse(c: np.ndarray) -> float:
+        return float(np.mean((x - c[assign(x, c)]) ** 2))
+
+    assert ours.size == k
+    assert mse(ours) <= 1.05 * mse(ref)
+
+
+def test_bucket_weights_mix_frequency_and_magnitude() -> None:
+    centres, counts = np.array([-2.0, 0.0, 1.0, 4.0]), np.array([1, 6, 2, 1])
+    np.testing.assert_allclose(bucket_weights(centres, counts, 1.0), counts / 10)
+    np.testing.assert_allclose(bucket_weights(centres, counts, 0.0), np.abs(centres) / 7)
+    magnitude_centres = approximate_kmeans(data("normal", 50_000), 8, sigma=0.0)
+    frequency_centres = approximate_kmeans(data("normal", 50_000), 8, sigma=1.0)
+    assert np.abs(magnitude_centres).max() > np.abs(frequency_centres).max()  # resolution moves to the tails
