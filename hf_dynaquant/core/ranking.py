@@ -66,16 +66,16 @@ class GradientEMA:
         self.steps += 1
 
     def _copy_async(self, name: str, grad: torch.Tensor) -> None:
+        if grad.numel() > _STAGING:  # larger than the staging buffer: one blocking copy
+            self._fold(name, grad.detach().float().cpu())
+            return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=grad.device)
             self._staging = torch.empty(_STAGING, dtype=torch.float32, pin_memory=True)
         used = sum(t.numel() for _, t, _ in self._pending)
-        if used + grad.numel() > _STAGING:
-            self.finish()  # staging full: drain what is in flight first
+        if used + grad.numel() > _STAGING:  # staging full: fold what is in flight first
+            self.finish()
             used = 0
-        if grad.numel() > _STAGING:  # larger than the staging buffer: copy through a temporary
-            self._fold(name, grad.detach().float().cpu())
-            return
         dst = self._staging[used : used + grad.numel()]
         event = torch.cuda.Event()
         self._stream.wait_stream(torch.cuda.current_stream(grad.device))
