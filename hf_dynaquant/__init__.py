@@ -8,6 +8,8 @@ chains. Codecs (:mod:`hf_dynaquant.codecs`) turn tensors into compact blobs.
 __version__ = "0.1.0"
 
 from .codecs import Codec, codec_names, get_codec, register_codec
+from .compressor import Compressor, compress_state_dict
+from .core.quantizer import QuantConfig
 from .errors import (
     ChecksumMismatchError,
     CodecError,
@@ -27,6 +29,9 @@ from .store import CheckpointStore, EntryInfo, EntryReader
 __all__ = [
     "__version__",
     "CheckpointStore",
+    "Compressor",
+    "QuantConfig",
+    "compress_state_dict",
     "EntryInfo",
     "EntryReader",
     "Codec",

@@ -39,6 +39,11 @@ def test_full_checkpoint_roundtrip(store, tiny_net) -> None:
         ref="step-3",
     )
     assert store.refs() == {"step-3": eid}
+    info = store.info(eid)
+    assert set(info.sections) == {"model", "optimizer", "scheduler"}
+    assert info.sections["model"][0] == sum(
+        t.numel() * t.element_size() for n, t in tiny_net.state_dict().items() if n != "out.weight"
+    )  # the tied weight counts once
     with store.open("step-3") as entry:
         model_sd = entry.load_section("model")
         assert_state_equal(model_sd, tiny_net.state_dict())

@@ -74,6 +74,7 @@ class EntryInfo:
     nbytes: int  # bytes on disk (manifest + payload)
     raw_nbytes: int  # bytes of the tensors and extras it holds, uncompressed
     metadata: dict[str, Any]
+    sections: dict[str, tuple[int, int]]  # section -> (raw bytes, stored blob bytes)
 
     @property
     def ratio(self) -> float:
@@ -419,10 +420,14 @@ class CheckpointStore:
 
     def info(self, ref_or_id: str) -> EntryInfo:
         with self.open(ref_or_id) as r:
-            raw = sum(rec.get("raw_nbytes", 0) for _, _, rec in r.tensor_records())
-            raw += sum(int(x["size"]) for x in r.manifest["extras"].values())
+            sections: dict[str, tuple[int, int]] = {}
+            for section, _, rec in r.tensor_records():
+                raw, stored = sections.get(section, (0, 0))
+                blobs = sum(b["nbytes"] for b in rec.get("blobs", {}).values())
+                sections[section] = (raw + rec.get("raw_nbytes", 0), stored + blobs)
+            raw = sum(v[0] for v in sections.values()) + sum(int(x["size"]) for x in r.manifest["extras"].values())
             disk = sum(p.stat().st_size for p in r.path.iterdir())
-            return EntryInfo(r.id, r.base, disk, raw, r.metadata)
+            return EntryInfo(r.id, r.base, disk, raw, r.metadata, sections)
 
     def chain(self, ref_or_id: str) -> list[str]:
         """The entry and its bases back to the keyframe, newest first."""
