@@ -40,7 +40,7 @@ def test_full_checkpoint_roundtrip(store, tiny_net) -> None:
     )
     assert store.refs() == {"step-3": eid}
     info = store.info(eid)
-    assert set(info.sections) == {"model", "optimizer", "scheduler"}
+    assert set(info.sections) == {"model", "optimizer"}  # the scheduler tree holds no tensors
     assert info.sections["model"][0] == sum(
         t.numel() * t.element_size() for n, t in tiny_net.state_dict().items() if n != "out.weight"
     )  # the tied weight counts once
