@@ -140,3 +140,10 @@ def test_bucket_weights_mix_frequency_and_magnitude() -> None:
     magnitude_centres = approximate_kmeans(data("normal", 50_000), 8, sigma=0.0)
     frequency_centres = approximate_kmeans(data("normal", 50_000), 8, sigma=1.0)
     assert np.abs(magnitude_centres).max() > np.abs(frequency_centres).max()  # resolution moves to the tails
+
+
+def test_magnitude_mode_leaves_earlier_signed_values_alone() -> None:
+    x = data("normal")
+    mixed = LogSketch(0.01).add(x).add(x[:10], magnitude=True)
+    assert mixed.negative.total == int((x < 0).sum())
+    assert mixed.positive.total == int((x > 0).sum()) + 10

@@ -50,7 +50,11 @@ def weighted_kmeans(
     points: np.ndarray, weights: np.ndarray, k: int, *, seed: int = 0, max_iter: int = 300
 ) -> np.ndarray:
     """Sorted centres of a weighted 1-D k-means; fewer than ``k`` when there are fewer
-    distinct points with positive weight. Deterministic for a given ``seed``."""
+    distinct points with positive weight. Deterministic for a given ``seed``.
+
+    Points are sorted once, so a cluster is a contiguous run of points and one Lloyd iteration
+    is ``k - 1`` binary searches plus prefix-sum differences: O(k log m), not O(m).
+    """
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     points = np.asarray(points, dtype=np.float64)
@@ -63,16 +67,21 @@ def weighted_kmeans(
     points, weights = points[order], weights[order]
     if np.unique(points).size <= k:
         return np.unique(points)
+    cum_w = np.concatenate(([0.0], np.cumsum(weights)))
+    cum_wx = np.concatenate(([0.0], np.cumsum(weights * points)))
     centres = _seed(points, weights, k, np.random.default_rng(seed))
-    labels = None
+    bounds = None
     for _ in range(max_iter):
-        new_labels = assign(points, centres)
-        if labels is not None and np.array_equal(new_labels, labels):
+        # cluster j holds points[bounds[j]:bounds[j+1]]: those nearer to centre j than to its neighbours
+        new_bounds = np.concatenate(
+            ([0], np.searchsorted(points, (centres[1:] + centres[:-1]) / 2, side="right"), [points.size])
+        )
+        if bounds is not None and np.array_equal(new_bounds, bounds):
             break
-        labels = new_labels
-        mass = np.bincount(labels, weights=weights, minlength=centres.size)
-        sums = np.bincount(labels, weights=weights * points, minlength=centres.size)
-        empty = mass == 0
+        bounds = new_bounds
+        mass = np.diff(cum_w[bounds])
+        sums = np.diff(cum_wx[bounds])
+        empty = mass <= 0
         centres = np.where(empty, centres, sums / np.where(empty, 1, mass))
         if empty.any():  # re-seed empty clusters at the points worst served
             err = weights * (points - centres[assign(points, centres)]) ** 2

@@ -114,13 +114,15 @@ class LogSketch:
         """Add values (any shape, any float dtype, float32 precision; NaNs are refused).
         With ``magnitude``, add their absolute values (without computing them)."""
         x = torch.as_tensor(values).detach().reshape(-1).float()
+        if magnitude:  # sketch the signed values apart, then fold their negative store over
+            signed = LogSketch(self.alpha).add(x)
+            signed.positive.add_counts(signed.negative.offset, signed.negative.counts)
+            signed.negative = _Store()
+            return self.merge(signed)
         if x.device.type == "cpu" and _kernels is not None:
             self._add_cpu(x.contiguous().numpy())
         else:
             self._add_torch(x)
-        if magnitude:
-            self.positive.add_counts(self.negative.offset, self.negative.counts)
-            self.negative = _Store()
         return self
 
     def _add_cpu(self, x: np.ndarray) -> None:
