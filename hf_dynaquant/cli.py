@@ -73,6 +73,7 @@ def inspect_table(path: str | Path, ref: str = MODEL_REF, limit: int | None = No
     with store.open(ref) as entry:
         chain = store.chain(entry.id)
         lines.append(f"entry {entry.id[:16]} ({'keyframe' if entry.base is None else f'delta, chain of {len(chain)}'})")
+        lines.extend(_search_lines(entry.metadata.get("search")))
         rows = []
         for section, name, rec in entry.tensor_records():
             after = sum(b["nbytes"] for b in rec.get("blobs", {}).values())
@@ -117,6 +118,29 @@ def inspect_table(path: str | Path, ref: str = MODEL_REF, limit: int | None = No
     )
     lines.append(f"on disk (with manifest and headers): {_human(info.nbytes)}, ratio {info.ratio:.3f}x")
     return "\n".join(lines)
+
+
+def _search_lines(record: dict | None) -> list[str]:
+    """The configuration search's record of an entry, for ``inspect``."""
+    if not record:
+        return []
+    chosen = record.get("config")
+    head = f"search: {record['mode']}, {record['evaluations']} evaluations; "
+    if chosen is None:
+        head += "nothing passed, stored losslessly"
+    else:
+        head += (
+            f"chosen bins={chosen['bins']} prune={chosen['prune']} protect={chosen['protect']} "
+            f"metric={chosen['metric']} embedding_bins={chosen['embedding_bins']}, "
+            f"degradation {record['degradation']:.3%} (baseline {record['baseline']:.4g})"
+        )
+    out = [head, f"  {'bins':>4} {'prune':>5} {'protect':>7} {'metric':<11} {'degradation':>11} {'bits':>6}  passed"]
+    for c in record["candidates"]:
+        out.append(
+            f"  {c['bins']:>4} {c['prune']:>5} {c['protect']:>7} {c['metric']:<11} {c['degradation']:>11.3%} "
+            f"{c['bits']:>6.2f}  {'yes' if c['passed'] else 'no'}"
+        )
+    return out
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

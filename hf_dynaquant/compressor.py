@@ -20,7 +20,7 @@ checkpoint (with ``checkpoint_every``), or always when the schedule is unknown.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA
+from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
 from .store import CheckpointStore
 
 __all__ = ["Compressor", "compress_state_dict", "quantized_codecs"]
@@ -96,6 +97,13 @@ class Compressor:
         keyframe_every: every this many checkpoints is self-contained, which bounds the chain a
             restore replays; the others are deltas on the previous checkpoint.
         delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy`` (for comparisons).
+        threshold: with it, the configuration is searched at every checkpoint (``config`` then
+            only sets the fixed knobs): the most compressive one whose relative degradation of
+            ``metric`` stays within ``threshold``.
+        metric: a :class:`~hf_dynaquant.search.QualityMetric`, or a callable ``model -> float``
+            (lower is better unless ``higher_is_better``); default: mean loss on ``eval_data``.
+        eval_data: evaluation batches (a DataLoader or a list) for the default metric.
+        search_space: the configuration cube (Table 7 by default).
     """
 
     def __init__(
@@ -110,9 +118,24 @@ class Compressor:
         ema_beta: float = 0.9,
         keyframe_every: int = 10,
         delta_coding: str = "regroup",
+        threshold: float | None = None,
+        metric: QualityMetric | Callable[[torch.nn.Module], float] | None = None,
+        higher_is_better: bool = False,
+        eval_data: Iterable[Any] | None = None,
+        search_space: SearchSpace | None = None,
     ) -> None:
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be at least 1, got {keyframe_every}")
+        self.search: ConfigurationSearch | None = None
+        if threshold is not None:
+            if metric is None:
+                if eval_data is None:
+                    raise ValueError("a threshold needs a metric or eval_data (batches for the default mean loss)")
+                metric = mean_loss(eval_data)
+            elif not isinstance(metric, QualityMetric):
+                metric = QualityMetric(metric, higher_is_better=higher_is_better)
+            self.search = ConfigurationSearch(metric, threshold, space=search_space, base=config)
+        self.last_search: SearchResult | None = None
         self.model, self.optimizer = model, optimizer
         self.store = store if isinstance(store, CheckpointStore) else CheckpointStore(store)
         self.config = config or QuantConfig()
@@ -161,21 +184,37 @@ class Compressor:
         """Write checkpoint ``step`` (reference ``step-<step>``); returns the entry id."""
         state = self.model.state_dict()
         params = {p.data_ptr() for p in self.model.parameters()}
+        quantizable = {n for n, t in state.items() if t.data_ptr() in params}
         base = None if self.saves % self.keyframe_every == 0 else self.last_entry
-        entry = compress_state_dict(
-            self.store,
-            state,
-            self.config,
-            types=layer_types(self.model),
-            sensitivity=self._sensitivity(state),
-            quantize_only={n for n, t in state.items() if t.data_ptr() in params},
-            base=base,
-            ref=f"step-{step}",
-            trees={"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None,
-            extras=extras,
-            metadata={"step": step, **dict(metadata or {})},
-            delta_coding=self.delta_coding,
-        )
+        types, sensitivity = layer_types(self.model), self._sensitivity(state)
+        meta: dict[str, Any] = {"step": step, **dict(metadata or {})}
+        trees = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
+        if self.search is None:
+            entry = compress_state_dict(
+                self.store,
+                state,
+                self.config,
+                types=types,
+                sensitivity=sensitivity,
+                quantize_only=quantizable,
+                base=base,
+                ref=f"step-{step}",
+                trees=trees,
+                extras=extras,
+                metadata=meta,
+                delta_coding=self.delta_coding,
+            )
+        else:
+            # the originals the search restores after each candidate: the checkpoint's CPU snapshot
+            snapshot = {n: state[n].detach().to("cpu", copy=True) for n in quantizable}
+            result = self.last_search = self.search.search(self.model, snapshot, types=types, sensitivity=sensitivity)
+            meta["search"] = result.to_dict()
+            if result.config is not None:
+                meta["quant_config"] = result.config.to_dict()
+            codecs = quantized_codecs(result.plan, MODEL, self.delta_coding) if result.plan is not None else "lossless"
+            entry = self.store.write(
+                {MODEL: state}, trees=trees, extras=extras, base=base, ref=f"step-{step}", metadata=meta, codecs=codecs
+            )
         self.ema.reset()
         self.saves += 1
         self.last_entry = entry

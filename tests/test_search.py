@@ -1,0 +1,204 @@
+"""The configuration manager: safe evaluation, guided search vs brute force, steady state,
+fallbacks, records, and data-parallel agreement across two real processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_dynaquant import CheckpointStore, Compressor, QuantConfig
+from hf_dynaquant.cli import inspect_table
+from hf_dynaquant.core.quantizer import plan_quantization
+from hf_dynaquant.search import (
+    ConfigurationSearch,
+    QualityMetric,
+    SearchSpace,
+    accuracy,
+    evaluate_plan,
+    mean_loss,
+)
+
+SMALL = SearchSpace(bins=(4, 6, 8, 12, 16), prune=(0.5, 0.3, 0.1, 0.0), protect=(0.0005, 0.005), metrics=("magnitude",))
+BASE = QuantConfig(min_numel=256)
+
+
+def digits_mlp(seed: int = 0, steps: int = 150) -> tuple[torch.nn.Module, list, list]:
+    """A small MLP trained on sklearn's real 8x8 digits: (model, train batches, eval batches)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = torch.tensor(d.data, dtype=torch.float32) / 16, torch.tensor(d.target)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=g)
+    x, y = x[order], y[order]
+    train = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 1400, 64)]
+    held = [(x[i : i + 128], y[i : i + 128]) for i in range(1400, 1780, 128)]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        xb, yb = train[step % len(train)]
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, train, held
+
+
+def snapshot_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_evaluation_restores_weights_mode_and_rng() -> None:
+    model, _, held = digits_mlp()
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = plan_quantization(snapshot_of(model), QuantConfig(bins=4, prune=0.5, min_numel=256))
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+
+    def noisy_metric(m: torch.nn.Module) -> float:  # consumes RNG and checks it runs in eval mode
+        assert not m.training and not torch.is_grad_enabled()
+        torch.rand(100), random.random(), np.random.rand(5)
+        return mean_loss(held)(m)
+
+    value, bits = evaluate_plan(model, snapshot_of(model), plan, QualityMetric(noisy_metric))
+    assert value > mean_loss(held)(model) and 0 < bits < 3  # 4 bins, half pruned: quantized and cheap
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.bool else v.view(-1).view(torch.int32),
+                           before[k].view(-1).view(torch.int32)), k
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def brute_force(model, snapshot, metric, threshold, space) -> tuple[QuantConfig, int]:
+    baseline = metric(model)
+    best, count = None, 0
+    for point in itertools.product(*(range(n) for n in space.shape)):
+        config = space.config(point, "magnitude", BASE, space.embedding_bins[-1])
+        value, bits = evaluate_plan(model, snapshot, plan_quantization(snapshot, config), metric)
+        count += 1
+        if metric.degradation(baseline, value) <= threshold and (best is None or bits < best[1]):
+            best = (config, bits)
+    return best[0], count
+
+
+@pytest.mark.parametrize("threshold", [0.002, 0.02])
+def test_guided_search_reaches_brute_force_with_fewer_evaluations(threshold: float) -> None:
+    model, _, held = digits_mlp()
+    metric = mean_loss(held)
+    snap = snapshot_of(model)
+    search = ConfigurationSearch(metric, threshold, space=SMALL, base=BASE)
+    result = search.search(model, snap)
+    truth, brute_evals = brute_force(model, snap, metric, threshold, SMALL)
+    assert result.mode == "exhaustive" and result.config is not None
+    chosen, best = SMALL.point_of(result.config), SMALL.point_of(truth)
+    assert result.degradation <= threshold
+    assert max(abs(a - b) for a, b in zip(chosen, best)) <= 1  # the optimum, or within one step of it
+    assert result.evaluations < brute_evals / 2
+    assert len({(c.config.bins, c.config.prune, c.config.protect) for c in result.candidates}) == result.evaluations
+
+
+def test_steady_state_neighbourhood_and_fallback() -> None:
+    model, train, held = digits_mlp()
+    search = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE)
+    first = search.search(model, snapshot_of(model))
+    with torch.no_grad():  # a little more training: the next checkpoint is close to this one
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-4)
+    second = search.search(model, snapshot_of(model))
+    assert second.mode == "neighbourhood" and second.evaluations <= 2
+    assert all(a >= b for a, b in zip(SMALL.point_of(second.config), SMALL.point_of(first.config)))  # not bolder
+    # the quality bar tightens below what the last configuration gives: with a neighbourhood of
+    # just that configuration, the round fails and the exhaustive search runs again
+    snap, metric = snapshot_of(model), search.metric
+    baseline = metric(model)
+    best_quality = SMALL.config((4, 3, 1), "magnitude", BASE, 32)
+    d_best = metric.degradation(baseline, evaluate_plan(model, snap, plan_quantization(snap, best_quality), metric)[0])
+    search.epsilon, search.threshold = 0, (d_best + second.degradation) / 2
+    assert second.degradation > search.threshold > d_best
+    third = search.search(model, snap)
+    assert third.mode == "fallback" and search.fallbacks == 1 and third.degradation <= search.threshold
+
+
+def test_no_passing_configuration_stores_lossless(tmp_path) -> None:
+    model, _, held = digits_mlp()
+    original = [p.detach().clone() for p in model.parameters()]
+
+    def distance(m: torch.nn.Module) -> float:  # any quantization moves the weights: nothing passes at 0
+        return float(sum((p - o).abs().sum() for p, o in zip(m.parameters(), original)))
+
+    comp = Compressor(model, tmp_path, BASE, threshold=0.0, search_space=SMALL,
+                      metric=QualityMetric(distance, relative=False))
+    with pytest.warns(UserWarning, match="stored losslessly"):
+        comp.compress(1)
+    entry = comp.store.open("step-1")
+    assert all(rec["codec"] == "lossless" for _, _, rec in entry.tensor_records())
+    assert entry.metadata["search"]["config"] is None
+
+
+def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
+    model, train, held = digits_mlp(steps=60)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    comp = Compressor(model, tmp_path, BASE, optimizer=opt, threshold=0.01, metric=accuracy(held),
+                      search_space=SMALL, checkpoint_every=10, ema_steps=5)
+    for step in range(1, 31):
+        xb, yb = train[step % len(train)]
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        comp.on_backward_pass_end()
+        opt.step()
+        comp.before_gradient_flush()
+        opt.zero_grad()
+        if step % 10 == 0:
+            comp.compress(step)
+    modes = [comp.store.open(f"step-{s}").metadata["search"]["mode"] for s in (10, 20, 30)]
+    assert modes[0] == "exhaustive" and set(modes[1:]) <= {"neighbourhood", "fallback"}
+    rec = comp.store.open("step-30").metadata["search"]
+    assert rec["degradation"] <= 0.01 and rec["evaluations"] == len(rec["candidates"]) >= 1
+    assert rec["config"]["metric"] in ("magnitude", "sensitivity")
+    table = inspect_table(tmp_path, ref="step-30")
+    assert "search:" in table and "degradation" in table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model, _, held = digits_mlp()
+        search = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE)
+        result = search.search(model, snapshot_of(model))
+        out[rank] = (result.config, result.evaluations, [c.config for c in result.candidates])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_agree_and_match_one_process() -> None:
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
+    (c0, e0, cands0), (c1, e1, cands1) = out[0], out[1]
+    assert c0 == c1 and cands0 == cands1  # every rank saw every result and chose the same
+    model, _, held = digits_mlp()
+    torch.set_num_threads(1)
+    single = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE).search(model, snapshot_of(model))
+    assert single.config == c0
