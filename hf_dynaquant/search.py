@@ -238,6 +238,7 @@ class SearchResult:
     baseline: float
     mode: str  # "exhaustive" | "neighbourhood" | "fallback"
     candidates: list[Candidate] = field(default_factory=list)
+    local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)
 
     @property
@@ -388,11 +389,11 @@ class ConfigurationSearch:
                 "this checkpoint is stored losslessly",
                 stacklevel=2,
             )
-            return SearchResult(None, None, baseline, mode, ctx.tried)
+            return SearchResult(None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local)
         found = ctx.embedding_bins(found)
         self.last = found.config
         plan = found.plan or plan_quantization(snapshot, found.config, types=types, sensitivity=sensitivity)
-        return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, plan)
+        return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan)
 
 
 class _Context:
@@ -410,6 +411,7 @@ class _Context:
         self.owner, self.model, self.snapshot = owner, model, snapshot
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.tried: list[Candidate] = []
+        self.local = 0
         self._cache: dict[QuantConfig, Candidate] = {}
         self.has_embeddings = any((types or {}).get(n) == EMBEDDING for n in snapshot) or any(
             "embed" in n.lower() for n in snapshot
@@ -433,6 +435,7 @@ class _Context:
                 value, bits = evaluate_plan(self.model, self.snapshot, plan, self.owner.metric)
                 deg = self.owner.metric.degradation(self.baseline, value)
                 mine.append(Candidate(batch[rank], deg, bits, deg <= self.owner.threshold, plan))
+                self.local += 1
             gathered = _gather([replace(c, plan=None) for c in mine]) if world > 1 else mine
             for cand in gathered:
                 self._cache[cand.config] = cand

@@ -41,8 +41,9 @@ def digits_mlp(seed: int = 0, steps: int = 150) -> tuple[torch.nn.Module, list, 
     train = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 1400, 64)]
     held = [(x[i : i + 128], y[i : i + 128]) for i in range(1400, 1780, 128)]
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(steps):
         xb, yb = train[step % len(train)]
@@ -78,9 +79,13 @@ def test_evaluation_restores_weights_mode_and_rng() -> None:
     assert value > mean_loss(held)(model) and 0 < bits < 3  # 4 bins, half pruned: quantized and cheap
     assert model.training
     for k, v in model.state_dict().items():
-        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.bool else v.view(-1).view(torch.int32),
-                           before[k].view(-1).view(torch.int32)), k
-    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype == torch.bool else v.view(-1).view(torch.int32),
+            before[k].view(-1).view(torch.int32),
+        ), k
+    assert (
+        torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+    )
 
 
 def brute_force(model, snapshot, metric, threshold, space) -> tuple[QuantConfig, int]:
@@ -140,8 +145,9 @@ def test_no_passing_configuration_stores_lossless(tmp_path) -> None:
     def distance(m: torch.nn.Module) -> float:  # any quantization moves the weights: nothing passes at 0
         return float(sum((p - o).abs().sum() for p, o in zip(m.parameters(), original)))
 
-    comp = Compressor(model, tmp_path, BASE, threshold=0.0, search_space=SMALL,
-                      metric=QualityMetric(distance, relative=False))
+    comp = Compressor(
+        model, tmp_path, BASE, threshold=0.0, search_space=SMALL, metric=QualityMetric(distance, relative=False)
+    )
     with pytest.warns(UserWarning, match="stored losslessly"):
         comp.compress(1)
     entry = comp.store.open("step-1")
@@ -152,8 +158,17 @@ def test_no_passing_configuration_stores_lossless(tmp_path) -> None:
 def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
     model, train, held = digits_mlp(steps=60)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    comp = Compressor(model, tmp_path, BASE, optimizer=opt, threshold=0.01, metric=accuracy(held),
-                      search_space=SMALL, checkpoint_every=10, ema_steps=5)
+    comp = Compressor(
+        model,
+        tmp_path,
+        BASE,
+        optimizer=opt,
+        threshold=0.01,
+        metric=accuracy(held),
+        search_space=SMALL,
+        checkpoint_every=10,
+        ema_steps=5,
+    )
     for step in range(1, 31):
         xb, yb = train[step % len(train)]
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
@@ -186,7 +201,7 @@ def _rank_main(rank: int, world: int, port: int, out: dict) -> None:
         model, _, held = digits_mlp()
         search = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE)
         result = search.search(model, snapshot_of(model))
-        out[rank] = (result.config, result.evaluations, [c.config for c in result.candidates])
+        out[rank] = (result.config, result.local_evaluations, [c.config for c in result.candidates])
     finally:
         torch.distributed.destroy_process_group()
 
@@ -198,6 +213,7 @@ def test_two_processes_agree_and_match_one_process() -> None:
     mp.spawn(_rank_main, args=(2, _free_port(), out), nprocs=2, join=True)
     (c0, e0, cands0), (c1, e1, cands1) = out[0], out[1]
     assert c0 == c1 and cands0 == cands1  # every rank saw every result and chose the same
+    assert e0 > 0 and e1 > 0 and e0 + e1 == len(cands0)  # the ranks shared the evaluations
     model, _, held = digits_mlp()
     torch.set_num_threads(1)
     single = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE).search(model, snapshot_of(model))
