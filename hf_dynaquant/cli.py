@@ -36,6 +36,8 @@ def _human(n: float) -> str:
 def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     quant = None
+    if args.threshold is not None and args.codec != "dynaquant":
+        raise DynaQuantError("--threshold searches a dynaquant configuration: add --codec dynaquant")
     if args.codec == "dynaquant":
         quant = QuantConfig(
             bins=args.bins,
@@ -45,12 +47,18 @@ def _cmd_compress(args: argparse.Namespace) -> int:
             embedding_bins=args.embedding_bins,
         )
     res = compress_folder(
-        args.src, args.dst, codec=args.codec, quant=quant, overwrite=args.overwrite, progress=not args.quiet
+        args.src,
+        args.dst,
+        codec=args.codec,
+        quant=quant,
+        threshold=args.threshold,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
     )
     dt = time.perf_counter() - t0
     print(
         f"{args.src} -> {res.path}: {_human(res.raw_nbytes)} -> {_human(res.stored_nbytes)} "
-        f"({res.ratio:.3f}x, {res.raw_nbytes / dt / 1e6:.0f} MB/s), entry {res.entry[:16]}"
+        f"({res.ratio:.3f}x, {dt:.1f} s), entry {res.entry[:16]}"
     )
     return 0
 
@@ -219,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.metric,
         help="pruning metric; sensitivity needs gradients, so for a saved model it means magnitude",
     )
+    q.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="search the configuration instead: the most compressive one whose output distortion (relative "
+        "squared error of the model's outputs on calibration text) stays within this value, e.g. 0.01; "
+        "--bins etc. then only set the starting knobs",
+    )
+
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_compress)

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from .calibration import search_pretrained
 from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, plan_quantization
@@ -148,6 +149,7 @@ def compress_folder(
     *,
     codec: Codec | str = "lossless",
     quant: QuantConfig | None = None,
+    threshold: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> CompressResult:
@@ -156,7 +158,9 @@ def compress_folder(
     Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
     the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
     With ``codec="dynaquant"`` the weights are quantized with ``quant`` (default
-    :class:`QuantConfig`); without gradients, sensitivity means magnitude.
+    :class:`QuantConfig`), or, given a ``threshold``, with the most compressive configuration
+    whose output distortion on calibration text stays within it (see
+    :mod:`hf_dynaquant.calibration`); without gradients, sensitivity means magnitude.
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -182,6 +186,15 @@ def compress_folder(
         }
         codecs: Any = codec
         if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
+            if threshold is not None:
+                result = search_pretrained(root, threshold, base=quant)
+                metadata["search"] = result.to_dict()
+                if result.config is None:
+                    raise DynaQuantError(
+                        f"{src}: no configuration keeps the output distortion within {threshold}; "
+                        "use the lossless codec or a larger --threshold"
+                    )
+                quant = result.config
             quant = quant or QuantConfig()
             plan = plan_quantization(_AllSections(sources), quant)
             metadata["quant_config"] = quant.to_dict()

@@ -126,3 +126,34 @@ def test_cli_dynaquant_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
 
     assert main(["compress", str(minilm_dir), str(tmp_path / "bad"), "--codec", "dynaquant", "--bins", "1"]) == 1
     assert "bins must be between 2 and 254" in capsys.readouterr().err
+
+
+def tiny_bert_folder(minilm_dir: Path, dst: Path) -> Path:
+    """A small BERT saved like a Hub model (config, safetensors, MiniLM's tokenizer)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    BertModel(config).save_pretrained(str(dst))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, dst / name)
+    return dst
+
+
+def test_cli_threshold_searches_the_configuration(minilm_dir: Path, tmp_path: Path, capsys) -> None:
+    src = tiny_bert_folder(minilm_dir, tmp_path / "tiny")
+    out = tmp_path / "tiny-dq"
+    assert main(["compress", str(src), str(out), "--codec", "dynaquant", "--threshold", "0.05", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "search: exhaustive" in table and "chosen bins=" in table
+    assert main(["compress", str(src), str(tmp_path / "x"), "--threshold", "0.05"]) == 1
+    assert "add --codec dynaquant" in capsys.readouterr().err

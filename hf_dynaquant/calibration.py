@@ -1,0 +1,70 @@
+"""Configuration search for a saved pre-trained model, with nothing asked of the user.
+
+Without the user's own metric and data, quality is the model's faithfulness to itself: the
+relative squared error between the original model's outputs and the quantized model's outputs
+(:func:`~hf_dynaquant.search.output_distortion`) on calibration text: standard-library docstrings,
+tokenized with the model's own tokenizer. The search picks the most compressive configuration
+whose distortion stays within the threshold.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .core.quantizer import QuantConfig, layer_types
+from .corpus import docstring_corpus
+from .errors import DynaQuantError
+from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, output_distortion
+
+__all__ = ["calibration_batches", "search_pretrained"]
+
+
+def calibration_batches(tokenizer: Any, *, batches: int = 4, batch_size: int = 8, seq_len: int = 128) -> list[dict]:
+    """Tokenized docstring text, as model-ready batches (deterministic)."""
+    paragraphs = [p for p in docstring_corpus().split("\n\n") if len(p) > 200]
+    step = max(1, len(paragraphs) // (batches * batch_size))
+    texts = paragraphs[::step][: batches * batch_size]
+    out = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(
+            texts[i : i + batch_size], return_tensors="pt", padding=True, truncation=True, max_length=seq_len
+        )
+        out.append(dict(enc))
+    return out
+
+
+def search_pretrained(
+    folder: str | Path,
+    threshold: float,
+    *,
+    metric: QualityMetric | None = None,
+    space: SearchSpace | None = None,
+    base: QuantConfig | None = None,
+) -> SearchResult:
+    """Search the configuration for the model in ``folder`` (loaded with transformers'
+    ``AutoModel``; calibration text through its ``AutoTokenizer`` unless ``metric`` is given)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        model = AutoModel.from_pretrained(str(folder)).eval()
+    except (OSError, ValueError) as exc:
+        raise DynaQuantError(
+            f"{folder}: cannot load the model to evaluate configurations ({exc}); "
+            "give --bins/--prune/--protect instead of --threshold"
+        ) from None
+    if metric is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise DynaQuantError(f"{folder}: no tokenizer for calibration text ({exc})") from None
+        metric = output_distortion(model, calibration_batches(tokenizer))
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    search = ConfigurationSearch(metric, threshold, space=space, base=base)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*needs gradients.*")  # a saved model has none
+        with torch.no_grad():
+            return search.search(model, snapshot, types=layer_types(model))
