@@ -412,6 +412,7 @@ class _Context:
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.tried: list[Candidate] = []
         self.local = 0
+        self.sketches: dict = {}  # per-tensor sketches, shared by every candidate of this checkpoint
         self._cache: dict[QuantConfig, Candidate] = {}
         self.has_embeddings = any((types or {}).get(n) == EMBEDDING for n in snapshot) or any(
             "embed" in n.lower() for n in snapshot
@@ -431,7 +432,13 @@ class _Context:
             batch = todo[start : start + world]
             mine = []
             if rank < len(batch):
-                plan = plan_quantization(self.snapshot, batch[rank], types=self.types, sensitivity=self.sensitivity)
+                plan = plan_quantization(
+                    self.snapshot,
+                    batch[rank],
+                    types=self.types,
+                    sensitivity=self.sensitivity,
+                    sketch_cache=self.sketches,
+                )
                 value, bits = evaluate_plan(self.model, self.snapshot, plan, self.owner.metric)
                 deg = self.owner.metric.degradation(self.baseline, value)
                 mine.append(Candidate(batch[rank], deg, bits, deg <= self.owner.threshold, plan))

@@ -24,7 +24,7 @@ so sharded models get the thresholds of the whole model.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -182,20 +182,32 @@ def plan_quantization(
     *,
     types: Mapping[str, str] | None = None,
     sensitivity: Mapping[str, torch.Tensor] | None = None,
+    sketch_cache: dict | None = None,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
     ``types`` maps names to layer types (see :func:`layer_types`; inferred when missing);
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
     Each tensor is read a few times, one at a time, so a lazily loading mapping works.
+    ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
+    sketches, which do not depend on the configuration: the configuration search plans many
+    candidates for one checkpoint.
     """
+    cache = sketch_cache if sketch_cache is not None else {}
+
+    def sketch_of(name: str, kind: str, values: Callable[[], torch.Tensor], magnitude: bool) -> LogSketch:
+        key = (name, kind, config.alpha)
+        if key not in cache:
+            cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
+        return cache[key]
+
     names, kinds, mag_sketches = [], {}, {}
     for n in tensors:
         t = tensors[n]
         if is_quantizable(t, config):
             names.append(n)
             kinds[n] = (types or {}).get(n) or infer_layer_type(n, tuple(t.shape))
-            mag_sketches[n] = LogSketch(config.alpha).add(t, magnitude=True)
+            mag_sketches[n] = sketch_of(n, "magnitude", lambda t=t: t, True)
     sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     use_sens = bool(names) and len(sens) == len(names)
     if config.metric == "sensitivity" and names and not use_sens:
@@ -217,7 +229,7 @@ def plan_quantization(
     tau_mag = float("inf") if no_protection else merged(list(mag_sketches.values())).quantile(1 - share)
     tau_sens = None
     if use_sens and not no_protection:
-        tau_sens = merged([LogSketch(config.alpha).add(sens[n]) for n in names]).quantile(1 - share)
+        tau_sens = merged([sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in names]).quantile(1 - share)
 
     # pruning thresholds, one per layer type
     metric = config.metric if use_sens else "magnitude"
@@ -227,7 +239,8 @@ def plan_quantization(
         if kind == EMBEDDING or config.prune <= 0:
             prune_tau[kind] = None
         elif metric == "sensitivity":
-            prune_tau[kind] = merged([LogSketch(config.alpha).add(sens[n]) for n in members]).quantile(config.prune)
+            sketches = [sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in members]
+            prune_tau[kind] = merged(sketches).quantile(config.prune)
         else:
             prune_tau[kind] = merged([mag_sketches[n] for n in members]).quantile(config.prune)
 
