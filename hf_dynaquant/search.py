@@ -39,6 +39,7 @@ import torch
 from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
 
 __all__ = [
+    "held_out",
     "QualityMetric",
     "SearchSpace",
     "SearchResult",
@@ -74,6 +75,12 @@ class QualityMetric:
 
 def _batches(data: Iterable[Any]) -> list[Any]:
     return list(data)
+
+
+def held_out(data: Iterable[Any], n: int) -> list[Any]:
+    """The first ``n`` batches of ``data`` (a DataLoader, a list, any iterable), materialised,
+    to evaluate candidates on; keep them out of training."""
+    return list(itertools.islice(iter(data), n))
 
 
 def _loss_of(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from hf_dynaquant.search import (
     SearchSpace,
     accuracy,
     evaluate_plan,
+    held_out,
     mean_loss,
 )
 
@@ -106,7 +107,10 @@ def test_guided_search_reaches_brute_force_with_fewer_evaluations(threshold: flo
     metric = mean_loss(held)
     snap = snapshot_of(model)
     search = ConfigurationSearch(metric, threshold, space=SMALL, base=BASE)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     result = search.search(model, snap)
+    after = model.state_dict()
+    assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)  # bit-identical
     truth, brute_evals = brute_force(model, snap, metric, threshold, SMALL)
     assert result.mode == "exhaustive" and result.config is not None
     chosen, best = SMALL.point_of(result.config), SMALL.point_of(truth)
@@ -218,3 +222,16 @@ def test_two_processes_agree_and_match_one_process() -> None:
     torch.set_num_threads(1)
     single = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE).search(model, snapshot_of(model))
     assert single.config == c0
+
+
+def test_held_out_batches_and_metric_kinds() -> None:
+    model, train, held = digits_mlp(steps=30)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.rand(40, 64), torch.randint(0, 10, (40,))), batch_size=8
+    )
+    kept = held_out(loader, 3)
+    assert len(kept) == 3 and all(torch.equal(a[0], b[0]) for a, b in zip(kept, list(loader)[:3]))
+    loss, acc = mean_loss(held), accuracy(held)
+    assert loss(model) > 0 and 0 <= acc(model) <= 1
+    assert acc.degradation(0.9, 0.891) == pytest.approx(0.01) and loss.degradation(2.0, 2.02) == pytest.approx(0.01)
+    assert QualityMetric(lambda m: 1.0, relative=False).degradation(0.0, 0.05) == pytest.approx(0.05)
