@@ -14,7 +14,7 @@ import torch
 
 from .errors import UnsupportedTensorError
 
-__all__ = ["RawTensor", "FloatLayout", "FLOAT_LAYOUTS", "to_raw", "from_raw", "dtype_name", "itemsize"]
+__all__ = ["RawTensor", "FloatLayout", "FLOAT_LAYOUTS", "to_raw", "from_raw", "dtype_name", "itemsize", "storage_key"]
 
 # safetensors name -> (torch dtype, item size in bytes)
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -120,6 +120,14 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
     bits = np.ascontiguousarray(raw.bits).view(_BITS[size])
     signed = torch.from_numpy(bits.view(np.dtype(f"<i{size}") if size > 1 else np.uint8))
     return signed.view(torch_dtype(raw.dtype)).reshape(raw.shape)
+
+
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """Identifies a tensor view exactly: two names with the same key are one tensor (tied
+    weights). None for empty or non-strided tensors, which are never shared."""
+    if t.numel() == 0 or t.layout != torch.strided:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def raw_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview | np.ndarray) -> RawTensor:

@@ -282,3 +282,19 @@ def test_compressor_warns_without_gradients(tmp_path, tiny_net) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         comp.restore(1)
+
+
+def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:
+    emb = torch.nn.Embedding(300, 32)
+    head = torch.nn.Linear(32, 300, bias=False)
+    head.weight = emb.weight
+    state = {"head.weight": head.weight, "emb.weight": emb.weight}  # the head comes first
+    plan = plan_quantization(
+        state, QuantConfig(prune=0.3, min_numel=1000), types={"head.weight": "Linear", "emb.weight": "Embedding"}
+    )
+    assert list(plan.tensors) == ["head.weight"] and plan.tensors["head.weight"].layer_type == "Embedding"
+    assert plan.tensors["head.weight"].prune_threshold is None  # tied to an embedding: never pruned
+    store = CheckpointStore(tmp_path)
+    compress_state_dict(store, state, QuantConfig(prune=0.3, min_numel=1000), ref="t")
+    got = store.open("t").load_section("model")
+    assert got["emb.weight"] is got["head.weight"] and int((got["emb.weight"] == 0).sum()) == 0

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..dtypes import storage_key
 from .bitplanes import _kernels
 from .kmeans import approximate_kmeans
 from .sketch import LogSketch
@@ -201,13 +202,22 @@ def plan_quantization(
             cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
         return cache[key]
 
-    names, kinds, mag_sketches = [], {}, {}
+    names, kinds, mag_sketches, first_name = [], {}, {}, {}
     for n in tensors:
         t = tensors[n]
-        if is_quantizable(t, config):
-            names.append(n)
-            kinds[n] = (types or {}).get(n) or infer_layer_type(n, tuple(t.shape))
-            mag_sketches[n] = sketch_of(n, "magnitude", lambda t=t: t, True)
+        if not is_quantizable(t, config):
+            continue
+        kind = (types or {}).get(n) or infer_layer_type(n, tuple(t.shape))
+        key = storage_key(t)
+        if key in first_name:  # a tied weight: planned once, under its first name (as the store keeps it)
+            if kind == EMBEDDING:
+                kinds[first_name[key]] = EMBEDDING  # tied to an embedding: never pruned
+            continue
+        if key is not None:
+            first_name[key] = n
+        names.append(n)
+        kinds[n] = kind
+        mag_sketches[n] = sketch_of(n, "magnitude", lambda t=t: t, True)
     sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     use_sens = bool(names) and len(sens) == len(names)
     if config.metric == "sensitivity" and names and not use_sens:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.entropy import decode_stream, encode_stream
-from ..dtypes import RawTensor, dtype_name, from_raw, to_raw
+from ..dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -288,12 +288,11 @@ class EntryReader:
         out: dict[str, torch.Tensor] = {}
         records = self._section(section)
         for name in tqdm(list(records), desc=f"decoding {section}", unit="tensor", disable=not progress):
-            target = records[name].get("alias_of")
-            if target is not None:
-                out[name] = out[target] if target in out else self.tensor(section, target)
-            else:
-                out[name] = self.tensor(section, name)
-        return out
+            target = records[name].get("alias_of", name)
+            if target not in out:
+                out[target] = self.tensor(section, target)
+            out[name] = out[target]
+        return {name: out[name] for name in records}
 
     def tree(self, name: str) -> Any:
         """A nested structure stored with ``trees=`` (an optimizer state dict, say)."""
@@ -330,14 +329,6 @@ class EntryReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """Identifies a tensor view exactly; two tensors with the same key are the same tensor
-    under two names (tied weights)."""
-    if t.numel() == 0 or t.layout != torch.strided:
-        return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 class CheckpointStore:
@@ -503,7 +494,7 @@ class CheckpointStore:
                     seen = {}
                     for name, tensor in group.items():
                         bar.update()
-                        key = _storage_key(tensor)
+                        key = storage_key(tensor)
                         if key in seen:
                             writer.add_alias(
                                 section,
