@@ -289,12 +289,11 @@ def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:
     head = torch.nn.Linear(32, 300, bias=False)
     head.weight = emb.weight
     state = {"head.weight": head.weight, "emb.weight": emb.weight}  # the head comes first
-    plan = plan_quantization(
-        state, QuantConfig(prune=0.3, min_numel=1000), types={"head.weight": "Linear", "emb.weight": "Embedding"}
-    )
+    types = {"head.weight": "Linear", "emb.weight": "Embedding"}
+    plan = plan_quantization(state, QuantConfig(prune=0.3, min_numel=1000), types=types)
     assert list(plan.tensors) == ["head.weight"] and plan.tensors["head.weight"].layer_type == "Embedding"
     assert plan.tensors["head.weight"].prune_threshold is None  # tied to an embedding: never pruned
     store = CheckpointStore(tmp_path)
-    compress_state_dict(store, state, QuantConfig(prune=0.3, min_numel=1000), ref="t")
+    compress_state_dict(store, state, QuantConfig(prune=0.3, min_numel=1000), types=types, ref="t")
     got = store.open("t").load_section("model")
     assert got["emb.weight"] is got["head.weight"] and int((got["emb.weight"] == 0).sum()) == 0
