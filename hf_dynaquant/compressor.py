@@ -65,8 +65,11 @@ def compress_state_dict(
     metadata: Mapping[str, Any] | None = None,
     delta_coding: str = "regroup",
     progress: bool = False,
+    base_states: Mapping[tuple[str, str], Any] | None = None,
+    keep_states: dict[tuple[str, str], Any] | None = None,
 ) -> str:
-    """Quantize a state dict with ``config`` and write it to ``store``; returns the entry id."""
+    """Quantize a state dict with ``config`` and write it to ``store``; returns the entry id.
+    (``base_states`` / ``keep_states``: see :meth:`CheckpointStore.write`.)"""
     selected = {n: t for n, t in state.items() if quantize_only is None or n in quantize_only}
     plan = plan_quantization(selected, config, types=types, sensitivity=sensitivity)
     meta = {"quant_config": config.to_dict(), "quantized_tensors": len(plan.tensors), **dict(metadata or {})}
@@ -79,6 +82,8 @@ def compress_state_dict(
         base=base,
         ref=ref,
         progress=progress,
+        base_states=base_states,
+        keep_states=keep_states,
     )
 
 
@@ -145,6 +150,7 @@ class Compressor:
         self.step = 0  # optimizer steps seen (counted in before_gradient_flush)
         self.saves = 0
         self.last_entry: str | None = None
+        self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
 
     def _collecting(self) -> bool:
         if not self.checkpoint_every:
@@ -189,6 +195,7 @@ class Compressor:
         types, sensitivity = layer_types(self.model), self._sensitivity(state)
         meta: dict[str, Any] = {"step": step, **dict(metadata or {})}
         trees = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
+        states: dict[tuple[str, str], Any] = {}
         if self.search is None:
             entry = compress_state_dict(
                 self.store,
@@ -203,6 +210,8 @@ class Compressor:
                 extras=extras,
                 metadata=meta,
                 delta_coding=self.delta_coding,
+                base_states=self._states,
+                keep_states=states,
             )
         else:
             # the originals the search restores after each candidate: the checkpoint's CPU snapshot
@@ -213,8 +222,17 @@ class Compressor:
                 meta["quant_config"] = result.config.to_dict()
             codecs = quantized_codecs(result.plan, MODEL, self.delta_coding) if result.plan is not None else "lossless"
             entry = self.store.write(
-                {MODEL: state}, trees=trees, extras=extras, base=base, ref=f"step-{step}", metadata=meta, codecs=codecs
+                {MODEL: state},
+                trees=trees,
+                extras=extras,
+                base=base,
+                ref=f"step-{step}",
+                metadata=meta,
+                codecs=codecs,
+                base_states=self._states,
+                keep_states=states,
             )
+        self._states = states
         self.ema.reset()
         self.saves += 1
         self.last_entry = entry

@@ -297,3 +297,24 @@ def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:
     compress_state_dict(store, state, QuantConfig(prune=0.3, min_numel=1000), types=types, ref="t")
     got = store.open("t").load_section("model")
     assert got["emb.weight"] is got["head.weight"] and int((got["emb.weight"] == 0).sum()) == 0
+
+
+def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> None:
+    torch.manual_seed(1)
+    ws = [{"w": torch.randn(120, 90) * 0.05}]
+    for _ in range(3):
+        ws.append({"w": ws[-1]["w"] + 1e-3 * torch.randn(120, 90)})
+    config = QuantConfig(bins=12, prune=0.1, min_numel=100)
+    ids = {}
+    for cached in (False, True):
+        store, prev, states = CheckpointStore(tmp_path / str(cached)), None, {}
+        out = []
+        for w in ws:
+            kept: dict = {}
+            prev = compress_state_dict(
+                store, w, config, base=prev, base_states=states if cached else None, keep_states=kept
+            )
+            states = kept
+            out.append(prev)
+        ids[cached] = out
+    assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads

@@ -49,6 +49,7 @@ class Codec(ABC):
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
+    stable_state: ClassVar[bool] = False  # True if Encoded.state owns its memory (safe to keep)
 
     @abstractmethod
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:

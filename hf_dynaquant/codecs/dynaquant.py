@@ -94,6 +94,7 @@ class DynaQuantCodec(Codec):
 
     name = "dynaquant"
     version = 1
+    stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = "regroup") -> None:
         if delta_coding not in DELTA_CODINGS:

@@ -442,6 +442,8 @@ class CheckpointStore:
         base: str | None = None,
         ref: str | None = None,
         progress: bool = False,
+        base_states: Mapping[tuple[str, str], Any] | None = None,
+        keep_states: dict[tuple[str, str], Any] | None = None,
     ) -> str:
         """Write one checkpoint as a new entry and return its id.
 
@@ -459,6 +461,10 @@ class CheckpointStore:
                 from it are stored self-contained, and an entry using no base is a keyframe.
             ref: a reference name to point at the new entry.
             progress: show a progress bar.
+            base_states: ``{(section, name): state}`` of the base entry, as collected by
+                ``keep_states`` when it was written; saves decoding the base's chain again.
+            keep_states: a dict to fill with the states a later delta on this entry will need
+                (only codecs whose state owns its memory, like ``dynaquant``'s codes).
 
         The tensors are read while this runs; do not modify them concurrently.
         """
@@ -507,8 +513,14 @@ class CheckpointStore:
                             seen[key] = name
                         codec = codec_for(section, name)
                         raw = to_raw(tensor, f"{section}/{name}")
-                        base_state = _base_state(base_reader, section, name, raw)
-                        writer.add_encoded(section, name, raw, codec, codec.encode(raw, base_state))
+                        if base_reader is not None and base_states is not None and (section, name) in base_states:
+                            base_state = base_states[(section, name)]
+                        else:
+                            base_state = _base_state(base_reader, section, name, raw)
+                        encoded = codec.encode(raw, base_state)
+                        writer.add_encoded(section, name, raw, codec, encoded)
+                        if keep_states is not None and codec.stable_state:
+                            keep_states[(section, name)] = encoded.state
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))
             return_id = writer.finish(base_id, skeletons, dict(metadata or {}))
