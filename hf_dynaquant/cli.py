@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="search the configuration instead: the most compressive one whose output distortion (relative "
         "squared error of the model's outputs on calibration text) stays within this value, e.g. 0.01; "
-        "--bins etc. then only set the starting knobs",
+        "--bins, --prune, --protect and --metric are then chosen by the search",
     )
 
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
