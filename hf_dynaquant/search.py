@@ -9,7 +9,9 @@ configuration that keeps to it, at every checkpoint, cheaply:
   passing point makes every point above it pointless. A binary search along the cube's diagonal
   finds a first passing configuration; the feasible sub-cubes around it are then explored
   best-first (most compressive first), skipping every candidate that the known results already
-  decide. Done for both pruning metrics; the more compressive result wins.
+  decide. Size is measured (entropy of the codes), not assumed: it is monotone in bins and
+  protection but not in pruning, so the lighter-pruning points at the best's bins and protection
+  are measured too. Done for both pruning metrics; the smaller result wins.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   metrics) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
   most compressive first; the first that passes ends the round. If none passes, the exhaustive
@@ -506,6 +508,16 @@ class _Context:
             cands = self.evaluate([self.config(p, metric) for p in frontier])
             record(cands, frontier)
             for c in cands:
+                if c.passed and c.bits < best.bits:
+                    best = c
+
+        # 3. less pruning at the best's bins and protection: quality only rises along this axis,
+        # but entropy-coded size need not fall with more pruning (pruned zeros are one more symbol
+        # next to centres that may already be skewed), so measure it rather than assume
+        b, p, r = space.point_of(best.config)
+        lighter = [(b, q, r) for q in range(p + 1, shape[1])]
+        for start in range(0, len(lighter), world):
+            for c in self.evaluate([self.config(q, metric) for q in lighter[start : start + world]]):
                 if c.passed and c.bits < best.bits:
                     best = c
         return best
