@@ -318,3 +318,34 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> Non
             out.append(prev)
         ids[cached] = out
     assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads
+
+
+@pytest.mark.parametrize("coding", ["regroup", "rle", "entropy"])
+def test_incompressible_code_streams_stay_readable(tmp_path, coding: str) -> None:
+    """Streams zstd cannot shrink are stored raw; the coding must be recorded and honoured."""
+    store = CheckpointStore(tmp_path)
+    w = torch.rand(64, 64)
+    config = QuantConfig(bins=254, prune=0.0, protect=0.0, min_numel=1)
+    first = compress_state_dict(store, {"w": w}, config, ref="k", delta_coding=coding)
+    assert store.open("k").record("model", "w")["params"]["codes_stream"] == "raw"
+    rng = np.random.default_rng(0)
+    for seed in range(20):  # small tensors with noisy deltas: some delta streams do not compress
+        small = torch.from_numpy(rng.normal(0, 1, (16, 9)).astype(np.float32))
+        cfg = QuantConfig(bins=int(rng.integers(4, 33)), prune=0.2, min_numel=16)
+        base = compress_state_dict(store, {"s": small}, cfg, ref=f"b{seed}", delta_coding=coding)
+        compress_state_dict(
+            store, {"s": small + 0.05 * torch.randn(16, 9)}, cfg, base=base, ref=f"d{seed}", delta_coding=coding
+        )
+        store.open(f"d{seed}").load_section("model")
+    assert store.verify(deep=True) == [] and first
+
+
+def test_zero_sensitivity_is_pruned() -> None:
+    w = torch.randn(100, 100)
+    sens = torch.rand(100, 100)
+    sens[:, :40] = 0  # dead units: 40% of the sensitivities are exactly zero
+    plan = plan_quantization(
+        {"w": w}, QuantConfig(prune=0.3, metric="sensitivity", min_numel=100), sensitivity={"w": sens}
+    )
+    codes, _ = quantize(w, plan.tensors["w"])
+    assert np.all(codes.reshape(100, 100)[:, :40][~(codes.reshape(100, 100)[:, :40] == PROTECTED)] == PRUNED)

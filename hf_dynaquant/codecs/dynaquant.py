@@ -30,7 +30,7 @@ from ..core.delta import (
     varint_decode,
     varint_encode,
 )
-from ..core.entropy import decode_stream, decompress, encode_stream
+from ..core.entropy import decode_stream, encode_stream
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, dequantize, quantize
 from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..errors import CodecError, CorruptCheckpointError
@@ -55,27 +55,31 @@ class QuantState:
     shape: tuple[int, ...]
 
 
-def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> bytes:
+def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> tuple[str, bytes, int]:
+    """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' delta."""
     delta = cyclic_delta(prev, cur, levels)
     if coding == "entropy":
-        return encode_stream(delta)[1]
-    stream = regroup(delta, prev) if coding == "regroup" else delta
-    return encode_stream(varint_encode(rle_encode(stream)), level=_TOKEN_LEVEL)[1]
+        return (*encode_stream(delta), int(delta.size))
+    tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
+    return (*encode_stream(tokens, level=_TOKEN_LEVEL), int(tokens.size))
 
 
-def _undo_delta(prev: np.ndarray, payload: np.ndarray, levels: int, coding: str, n: int, where: str) -> np.ndarray:
+def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:
+    coding, (stream_coding, size) = params["delta_coding"], params["delta_stream"]
+    data = decode_stream(stream_coding, payload, int(size), where)
     try:
         if coding == "entropy":
-            delta = decode_stream("zstd", payload, n, where)
+            delta = data
         else:
-            tokens = varint_decode(np.frombuffer(decompress(payload, where), dtype=np.uint8))
-            stream = rle_decode(tokens).astype(np.uint8)
+            stream = rle_decode(varint_decode(data)).astype(np.uint8)
             if stream.size != n:
                 raise ValueError(f"delta decodes to {stream.size} values, expected {n}")
             delta = ungroup(stream, prev) if coding == "regroup" else stream
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
-    return apply_delta(prev, delta, levels)
+    if delta.size != n:
+        raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
+    return apply_delta(prev, delta, int(params["delta_levels"]))
 
 
 class _Prefixed:
@@ -120,19 +124,27 @@ class DynaQuantCodec(Codec):
         return self._encode_state(state, None, {})
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
-        blobs = {"codes": encode_stream(state.codes)[1]}  # zstd level 1 codes them best (measured)
+        codes_coding, codes_payload = encode_stream(state.codes)  # zstd level 1 codes them best (measured)
+        blobs = {"codes": codes_payload}
         params: dict[str, Any] = {
             "mode": "keyframe",
+            "codes_stream": codes_coding,
             "levels": state.levels,
             "centres": state.centres.tolist(),
             **extra,
         }
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
-            delta = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
-            if len(delta) < len(blobs["codes"]):
+            stream_coding, delta, size = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
+            if len(delta) < len(codes_payload):
                 blobs = {"delta": delta}
-                params.update(mode="delta", delta_levels=levels, delta_coding=self.delta_coding)
+                del params["codes_stream"]
+                params.update(
+                    mode="delta",
+                    delta_levels=levels,
+                    delta_coding=self.delta_coding,
+                    delta_stream=[stream_coding, size],
+                )
         prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
         blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
         params["protected"] = {"n": int(state.protected.size), **prot.params}
@@ -146,11 +158,9 @@ class DynaQuantCodec(Codec):
         if params["mode"] == "delta":
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
-            codes = _undo_delta(
-                base.codes, blobs("delta"), int(params["delta_levels"]), params["delta_coding"], n, where
-            )
+            codes = _undo_delta(base.codes, blobs("delta"), params, n, where)
         else:
-            codes = decode_stream("zstd", blobs("codes"), n, where) if n else np.zeros(0, np.uint8)
+            codes = decode_stream(params["codes_stream"], blobs("codes"), n, where)
         prot_params = params["protected"]
         m = int(prot_params["n"])
         protected = LosslessCodec().decode("BF16", (m,), prot_params, _Prefixed(blobs, "p.")).bits

@@ -204,8 +204,9 @@ static PyObject *py_sketch_f32(PyObject *self, PyObject *args) {
 
 /* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights:
  * code 1 if protected (|w| > tau_mag, or sens > tau_sens), else 0 if pruned (metric <
- * tau_prune, the metric being |w| or sens), else 2 + the nearest of the sorted centres (2 when
- * there are none yet). Returns the number of protected values. */
+ * tau_prune, or metric exactly 0, the metric being |w| or sens; tau_prune < 0 disables pruning),
+ * else 2 + the nearest of the sorted centres (2 when there are none yet). Returns the number of
+ * protected values. */
 static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
                                 double tau_sens, double tau_prune, int prune_by_sens,
                                 const float *mids, Py_ssize_t nmids, uint8_t *codes) {
@@ -215,7 +216,8 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
         const double a = fabs((double)w[i]);
         const double s = sens ? (double)sens[i] : 0.0;
         if (a > tau_mag || (sens && s > tau_sens)) { codes[i] = 1; nprot++; continue; }
-        if ((prune_by_sens && sens ? s : a) < tau_prune) { codes[i] = 0; continue; }
+        const double m = prune_by_sens && sens ? s : a;
+        if (tau_prune >= 0 && (m < tau_prune || m == 0)) { codes[i] = 0; continue; }
         /* the number of midpoints below w is the nearest centre's index (branch-free search) */
         const float x = w[i];
         Py_ssize_t lo = 0;

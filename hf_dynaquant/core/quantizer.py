@@ -11,7 +11,10 @@ Decisions where the paper is silent (also in FORMAT.md):
   top ``protect/2`` by sensitivity (without gradients: the top ``protect`` by magnitude). They
   are kept as bfloat16.
 * **Pruning** is per layer *type* (one threshold per type, the same fraction for all types), by
-  the chosen metric; protection wins over pruning; embeddings are never pruned.
+  the chosen metric; protection wins over pruning; embeddings are never pruned. Values whose
+  metric is exactly 0 (zero weights; zero sensitivity, e.g. behind dead ReLUs) are pruned
+  whenever pruning is on, even past the requested fraction: ranking ties at 0 would otherwise
+  leave a 0 threshold that prunes nothing.
 * **Codebooks** are per tensor: ``bins`` centres (``embedding_bins`` for embeddings) from
   approximate K-means over the tensor's remaining values.
 * **Codes**: ``0`` = pruned (decodes to 0), ``1`` = protected (value stored apart), ``2 + i`` =
@@ -158,7 +161,8 @@ class TensorPlan:
         protected = mag > self.protect_magnitude
         if sens is not None:
             protected |= sens > tau_sens
-        pruned = ((sens if by_sens else mag) < tau_prune) & ~protected
+        metric = sens if by_sens else mag
+        pruned = ((metric < tau_prune) | (metric == 0)) & ~protected if tau_prune >= 0 else np.zeros_like(protected)
         codes = (np.searchsorted(mids, w, side="left") + FIRST_CENTRE).astype(np.uint8)
         codes[pruned] = PRUNED
         codes[protected] = PROTECTED
