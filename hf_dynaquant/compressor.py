@@ -38,13 +38,20 @@ __all__ = ["Compressor", "compress_state_dict", "quantized_codecs"]
 MODEL = "model"
 
 
-def quantized_codecs(plan: QuantPlan, section: str = MODEL, delta_coding: str = "regroup"):
-    """A ``codecs=`` function for :meth:`CheckpointStore.write`: the plan's tensors of
-    ``section`` through ``dynaquant``, everything else ``lossless``."""
+def quantized_codecs(
+    plan: QuantPlan,
+    section: str = MODEL,
+    delta_coding: str = "regroup",
+    key: Callable[[str, str], str] | None = None,
+) -> Callable[[str, str], Codec | str]:
+    """A ``codecs=`` function for :meth:`CheckpointStore.write`: the plan's tensors through
+    ``dynaquant``, everything else ``lossless``. A tensor's plan is ``plan.tensors[name]`` for
+    tensors of ``section``, or ``plan.tensors[key(section, name)]`` when ``key`` is given."""
 
     def choose(sec: str, name: str) -> Codec | str:
-        if sec == section and name in plan.tensors:
-            return DynaQuantCodec(plan.tensors[name], delta_coding)
+        planned = key(sec, name) if key is not None else (name if sec == section else None)
+        if planned in plan.tensors:
+            return DynaQuantCodec(plan.tensors[planned], delta_coding)
         return "lossless"
 
     return choose

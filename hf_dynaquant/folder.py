@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .calibration import search_pretrained
 from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
+from .compressor import quantized_codecs
 from .core.quantizer import QuantConfig, plan_quantization
 from .dtypes import itemsize
 from .errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
@@ -198,11 +199,7 @@ def compress_folder(
             quant = quant or QuantConfig()
             plan = plan_quantization(_AllSections(sources), quant)
             metadata["quant_config"] = quant.to_dict()
-            codecs = lambda section, name: (  # noqa: E731
-                DynaQuantCodec(plan.tensors[_AllSections.key(section, name)])
-                if _AllSections.key(section, name) in plan.tensors
-                else "lossless"
-            )
+            codecs = quantized_codecs(plan, key=_AllSections.key)
         entry = store.write(sources, codecs=codecs, ref=MODEL_REF, progress=progress, metadata=metadata)
         info = store.info(entry)
         _publish(tmp, dst, overwrite)
