@@ -202,24 +202,11 @@ class Compressor:
         types, sensitivity = layer_types(self.model), self._sensitivity(state)
         meta: dict[str, Any] = {"step": step, **dict(metadata or {})}
         trees = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
-        states: dict[tuple[str, str], Any] = {}
         if self.search is None:
-            entry = compress_state_dict(
-                self.store,
-                state,
-                self.config,
-                types=types,
-                sensitivity=sensitivity,
-                quantize_only=quantizable,
-                base=base,
-                ref=f"step-{step}",
-                trees=trees,
-                extras=extras,
-                metadata=meta,
-                delta_coding=self.delta_coding,
-                base_states=self._states,
-                keep_states=states,
+            plan: QuantPlan | None = plan_quantization(
+                {n: state[n] for n in quantizable}, self.config, types=types, sensitivity=sensitivity
             )
+            meta["quant_config"] = self.config.to_dict()
         else:
             # the originals the search restores after each candidate: the checkpoint's CPU snapshot
             snapshot = {n: state[n].detach().to("cpu", copy=True) for n in quantizable}
@@ -227,18 +214,19 @@ class Compressor:
             meta["search"] = result.to_dict()
             if result.config is not None:
                 meta["quant_config"] = result.config.to_dict()
-            codecs = quantized_codecs(result.plan, MODEL, self.delta_coding) if result.plan is not None else "lossless"
-            entry = self.store.write(
-                {MODEL: state},
-                trees=trees,
-                extras=extras,
-                base=base,
-                ref=f"step-{step}",
-                metadata=meta,
-                codecs=codecs,
-                base_states=self._states,
-                keep_states=states,
-            )
+            plan = result.plan
+        states: dict[tuple[str, str], Any] = {}
+        entry = self.store.write(
+            {MODEL: state},
+            trees=trees,
+            extras=extras,
+            base=base,
+            ref=f"step-{step}",
+            metadata=meta,
+            codecs=quantized_codecs(plan, MODEL, self.delta_coding) if plan is not None else "lossless",
+            base_states=self._states,
+            keep_states=states,
+        )
         self._states = states
         self.ema.reset()
         self.saves += 1
