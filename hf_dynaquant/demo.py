@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .cli import inspect_table
+from .core.quantizer import QuantConfig
 from .errors import DynaQuantError
 from .folder import compress_folder, decompress_folder, find_store
 
@@ -56,6 +57,41 @@ def run_demo(workdir: str | None = None) -> int:
             f"   AutoModel.from_pretrained on the restored folder: {len(loaded)} tensors, "
             f"{'bit-exact' if same else 'MISMATCH'}"
         )
+        print("\n5. DynaQuant (bins 16, prune 0, protect 0.005, sigma 1), then the same sentences through both")
+        quant = compress_folder(
+            src,
+            base / "minilm-dynaquant-q",
+            codec="dynaquant",
+            overwrite=True,
+            progress=False,
+            quant=QuantConfig(bins=16, prune=0.0, sigma=1.0),
+        )
+        decompress_folder(base / "minilm-dynaquant-q", base / "minilm-quantized", overwrite=True, progress=False)
+        print(
+            f"   {quant.raw_nbytes / 1e6:.2f} MB -> {quant.stored_nbytes / 1e6:.2f} MB ({quant.ratio:.2f}x); "
+            f"sentence-embedding cosine vs the original: {_embedding_cosine(src, base / 'minilm-quantized'):.4f}"
+        )
         if workdir:
             print(f"\nfiles kept in {base}")
         return 0 if same and not problems else 1
+
+
+def _embedding_cosine(original: Path, quantized: Path) -> float:
+    """Lowest cosine similarity of mean-pooled sentence embeddings over a few sentences."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(original))
+    sentences = [
+        "Checkpoints are big.",
+        "Quantization makes them small.",
+        "The cat sat on the mat.",
+        "Return the platform tag of the system Python was built on.",
+    ]
+    batch = tok(sentences, return_tensors="pt", padding=True)
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    with torch.no_grad():
+        a, b = (
+            (AutoModel.from_pretrained(str(p))(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)
+            for p in (original, quantized)
+        )
+    return float(torch.nn.functional.cosine_similarity(a, b).min())

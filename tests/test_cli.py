@@ -85,7 +85,7 @@ def test_console_script_help() -> None:
 def test_demo_runs(capsys) -> None:
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "bit-exact" in out and "verify --deep: OK" in out
+    assert "bit-exact" in out and "verify --deep: OK" in out and "sentence-embedding cosine" in out
 
 
 def test_cli_dynaquant_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
