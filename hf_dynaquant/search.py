@@ -340,6 +340,10 @@ def _world() -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # the manager
 
+# Quality is not exactly monotone along the cube's axes (pruning can even help), so a failure
+# condemns the configurations below it only when it fails clearly: by more than this factor.
+_CLEAR_FAIL = 2.0
+
 
 class ConfigurationSearch:
     """Chooses a :class:`QuantConfig` per checkpoint (see the module docstring).
@@ -475,7 +479,10 @@ class _Context:
 
         def record(cands: list[Candidate], pts: list[tuple[int, int, int]]) -> None:
             for c, p in zip(cands, pts):
-                (passed if c.passed else failed).append(p)
+                if c.passed:
+                    passed.append(p)
+                elif c.degradation > _CLEAR_FAIL * self.owner.threshold:
+                    failed.append(p)  # only a clear failure condemns the points below it
 
         # 1. binary search on the diagonal for the first passing point
         steps = max(shape)
@@ -498,6 +505,8 @@ class _Context:
         def open_points() -> list[tuple[int, int, int]]:
             out = []
             for p in points:
+                if self.config(p, metric) in self._cache:
+                    continue  # evaluated already
                 if any(all(a <= b for a, b in zip(p, f)) for f in failed):
                     continue  # at most as good as a failing point: fails
                 if any(all(a >= b for a, b in zip(p, q)) for q in passed):
