@@ -178,7 +178,8 @@ class QuantPlan:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).float().contiguous()
+    """A flat float32 CPU view or copy (codes are computed on the host; sketches where the tensor lives)."""
+    return t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
 
 
 def plan_quantization(

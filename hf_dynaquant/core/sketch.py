@@ -63,7 +63,8 @@ class _Store:
         if keys.numel() == 0:
             return
         lo, hi = int(keys.min()), int(keys.max())
-        self.add_counts(lo, torch.bincount(keys - lo, minlength=hi - lo + 1).numpy())
+        # counted where the keys live: only the (small) histogram crosses to the host
+        self.add_counts(lo, torch.bincount(keys - lo, minlength=hi - lo + 1).cpu().numpy())
 
     def add_counts(self, offset: int, counts: np.ndarray) -> None:
         if counts.size == 0:
@@ -152,8 +153,8 @@ class LogSketch:
         big = mag >= _MIN_INDEXABLE
         self.zeros += int(x.numel() - int(big.sum()))
         pos = x > 0
-        self.positive.add_keys(self.key(mag[big & pos]).cpu())
-        self.negative.add_keys(self.key(mag[big & ~pos]).cpu())
+        self.positive.add_keys(self.key(mag[big & pos]))
+        self.negative.add_keys(self.key(mag[big & ~pos]))
 
     def merge(self, other: LogSketch) -> LogSketch:
         """Add another sketch's counts into this one (same ``alpha`` required)."""
