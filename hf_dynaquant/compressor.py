@@ -19,8 +19,12 @@ checkpoint (with ``checkpoint_every``), or always when the schedule is unknown.
 
 from __future__ import annotations
 
+import copy
+import itertools
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +34,24 @@ from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA
+from .errors import MissingOptimizerStateError
+from .optimizer_state import OPTIMIZER_MODES, MomentQuant, decode_optimizer_state, encode_optimizer_state
 from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
 from .store import CheckpointStore
+from .store.tree import flatten_tree
 
-__all__ = ["Compressor", "compress_state_dict", "quantized_codecs"]
+__all__ = [
+    "Compressor",
+    "CheckpointReport",
+    "Snapshot",
+    "compress_state_dict",
+    "cpu_model_copy",
+    "quantized_codecs",
+    "read_checkpoint",
+]
 
 MODEL = "model"
+OPTIMIZER = "optimizer"
 
 
 def quantized_codecs(
@@ -94,6 +110,103 @@ def compress_state_dict(
     )
 
 
+@dataclass
+class Snapshot:
+    """Everything one checkpoint needs, copied off the live training state.
+
+    Taking it is the only part of a checkpoint that must stop training (a copy of the weights
+    and of the optimizer state to the CPU); :meth:`Compressor.write` does the rest, in the
+    foreground or on a background thread."""
+
+    step: int
+    state: dict[str, torch.Tensor]  # CPU copies; tied weights still share one tensor
+    quantizable: set[str]
+    types: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any] | None  # CPU copy of the optimizer's state_dict
+    search_model: torch.nn.Module | None  # what the search evaluates: the live model or a CPU copy
+    metadata: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointReport:
+    """What writing one checkpoint did (for logs and benchmarks). Sizes are bytes."""
+
+    step: int
+    entry: str
+    keyframe: bool
+    weights_raw: int
+    weights_stored: int
+    optimizer_raw: int
+    optimizer_stored: int
+    other_stored: int
+    seconds: float
+    search: dict[str, Any] | None = None
+    optimizer_state: dict[str, Any] | None = None
+
+    @property
+    def raw(self) -> int:
+        return self.weights_raw + self.optimizer_raw
+
+    @property
+    def stored(self) -> int:
+        return self.weights_stored + self.optimizer_stored + self.other_stored
+
+
+def _cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """CPU copies of named tensors; names sharing one tensor (tied weights) share one copy."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    for name, t in tensors:
+        key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen or t.numel() == 0:
+            seen[key] = t.detach().to("cpu", copy=True)
+        out[name] = seen[key]
+    return out
+
+
+def _tree_to_cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _tree_to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_to_cpu(v) for v in tree)
+    return tree
+
+
+def cpu_model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` on the CPU, made without a second copy on the accelerator (each
+    parameter and buffer is copied straight to the host; ties are kept)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            host = t.detach().to("cpu", copy=True)
+            memo[id(t)] = (
+                torch.nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else host
+            )
+    return copy.deepcopy(model, memo)
+
+
+def read_checkpoint(
+    store: CheckpointStore, ref: str, *, progress: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, dict[str, Any]]:
+    """``(model state, optimizer state or None, metadata)`` of a stored checkpoint.
+
+    The optimizer state is ``None`` only when the checkpoint was written with
+    ``optimizer_state="drop"`` or without an optimizer (the metadata says which)."""
+    with store.open(ref) as entry:
+        model_state = entry.load_section(MODEL, progress=progress)
+        meta = dict(entry.metadata)
+        optimizer = None
+        if OPTIMIZER in entry.trees:
+            optimizer = decode_optimizer_state(
+                entry.tree(OPTIMIZER), where=f"optimizer state of {ref!r} in {store.path}"
+            )
+        return model_state, optimizer, meta
+
+
 class Compressor:
     """DynaQuant checkpoints of one model into a :class:`CheckpointStore`.
 
@@ -101,13 +214,18 @@ class Compressor:
         model: the model being trained.
         store: a store or its directory.
         config: the quantization configuration (bins, prune, protect, metric, ...).
-        optimizer: saved (lossless) with each checkpoint and restored by :meth:`restore`.
+        optimizer: saved with each checkpoint (see ``optimizer_state``) and restored by
+            :meth:`restore`.
+        optimizer_state: ``"compress"`` (Adam moments and SGD momentum quantized, fidelity
+            checked, see :mod:`hf_dynaquant.optimizer_state`), ``"lossless"`` or ``"drop"``.
+        moment_quant: settings of ``"compress"``.
         checkpoint_every: the checkpoint interval in optimizer steps, if regular; gradients are
             then recorded only in the ``ema_steps`` steps before each checkpoint.
         ema_steps: length of that window (the paper's N = 50).
         ema_beta: EMA weight of the newest gradient (0.9).
-        keyframe_every: every this many checkpoints is self-contained, which bounds the chain a
-            restore replays; the others are deltas on the previous checkpoint.
+        keyframe_every: at most this many entries in a delta chain: every ``keyframe_every``-th
+            checkpoint is self-contained, which bounds restore time; the others are deltas on
+            the previous checkpoint.
         delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy`` (for comparisons).
         threshold: with it, the configuration is searched at every checkpoint (``config`` then
             only sets the fixed knobs): the most compressive one whose relative degradation of
@@ -125,6 +243,8 @@ class Compressor:
         config: QuantConfig | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        optimizer_state: str = "compress",
+        moment_quant: MomentQuant | None = None,
         checkpoint_every: int | None = None,
         ema_steps: int = 50,
         ema_beta: float = 0.9,
@@ -138,6 +258,8 @@ class Compressor:
     ) -> None:
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be at least 1, got {keyframe_every}")
+        if optimizer_state not in OPTIMIZER_MODES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {optimizer_state!r}")
         self.search: ConfigurationSearch | None = None
         if threshold is not None:
             if metric is None:
@@ -148,15 +270,17 @@ class Compressor:
                 metric = QualityMetric(metric, higher_is_better=higher_is_better)
             self.search = ConfigurationSearch(metric, threshold, space=search_space, base=config)
         self.last_search: SearchResult | None = None
+        self.last_report: CheckpointReport | None = None
         self.model, self.optimizer = model, optimizer
+        self.optimizer_state, self.moment_quant = optimizer_state, moment_quant or MomentQuant()
         self.store = store if isinstance(store, CheckpointStore) else CheckpointStore(store)
         self.config = config or QuantConfig()
         self.checkpoint_every, self.ema_steps = checkpoint_every, ema_steps
         self.keyframe_every, self.delta_coding = keyframe_every, delta_coding
         self.ema = GradientEMA(model.named_parameters(), beta=ema_beta)
         self.step = 0  # optimizer steps seen (counted in before_gradient_flush)
-        self.saves = 0
         self.last_entry: str | None = None
+        self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
 
     def _collecting(self) -> bool:
@@ -175,63 +299,131 @@ class Compressor:
         self.ema.finish()
         self.step += 1
 
-    def _sensitivity(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    def continue_chain(self, ref_or_id: str) -> None:
+        """Make the next checkpoint a delta on a stored entry (after a resume in a new process):
+        the chain goes on instead of starting with a keyframe."""
+        self.last_entry = self.store.resolve(ref_or_id)
+        self._chain_length = len(self.store.chain(self.last_entry))
+        self._states = {}
+
+    def _sensitivity(self, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict | None:
         """Sensitivity of every state entry that is a parameter (tied names included)."""
-        by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         out = {}
         for name, tensor in state.items():
-            pname = by_ptr.get(tensor.data_ptr())
-            if pname is not None and self.ema.get(pname) is not None:
-                out[name] = self.ema.sensitivity(pname, tensor)
+            if name in params and self.ema.get(params[name]) is not None:
+                out[name] = self.ema.sensitivity(params[name], tensor)
         if not out and self.config.metric != "sensitivity":  # (with it, the planner warns)
             warnings.warn(
                 "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
                 "(call on_backward_pass_end() after backward)",
-                stacklevel=3,
+                stacklevel=4,
             )
         return out or None
 
-    def compress(
-        self, step: int, *, extras: Mapping[str, bytes] | None = None, metadata: Mapping[str, Any] | None = None
-    ) -> str:
-        """Write checkpoint ``step`` (reference ``step-<step>``); returns the entry id."""
-        state = self.model.state_dict()
-        params = {p.data_ptr() for p in self.model.parameters()}
-        quantizable = {n for n, t in state.items() if t.data_ptr() in params}
-        base = None if self.saves % self.keyframe_every == 0 else self.last_entry
-        types, sensitivity = layer_types(self.model), self._sensitivity(state)
-        meta: dict[str, Any] = {"step": step, **dict(metadata or {})}
-        trees = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
+    def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:
+        """Copy what checkpoint ``step`` needs to the CPU. With ``detach_model`` the search (if
+        any) evaluates a CPU copy of the model, so :meth:`write` may run while training goes on;
+        otherwise it evaluates the live model (restored bit-exactly afterwards)."""
+        live = self.model.state_dict(keep_vars=True)
+        by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
+        params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
+        state = _cpu_copies(live.items())
+        optimizer = None
+        if self.optimizer is not None and self.optimizer_state != "drop":
+            optimizer = _tree_to_cpu(self.optimizer.state_dict())
+        search_model = None
+        if self.search is not None:
+            search_model = cpu_model_copy(self.model) if detach_model else self.model
+        snap = Snapshot(
+            step=step,
+            state=state,
+            quantizable=set(params),
+            types=layer_types(self.model),
+            sensitivity=self._sensitivity(state, params),
+            optimizer=optimizer,
+            search_model=search_model,
+            metadata={"step": step, **dict(metadata or {})},
+        )
+        self.ema.reset()
+        return snap
+
+    def write(self, snap: Snapshot, *, ref: str | None = None, progress: bool = False) -> CheckpointReport:
+        """Search (if a threshold was given), encode and store a snapshot; the reference is
+        ``ref`` or ``step-<step>``."""
+        started = time.perf_counter()
+        keyframe = self.last_entry is None or self._chain_length >= self.keyframe_every
+        base = None if keyframe else self.last_entry
+        meta = dict(snap.metadata)
+        weights = {n: snap.state[n] for n in snap.quantizable}
+        search = None
         if self.search is None:
             plan: QuantPlan | None = plan_quantization(
-                {n: state[n] for n in quantizable}, self.config, types=types, sensitivity=sensitivity
+                weights, self.config, types=snap.types, sensitivity=snap.sensitivity
             )
             meta["quant_config"] = self.config.to_dict()
         else:
-            # the originals the search restores after each candidate: the checkpoint's CPU snapshot
-            snapshot = {n: state[n].detach().to("cpu", copy=True) for n in quantizable}
-            result = self.last_search = self.search.search(self.model, snapshot, types=types, sensitivity=sensitivity)
-            meta["search"] = result.to_dict()
+            assert snap.search_model is not None
+            result = self.last_search = self.search.search(
+                snap.search_model, weights, types=snap.types, sensitivity=snap.sensitivity
+            )
+            search = meta["search"] = result.to_dict()
             if result.config is not None:
                 meta["quant_config"] = result.config.to_dict()
             plan = result.plan
+        plans = {f"{MODEL}/{n}": tp for n, tp in (plan.tensors.items() if plan is not None else ())}
+        trees = None
+        if snap.optimizer is not None:
+            encoded = encode_optimizer_state(snap.optimizer, self.optimizer_state, self.moment_quant)
+            assert encoded is not None
+            trees = {OPTIMIZER: encoded.tree}
+            plans.update({f"{OPTIMIZER}/{n}": tp for n, tp in encoded.plans.items()})
+            meta["optimizer_state"] = encoded.report
+        elif self.optimizer is not None:
+            meta["optimizer_state"] = {"mode": "drop"}
         states: dict[tuple[str, str], Any] = {}
         entry = self.store.write(
-            {MODEL: state},
+            {MODEL: snap.state},
             trees=trees,
-            extras=extras,
+            extras=snap.extras,
             base=base,
-            ref=f"step-{step}",
+            ref=ref or f"step-{snap.step}",
             metadata=meta,
-            codecs=quantized_codecs(plan, MODEL, self.delta_coding) if plan is not None else "lossless",
+            codecs=quantized_codecs(
+                QuantPlan(self.config, plans), delta_coding=self.delta_coding, key=lambda s, n: f"{s}/{n}"
+            ),
+            progress=progress,
             base_states=self._states,
             keep_states=states,
         )
         self._states = states
-        self.ema.reset()
-        self.saves += 1
         self.last_entry = entry
-        return entry
+        self._chain_length = 1 if keyframe else self._chain_length + 1
+        sizes = self.store.info(entry).sections
+        weights_raw, weights_stored = sizes.get(MODEL, (0, 0))
+        opt_stored = sizes.get(OPTIMIZER, (0, 0))[1]
+        total = self.store.info(entry).nbytes
+        self.last_report = CheckpointReport(
+            step=snap.step,
+            entry=entry,
+            keyframe=keyframe,
+            weights_raw=weights_raw,
+            weights_stored=weights_stored,
+            optimizer_raw=_raw_optimizer_bytes(snap.optimizer),
+            optimizer_stored=opt_stored,
+            other_stored=max(total - weights_stored - opt_stored, 0),
+            seconds=time.perf_counter() - started,
+            search=search,
+            optimizer_state=meta.get("optimizer_state"),
+        )
+        return self.last_report
+
+    def compress(
+        self, step: int, *, extras: Mapping[str, bytes] | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> str:
+        """Write checkpoint ``step`` (reference ``step-<step>``) now; returns the entry id."""
+        snap = self.snapshot(step, metadata=metadata)
+        snap.extras = dict(extras or {})
+        return self.write(snap).entry
 
     def restore(
         self,
@@ -239,13 +431,28 @@ class Compressor:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint into ``model`` (default: this compressor's) and, if it holds one,
-        the optimizer; returns the checkpoint's metadata."""
+        """Load a checkpoint into ``model`` (default: this compressor's) and the optimizer;
+        returns the checkpoint's metadata. Raises if an optimizer is given but the checkpoint
+        holds no optimizer state (written with ``optimizer_state="drop"``)."""
         ref = f"step-{step_or_ref}" if isinstance(step_or_ref, int) else step_or_ref
         model = model or self.model
         optimizer = optimizer or self.optimizer
-        with self.store.open(ref) as entry:
-            model.load_state_dict(entry.load_section(MODEL))
-            if optimizer is not None and "optimizer" in entry.trees:
-                optimizer.load_state_dict(entry.tree("optimizer"))
-            return dict(entry.metadata)
+        state, opt_state, meta = read_checkpoint(self.store, ref)
+        model.load_state_dict(state)
+        if optimizer is not None:
+            if opt_state is None:
+                raise MissingOptimizerStateError(
+                    f"checkpoint {ref!r} in {self.store.path} holds no optimizer state "
+                    f"(optimizer_state={meta.get('optimizer_state', {}).get('mode', 'absent')!r}); "
+                    "pass optimizer=None to restore the weights alone"
+                )
+            optimizer.load_state_dict(opt_state)
+        return meta
+
+
+def _raw_optimizer_bytes(state: Any) -> int:
+    """Bytes of the tensors in an optimizer state (what an uncompressed save writes)."""
+    if state is None:
+        return 0
+    _, tensors = flatten_tree(state)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

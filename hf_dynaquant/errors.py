@@ -18,6 +18,10 @@ __all__ = [
     "UnknownCodecError",
     "UnsupportedTensorError",
     "UnsafeInputError",
+    "CheckpointError",
+    "MissingOptimizerStateError",
+    "IncompleteCheckpointError",
+    "BackgroundCompressionError",
 ]
 
 
@@ -87,3 +91,22 @@ class UnsupportedTensorError(CodecError):
 
 class UnsafeInputError(DynaQuantError):
     """An input would need unpickling (or another unsafe load) to be read; we refuse."""
+
+
+class CheckpointError(DynaQuantError):
+    """A training checkpoint cannot be written or resumed as asked."""
+
+
+class MissingOptimizerStateError(CheckpointError):
+    """A resume needs optimizer state that the checkpoint does not hold (we never fall back to a
+    fresh optimizer silently)."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint folder lacks its weights: its compression had not finished (a crash), or
+    its files were removed."""
+
+
+class BackgroundCompressionError(CheckpointError):
+    """Compressing a checkpoint on the background worker failed; raised in the training loop at
+    the next step, naming the checkpoint (the original exception is its ``__cause__``)."""

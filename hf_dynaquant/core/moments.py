@@ -1,0 +1,91 @@
+"""Optimizer moments in a form that quantizes well (numeric primitives, no I/O).
+
+The paper compresses weights only; Adam's two moments are two thirds of a checkpoint. They are
+not like weights, so they are not stored as they are:
+
+* ``exp_avg_sq`` (v) is non-negative and spans many decades, and only its square root matters
+  (Adam divides by ``sqrt(v) + eps``). We store the **scale** ``s = log(sqrt(v) + eps)`` on a
+  fixed grid of step ``h`` in the log domain that starts at ``log(eps)``: every value keeps a
+  relative error of at most ``exp(h/2) - 1`` in ``sqrt(v) + eps``, ``v = 0`` decodes to exactly 0,
+  and because the grid does not move between checkpoints, a slowly drifting ``v`` keeps most of
+  its codes and delta-codes to almost nothing.
+* ``exp_avg`` (m) is signed. We store the **update** ``u = m / (sqrt(v) + eps)``, the step Adam
+  takes (before the learning rate), quantized like a weight (sketch + K-means). Decoding sets
+  ``m = u_q * (sqrt(v_q) + eps)``, so the first step after a restore moves each weight by
+  exactly ``u_q``: the update's fidelity is the quantizer's fidelity on ``u``, nothing more.
+
+An error in m is forgotten at rate ``beta1`` per step (after 20 steps 12% of it is left); an
+error in v persists for ``1/(1-beta2)`` steps, which is why v gets the finer, bounded
+representation. SGD's ``momentum_buffer`` is signed like a weight and quantized as one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .quantizer import TensorPlan
+
+__all__ = [
+    "MAX_SCALE_LEVELS",
+    "scale_floor",
+    "adam_to_update_scale",
+    "update_scale_to_adam",
+    "scale_plan",
+    "fidelity",
+]
+
+MAX_SCALE_LEVELS = 254  # centres a uint8 code can name (0 and 1 are the pruned/protected levels)
+
+
+def scale_floor(eps: float) -> float:
+    """The additive floor of the scale: Adam's eps (at least 1e-12, so ``log`` stays finite
+    for an optimizer configured with ``eps=0``)."""
+    return max(float(eps), 1e-12)
+
+
+def adam_to_update_scale(m: torch.Tensor, v: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(u, s)``: Adam's update ``m / (sqrt(v) + eps)`` and the scale ``log(sqrt(v) + eps)``,
+    float32, on the CPU."""
+    denom = v.detach().to("cpu", torch.float32).clamp_min(0).sqrt() + scale_floor(eps)
+    return m.detach().to("cpu", torch.float32) / denom, denom.log()
+
+
+def update_scale_to_adam(
+    u: torch.Tensor, s: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, v)`` back from an update and a scale (see the module docstring)."""
+    denom = s.float().exp()
+    m = u.float() * denom
+    v = (denom - scale_floor(eps)).clamp_min(0).square()
+    return m.to(dtype), v.to(dtype)
+
+
+def scale_plan(s: torch.Tensor, eps: float, step: float) -> TensorPlan:
+    """A plan whose codebook is the fixed log grid ``log(eps) + step * k`` covering ``s``.
+
+    The grid widens (``step`` grows) only if ``s`` spans more than :data:`MAX_SCALE_LEVELS`
+    steps; nothing is pruned or protected."""
+    if step <= 0:
+        raise ValueError(f"the scale grid step must be positive, got {step}")
+    origin = math.log(scale_floor(eps))
+    top = float(s.max()) if s.numel() else origin
+    span = max(top - origin, 0.0)
+    if span / step > MAX_SCALE_LEVELS - 1:
+        step = span / (MAX_SCALE_LEVELS - 1)
+    levels = int(math.floor(span / step + 0.5)) + 1
+    centres = (origin + step * np.arange(levels, dtype=np.float64)).astype(np.float32)
+    return TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
+
+
+def fidelity(original: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
+    """``(cosine similarity, relative L2 error)`` of a decoded tensor against its original
+    (``(1, 0)`` for two all-zero tensors)."""
+    a, b = original.reshape(-1).double(), decoded.reshape(-1).double()
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0:
+        return (1.0, 0.0) if nb == 0 else (0.0, math.inf)
+    cos = float(a @ b) / (na * nb) if nb else 0.0
+    return cos, float((a - b).norm()) / na
