@@ -34,7 +34,7 @@ from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA
-from .errors import MissingOptimizerStateError
+from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import OPTIMIZER_MODES, MomentQuant, decode_optimizer_state, encode_optimizer_state
 from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
 from .store import CheckpointStore
@@ -239,7 +239,7 @@ class Compressor:
     def __init__(
         self,
         model: torch.nn.Module,
-        store: CheckpointStore | str | Path,
+        store: CheckpointStore | str | Path | None,
         config: QuantConfig | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
@@ -256,10 +256,7 @@ class Compressor:
         eval_data: Iterable[Any] | None = None,
         search_space: SearchSpace | None = None,
     ) -> None:
-        if keyframe_every < 1:
-            raise ValueError(f"keyframe_every must be at least 1, got {keyframe_every}")
-        if optimizer_state not in OPTIMIZER_MODES:
-            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {optimizer_state!r}")
+        self._validate(optimizer_state, keyframe_every)
         self.search: ConfigurationSearch | None = None
         if threshold is not None:
             if metric is None:
@@ -273,7 +270,9 @@ class Compressor:
         self.last_report: CheckpointReport | None = None
         self.model, self.optimizer = model, optimizer
         self.optimizer_state, self.moment_quant = optimizer_state, moment_quant or MomentQuant()
-        self.store = store if isinstance(store, CheckpointStore) else CheckpointStore(store)
+        self.store: CheckpointStore | None = (
+            store if isinstance(store, CheckpointStore) or store is None else CheckpointStore(store)
+        )
         self.config = config or QuantConfig()
         self.checkpoint_every, self.ema_steps = checkpoint_every, ema_steps
         self.keyframe_every, self.delta_coding = keyframe_every, delta_coding
@@ -282,6 +281,18 @@ class Compressor:
         self.last_entry: str | None = None
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
+
+    @staticmethod
+    def _validate(optimizer_state: str, keyframe_every: int) -> None:
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every must be at least 1, got {keyframe_every}")
+        if optimizer_state not in OPTIMIZER_MODES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {optimizer_state!r}")
+
+    def _writable(self) -> CheckpointStore:
+        if self.store is None:
+            raise CheckpointError("this Compressor has no store (a process that only takes part in the search)")
+        return self.store
 
     def _collecting(self) -> bool:
         if not self.checkpoint_every:
@@ -302,8 +313,9 @@ class Compressor:
     def continue_chain(self, ref_or_id: str) -> None:
         """Make the next checkpoint a delta on a stored entry (after a resume in a new process):
         the chain goes on instead of starting with a keyframe."""
-        self.last_entry = self.store.resolve(ref_or_id)
-        self._chain_length = len(self.store.chain(self.last_entry))
+        store = self._writable()
+        self.last_entry = store.resolve(ref_or_id)
+        self._chain_length = len(store.chain(self.last_entry))
         self._states = {}
 
     def _sensitivity(self, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict | None:
@@ -347,10 +359,28 @@ class Compressor:
         self.ema.reset()
         return snap
 
-    def write(self, snap: Snapshot, *, ref: str | None = None, progress: bool = False) -> CheckpointReport:
-        """Search (if a threshold was given), encode and store a snapshot; the reference is
-        ``ref`` or ``step-<step>``."""
+    def search_snapshot(self, snap: Snapshot) -> SearchResult:
+        """Run the configuration search on a snapshot (every rank together when distributed)."""
+        if self.search is None or snap.search_model is None:
+            raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
+        weights = {n: snap.state[n] for n in snap.quantizable}
+        self.last_search = self.search.search(
+            snap.search_model, weights, types=snap.types, sensitivity=snap.sensitivity
+        )
+        return self.last_search
+
+    def write(
+        self,
+        snap: Snapshot,
+        *,
+        ref: str | None = None,
+        progress: bool = False,
+        searched: SearchResult | None = None,
+    ) -> CheckpointReport:
+        """Search (if a threshold was given and ``searched`` is not the result already), encode
+        and store a snapshot; the reference is ``ref`` or ``step-<step>``."""
         started = time.perf_counter()
+        store = self._writable()
         keyframe = self.last_entry is None or self._chain_length >= self.keyframe_every
         base = None if keyframe else self.last_entry
         meta = dict(snap.metadata)
@@ -362,10 +392,7 @@ class Compressor:
             )
             meta["quant_config"] = self.config.to_dict()
         else:
-            assert snap.search_model is not None
-            result = self.last_search = self.search.search(
-                snap.search_model, weights, types=snap.types, sensitivity=snap.sensitivity
-            )
+            result = searched if searched is not None else self.search_snapshot(snap)
             search = meta["search"] = result.to_dict()
             if result.config is not None:
                 meta["quant_config"] = result.config.to_dict()
@@ -381,7 +408,7 @@ class Compressor:
         elif self.optimizer is not None:
             meta["optimizer_state"] = {"mode": "drop"}
         states: dict[tuple[str, str], Any] = {}
-        entry = self.store.write(
+        entry = store.write(
             {MODEL: snap.state},
             trees=trees,
             extras=snap.extras,
@@ -398,10 +425,11 @@ class Compressor:
         self._states = states
         self.last_entry = entry
         self._chain_length = 1 if keyframe else self._chain_length + 1
-        sizes = self.store.info(entry).sections
+        info = store.info(entry)
+        sizes = info.sections
         weights_raw, weights_stored = sizes.get(MODEL, (0, 0))
         opt_stored = sizes.get(OPTIMIZER, (0, 0))[1]
-        total = self.store.info(entry).nbytes
+        total = info.nbytes
         self.last_report = CheckpointReport(
             step=snap.step,
             entry=entry,
@@ -437,12 +465,12 @@ class Compressor:
         ref = f"step-{step_or_ref}" if isinstance(step_or_ref, int) else step_or_ref
         model = model or self.model
         optimizer = optimizer or self.optimizer
-        state, opt_state, meta = read_checkpoint(self.store, ref)
+        state, opt_state, meta = read_checkpoint(self._writable(), ref)
         model.load_state_dict(state)
         if optimizer is not None:
             if opt_state is None:
                 raise MissingOptimizerStateError(
-                    f"checkpoint {ref!r} in {self.store.path} holds no optimizer state "
+                    f"checkpoint {ref!r} in {self._writable().path} holds no optimizer state "
                     f"(optimizer_state={meta.get('optimizer_state', {}).get('mode', 'absent')!r}); "
                     "pass optimizer=None to restore the weights alone"
                 )

@@ -11,10 +11,11 @@ import pkgutil
 import sys
 import warnings
 from functools import lru_cache
+from typing import Any
 
 import torch
 
-__all__ = ["docstring_corpus", "CharTokenizer", "lm_batches"]
+__all__ = ["docstring_corpus", "CharTokenizer", "lm_batches", "docstring_lm_datasets"]
 
 _SKIP = ("test", "idlelib", "tkinter", "turtle", "lib2to3", "ensurepip", "venv", "antigravity", "this", "__")
 
@@ -72,3 +73,23 @@ def lm_batches(ids: torch.Tensor, block: int, batch: int, *, seed: int = 0) -> t
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     usable = n // batch * batch
     return blocks[order[:usable]].view(-1, batch, block)
+
+
+def docstring_lm_datasets(block: int = 64, eval_blocks: int = 64, max_blocks: int | None = None) -> tuple[Any, Any]:
+    """``(train, eval)`` ``datasets.Dataset`` of character blocks of the docstring corpus, with
+    ``input_ids`` and ``labels`` (a causal LM shifts them itself), for Trainer runs. The last
+    ``eval_blocks`` blocks are held out; ``max_blocks`` caps the training set."""
+    from datasets import Dataset
+
+    ids = CharTokenizer().encode(docstring_corpus())
+    n = ids.numel() // block
+    blocks = ids[: n * block].view(n, block)
+    train, held = blocks[: n - eval_blocks], blocks[n - eval_blocks :]
+    if max_blocks is not None:
+        train = train[:max_blocks]
+
+    def as_dataset(rows: torch.Tensor) -> Any:
+        data = rows.tolist()
+        return Dataset.from_dict({"input_ids": data, "labels": data}).with_format("torch")
+
+    return as_dataset(train), as_dataset(held)

@@ -1,0 +1,1 @@
+"""Integrations with the Hugging Face libraries (kept apart from the numeric core)."""

@@ -1,0 +1,458 @@
+"""``transformers.Trainer`` integration: every checkpoint compressed, training resumes from it.
+
+Two pieces, one line each::
+
+    trainer = DynaQuantTrainer(model=..., args=..., train_dataset=..., eval_dataset=...)
+    trainer.train()                              # every checkpoint-N is DynaQuant-compressed
+    trainer.train(resume_from_checkpoint=True)   # weights, optimizer, scheduler, RNG, step
+
+* :class:`DynaQuantCallback` does the work: it records the gradient EMA in the window before
+  each scheduled save (``on_pre_optimizer_step`` / ``on_optimizer_step``), and at ``on_save``
+  snapshots weights and optimizer state to the CPU and hands them to a background worker, which
+  searches the configuration (on a CPU copy of the model), encodes, writes the entry into
+  ``<output_dir>/dynaquant/`` (outside the rotated ``checkpoint-*`` folders), marks the folder
+  and removes the uncompressed files. It works with a plain ``Trainer`` too.
+* :class:`DynaQuantTrainer` (a ``Trainer`` subclass, with the callback built in) does what a
+  callback cannot: it never writes the uncompressed weights and optimizer file in the first
+  place (so a save stalls training less than a plain save), it resumes from compressed folders
+  (``resume_from_checkpoint=True`` takes the newest *complete* one), loads the best model at
+  the end from the store, and puts the compression figures into the Trainer's logs (so
+  TensorBoard and W&B see them).
+
+With a plain ``Trainer`` and the callback, resume with
+``trainer.train(resume_from_checkpoint=hf_dynaquant.materialize(output_dir))``: it writes the
+newest complete checkpoint back as ``model.safetensors`` + ``optimizer.pt``. The figures then go
+to ``trainer_state.json``'s log history and the Python logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..background import BackgroundWorker
+from ..checkpoint_dir import (
+    checkpoint_store,
+    collect_small_files,
+    last_complete_checkpoint,
+    marker_store,
+    read_marker,
+    release_rotated,
+    remove_uncompressed,
+    write_marker,
+)
+from ..compressor import CheckpointReport, Compressor, read_checkpoint
+from ..core.quantizer import QuantConfig
+from ..errors import CheckpointError, IncompleteCheckpointError, MissingOptimizerStateError
+from ..optimizer_state import MomentQuant
+from ..search import QualityMetric, SearchSpace
+
+__all__ = ["DynaQuantCallback", "DynaQuantTrainer"]
+
+logger = logging.getLogger("hf_dynaquant")
+
+_SAFE_HUB_STRATEGIES = ("end",)
+
+
+class DynaQuantCallback(TrainerCallback):
+    """Compress every checkpoint a ``Trainer`` writes (see the module docstring).
+
+    Args:
+        threshold: relative degradation of the quality metric one checkpoint may cost (1% by
+            default, see ``benchmarks/RESULTS.md``); ``None`` uses ``config`` as it is.
+        config: the fixed quantization knobs (and the configuration itself without a threshold).
+        metric: a :class:`~hf_dynaquant.search.QualityMetric` or a callable ``model -> float``;
+            default: mean loss on the evaluation batches.
+        higher_is_better: direction of a callable ``metric``.
+        eval_data: evaluation batches (a DataLoader or a list of model-ready batches); default:
+            the first ``eval_batches`` batches of the Trainer's eval dataset (with
+            :class:`DynaQuantTrainer`), else the last ``eval_batches`` batches' worth of
+            training examples, collated by the training loader (the training order is untouched).
+        eval_batches: how many batches the default metric uses.
+        search_space: the configuration cube (Table 7 by default).
+        optimizer_state: ``"compress"``, ``"lossless"`` or ``"drop"`` (see
+            :mod:`hf_dynaquant.optimizer_state`).
+        moment_quant: settings of ``"compress"``.
+        keyframe_every: longest delta chain (bounds restore time).
+        ema_steps: optimizer steps before each save over which gradients are averaged.
+        background: encode and write on a background thread (at most one checkpoint in flight).
+        delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy``.
+        progress: show a progress bar while a checkpoint is written.
+    """
+
+    def __init__(
+        self,
+        threshold: float | None = 0.01,
+        *,
+        config: QuantConfig | None = None,
+        metric: QualityMetric | Any = None,
+        higher_is_better: bool = False,
+        eval_data: Any = None,
+        eval_batches: int = 4,
+        search_space: SearchSpace | None = None,
+        optimizer_state: str = "compress",
+        moment_quant: MomentQuant | None = None,
+        keyframe_every: int = 10,
+        ema_steps: int = 50,
+        background: bool = True,
+        delta_coding: str = "regroup",
+        progress: bool = False,
+    ) -> None:
+        if eval_batches < 1:
+            raise ValueError(f"eval_batches must be at least 1, got {eval_batches}")
+        self.threshold, self.config, self.metric = threshold, config, metric
+        self.higher_is_better, self.eval_data, self.eval_batches = higher_is_better, eval_data, eval_batches
+        self.search_space, self.optimizer_state, self.moment_quant = search_space, optimizer_state, moment_quant
+        self.keyframe_every, self.ema_steps, self.background = keyframe_every, ema_steps, background
+        self.delta_coding, self.progress = delta_coding, progress
+        Compressor._validate(optimizer_state, keyframe_every)
+        self.trainer: DynaQuantTrainer | None = None  # set by DynaQuantTrainer
+        self.compressor: Compressor | None = None
+        self.worker: BackgroundWorker | None = None
+        self.reports: list[dict[str, Any]] = []  # one per checkpoint written (this process)
+        self._pending_logs: dict[str, float] = {}
+        self._totals = {"raw": 0, "stored": 0, "weights_raw": 0, "weights_stored": 0}
+        self._trainer_save_seconds = 0.0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        self._refuse_unsupported(args)
+        store = checkpoint_store(args.output_dir) if args.should_save else None  # rank 0 writes
+        eval_data = self.eval_data
+        if eval_data is None and self.metric is None and self.threshold is not None:
+            eval_data = self._default_eval_data(train_dataloader)
+        self.compressor = Compressor(
+            model,
+            store,
+            self.config,
+            optimizer=optimizer,
+            optimizer_state=self.optimizer_state,
+            moment_quant=self.moment_quant,
+            checkpoint_every=_save_interval(args, state),
+            ema_steps=self.ema_steps,
+            keyframe_every=self.keyframe_every,
+            delta_coding=self.delta_coding,
+            threshold=self.threshold,
+            metric=self.metric,
+            higher_is_better=self.higher_is_better,
+            eval_data=eval_data,
+            search_space=self.search_space,
+        )
+        self.compressor.step = state.global_step
+        resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if store is not None and state.global_step and resumed in store.refs():
+            self.compressor.continue_chain(resumed)  # the chain goes on after a resume
+        if self.background and self.worker is None:
+            self.worker = BackgroundWorker()
+
+    def _refuse_unsupported(self, args, with_trainer: bool = False) -> None:
+        if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) not in _SAFE_HUB_STRATEGIES:
+            raise CheckpointError(
+                f"push_to_hub with hub_strategy={args.hub_strategy!r} uploads checkpoint folders, whose weights "
+                "DynaQuantCallback keeps in <output_dir>/dynaquant: the Hub would get checkpoints without weights. "
+                "Use hub_strategy='end' (the final model is saved uncompressed and pushed as usual), or publish "
+                "compressed models with hf_dynaquant's Hub tools"
+            )
+        if args.load_best_model_at_end and self.trainer is None and not with_trainer:
+            raise CheckpointError(
+                "load_best_model_at_end needs the best checkpoint's weights, which DynaQuantCallback compresses "
+                "into the store: use DynaQuantTrainer (it loads the best model from the store) instead of Trainer"
+            )
+
+    def _default_eval_data(self, train_dataloader) -> list[Any]:
+        if self.trainer is not None and self.trainer.eval_dataset is not None:
+            batches = []
+            for batch in self.trainer.get_eval_dataloader():
+                batches.append(batch)
+                if len(batches) == self.eval_batches:
+                    break
+            return batches
+        return _tail_batches(train_dataloader, self.eval_batches)
+
+    # -- gradient window ------------------------------------------------------------------
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.compressor is not None:
+            self.compressor.on_backward_pass_end()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.compressor is not None:
+            self.compressor.before_gradient_flush()
+
+    # -- saving ---------------------------------------------------------------------------
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.worker is not None:
+            self._collect(self.worker.check(), state)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.compressor is None:
+            return
+        started = time.perf_counter()
+        if self.worker is not None:
+            self._collect(self.worker.wait(), state)  # at most one checkpoint in flight
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = Path(args.output_dir) / name
+        distributed = args.world_size > 1
+        # with several processes the search's collectives run here, in the training thread, on
+        # every rank (a background thread would interleave them with DDP's); one process
+        # searches on a CPU copy in the background
+        snap = self.compressor.snapshot(state.global_step, detach_model=not distributed)
+        searched = self.compressor.search_snapshot(snap) if distributed else None
+        if not args.should_save:
+            self._pending_logs["dynaquant/stall_seconds"] = time.perf_counter() - started
+            return
+        snap.extras = collect_small_files(folder)
+        stall = time.perf_counter() - started + self._trainer_save_seconds
+        store = self.compressor.store
+
+        def job() -> dict[str, Any]:
+            report = self.compressor.write(snap, ref=name, progress=self.progress, searched=searched)
+            if folder.is_dir():  # a save_total_limit=1 rotation may already have removed it
+                write_marker(folder, store, name, report.entry, state.global_step)
+                remove_uncompressed(folder)
+            release_rotated(store, Path(args.output_dir), keep={name})
+            return self._summary(report, stall)
+
+        if self.worker is not None:
+            self.worker.submit(name, job)
+        else:
+            self._collect(job(), state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        try:
+            self.wait(state)
+        finally:
+            if self.worker is not None:
+                self.worker.close()
+                self.worker = None
+        if self._pending_logs and self.trainer is None:
+            self._flush_to_history(state)
+
+    def wait(self, state) -> None:
+        """Block until the checkpoint in flight is on disk (raising its error, if any)."""
+        if self.worker is not None:
+            self._collect(self.worker.wait(), state)
+
+    # -- figures --------------------------------------------------------------------------
+    def _summary(self, report: CheckpointReport, stall: float) -> dict[str, Any]:
+        t = self._totals
+        t["raw"] += report.raw
+        t["stored"] += report.stored
+        t["weights_raw"] += report.weights_raw
+        t["weights_stored"] += report.weights_stored
+        search = report.search or {}
+        logs = {
+            "dynaquant/ratio": report.raw / max(report.stored, 1),
+            "dynaquant/weights_ratio": report.weights_raw / max(report.weights_stored, 1),
+            "dynaquant/cumulative_ratio": t["raw"] / max(t["stored"], 1),
+            "dynaquant/cumulative_weights_ratio": t["weights_raw"] / max(t["weights_stored"], 1),
+            "dynaquant/bytes_saved": float(t["raw"] - t["stored"]),
+            "dynaquant/stall_seconds": stall,
+            "dynaquant/background_seconds": report.seconds,
+            "dynaquant/keyframe": float(report.keyframe),
+        }
+        if report.optimizer_raw:
+            logs["dynaquant/optimizer_ratio"] = report.optimizer_raw / max(report.optimizer_stored, 1)
+        if search:
+            logs["dynaquant/search_evaluations"] = float(search.get("evaluations", 0))
+            if search.get("degradation") is not None:
+                logs["dynaquant/degradation"] = float(search["degradation"])
+        record = {"step": report.step, "entry": report.entry, "raw": report.raw, "stored": report.stored, **logs}
+        record["config"] = (search.get("config") if search else None) or None
+        logger.info(
+            "hf_dynaquant: checkpoint-%d %.1fx (weights %.1fx)",
+            report.step,
+            logs["dynaquant/ratio"],
+            logs["dynaquant/weights_ratio"],
+        )
+        return record
+
+    def _collect(self, record: dict[str, Any] | None, state) -> None:
+        if not record:
+            return
+        self.reports.append(record)
+        self._pending_logs.update({k: v for k, v in record.items() if k.startswith("dynaquant/")})
+        if self.trainer is None:
+            self._flush_to_history(state)
+
+    def _flush_to_history(self, state) -> None:
+        state.log_history.append({**self._pending_logs, "step": state.global_step})
+        self._pending_logs = {}
+
+    def pop_logs(self) -> dict[str, float]:
+        """Figures not yet logged (DynaQuantTrainer adds them to its next ``log`` call)."""
+        logs, self._pending_logs = self._pending_logs, {}
+        return logs
+
+
+class DynaQuantTrainer(Trainer):
+    """A ``transformers.Trainer`` whose checkpoints are DynaQuant-compressed end to end.
+
+    Takes the Trainer's arguments; a :class:`DynaQuantCallback` in ``callbacks`` sets the
+    options (one with defaults is added otherwise). See the module docstring for what it adds
+    to the callback."""
+
+    def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any) -> None:
+        callbacks = list(callbacks or [])
+        ours = [c for c in callbacks if isinstance(c, DynaQuantCallback)]
+        if len(ours) > 1:
+            raise ValueError("DynaQuantTrainer takes at most one DynaQuantCallback")
+        if not ours:
+            ours = [DynaQuantCallback()]
+            callbacks.append(ours[0])
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:  # before Trainer.__init__, which would already contact the Hub
+            ours[0]._refuse_unsupported(training_args, with_trainer=True)
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.dynaquant: DynaQuantCallback = ours[0]
+        self.dynaquant.trainer = self
+        self._dq_saving = False
+
+    # -- resume ---------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete*
+        checkpoint (a folder whose compression a crash cut short is skipped)."""
+        if resume_from_checkpoint is True:
+            found = last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise IncompleteCheckpointError(f"no complete checkpoint to resume from in {self.args.output_dir}")
+            resume_from_checkpoint = str(found)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        marker = read_marker(resume_from_checkpoint)
+        if marker is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = model if model is not None else self.model
+        state, _, _ = read_checkpoint(marker_store(resume_from_checkpoint, marker), marker["entry"])
+        _load_weights(model, state, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        marker = read_marker(checkpoint) if checkpoint is not None else None
+        if marker is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        _, optimizer_state, meta = read_checkpoint(marker_store(checkpoint, marker), marker["entry"])
+        if optimizer_state is None:
+            mode = meta.get("optimizer_state", {}).get("mode", "absent")
+            if mode != "drop":
+                raise MissingOptimizerStateError(f"{checkpoint}: no optimizer state in its entry (mode {mode!r})")
+            message = (
+                f"{checkpoint} was saved with optimizer_state='drop': training resumes with a FRESH optimizer "
+                "(moments reset), which changes the run"
+            )
+            warnings.warn(message, stacklevel=2)
+            logger.warning(message)
+        else:
+            self.optimizer.load_state_dict(optimizer_state)
+        scheduler = os.path.join(checkpoint, "scheduler.pt")
+        if not os.path.isfile(scheduler):
+            raise IncompleteCheckpointError(f"{checkpoint}: scheduler.pt is missing")
+        # the Trainer's own file, read as the Trainer reads it
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        self.dynaquant.wait(self.state)  # the best checkpoint may be the one still being written
+        best = self.state.best_model_checkpoint
+        marker = read_marker(best) if best is not None else None
+        if marker is None:
+            return super()._load_best_model()
+        state, _, _ = read_checkpoint(marker_store(best, marker), marker["entry"])
+        _load_weights(self.model, state, best)
+
+    # -- saving ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        started = time.perf_counter()
+        self._dq_saving = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._dq_saving = False
+            self.dynaquant._trainer_save_seconds = time.perf_counter() - started
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not self._dq_saving or self._dq_unsupported():
+            return super()._save(output_dir, state_dict)
+        # a checkpoint: everything save_pretrained writes but the weights (they go to the store)
+        if not self.args.should_save:
+            return
+        output_dir = output_dir or self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if getattr(unwrapped, "config", None) is not None and hasattr(unwrapped.config, "save_pretrained"):
+            unwrapped.config.save_pretrained(output_dir)
+        if getattr(unwrapped, "generation_config", None) is not None:
+            unwrapped.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))  # as Trainer._save does
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._dq_saving or self._dq_unsupported():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:  # the optimizer goes to the store; the scheduler stays as the Trainer writes it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _dq_unsupported(self) -> bool:
+        """Sharded set-ups write their own formats; they keep the Trainer's files."""
+        return bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        logs.update(self.dynaquant.pop_logs())
+        super().log(logs, *args, **kwargs)
+
+
+def _save_interval(args, state) -> int | None:
+    """The save interval in optimizer steps, when saves are regular."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps":
+        return None
+    steps = args.save_steps
+    if steps < 1:  # a fraction of the run
+        steps = math.ceil(state.max_steps * steps) if state.max_steps else None
+    return int(steps) if steps else None
+
+
+def _tail_batches(loader, n: int) -> list[Any]:
+    """``n`` batches made of the last examples of the training set, collated as training
+    collates them; the training loader is not iterated, so the training order is untouched."""
+    dataset = getattr(loader, "dataset", None)
+    collate = getattr(loader, "collate_fn", None)
+    size = getattr(loader, "total_batch_size", None) or getattr(loader, "batch_size", None) or 8
+    if dataset is None or collate is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise CheckpointError(
+            "the configuration search needs evaluation batches and the training dataset cannot be indexed: "
+            "pass eval_data= (or metric=) to DynaQuantCallback, or an eval_dataset to DynaQuantTrainer"
+        )
+    total = len(dataset)
+    start = max(total - n * size, 0)
+    rows = [dataset[i] for i in range(start, total)]
+    return [collate(rows[i : i + size]) for i in range(0, len(rows), size)][:n]
+
+
+def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in _tied_names(model)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"{where}: the stored weights do not fit the model (missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]})"
+        )
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied

@@ -1,0 +1,320 @@
+"""The Trainer integration, end to end with the real transformers.Trainer: compressed saves,
+resume (DynaQuantTrainer and plain Trainer + materialize), optimizer-state modes, rotation,
+background errors, refusals, kill-and-resume and two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import hf_dynaquant
+from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
+from hf_dynaquant.compressor import read_checkpoint
+from hf_dynaquant.core.quantizer import QuantConfig
+from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.errors import BackgroundCompressionError, CheckpointError, MissingOptimizerStateError
+from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+from hf_dynaquant.search import SearchSpace
+
+FIXED = QuantConfig(bins=8, prune=0.1, min_numel=1024)
+SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude",))
+
+
+@pytest.fixture(scope="module")
+def data():
+    return docstring_lm_datasets(block=32, eval_blocks=16, max_blocks=400)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=CharTokenizer().vocab_size, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)
+
+
+def args_for(out: Path, **kw) -> TrainingArguments:
+    base = dict(
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        save_steps=4,
+        logging_steps=4,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    base.update(kw)
+    return TrainingArguments(str(out), **base)
+
+
+def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> None:
+    train, held = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=2)
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb])
+    trainer.train()
+    for step in (4, 8, 12):
+        folder = tmp_path / f"checkpoint-{step}"
+        assert read_marker(folder)["ref"] == folder.name
+        names = set(os.listdir(folder))
+        assert not names & {"model.safetensors", "optimizer.pt"}  # never written uncompressed
+        assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= names
+    store = checkpoint_store(tmp_path)
+    assert [store.info(f"checkpoint-{s}").base is None for s in (4, 8, 12)] == [True, False, True]  # keyframes
+    assert [r["step"] for r in cb.reports] == [4, 8, 12]
+    logged = [h for h in trainer.state.log_history if "dynaquant/ratio" in h]
+    assert logged and logged[-1]["dynaquant/cumulative_ratio"] > 3 and "dynaquant/optimizer_ratio" in logged[-1]
+
+    # resume from checkpoint-8: weights = decoded weights, optimizer = decoded state, step 8
+    weights, opt_state, _ = read_checkpoint(store, "checkpoint-8")
+    resumed_cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=3)
+    loaded = {}
+
+    class Probe(DynaQuantTrainer):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            loaded["model"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+            state = self.optimizer.state_dict()["state"]  # live tensors: copied before training moves them
+            loaded["optimizer"] = {pid: {k: v.clone() for k, v in st.items()} for pid, st in state.items()}
+
+    fresh = Probe(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[resumed_cb])
+    fresh.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    for name, t in weights.items():
+        assert torch.equal(loaded["model"][name], t), name
+    for pid, st in opt_state["state"].items():
+        assert torch.equal(loaded["optimizer"][pid]["exp_avg_sq"], st["exp_avg_sq"])
+    assert [r["step"] for r in resumed_cb.reports] == [12]
+    assert store.info("checkpoint-12").base == store.resolve("checkpoint-8")  # the chain went on
+
+
+def test_search_runs_on_eval_dataset_and_is_recorded(tmp_path, data) -> None:
+    train, held = data
+    cb = DynaQuantCallback(0.02, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024), ema_steps=2)
+    trainer = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path, max_steps=8), train_dataset=train, eval_dataset=held, callbacks=[cb]
+    )
+    trainer.train()
+    with checkpoint_store(tmp_path).open("checkpoint-8") as entry:
+        search = entry.metadata["search"]
+    assert search["evaluations"] >= 1 and search["degradation"] <= 0.02
+    assert cb.reports[-1]["dynaquant/search_evaluations"] == search["evaluations"]
+
+
+def test_plain_trainer_with_callback_then_materialize(tmp_path, data) -> None:
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, background=False)
+    trainer = Trainer(model=tiny_gpt2(), args=args_for(tmp_path, max_steps=8), train_dataset=train, callbacks=[cb])
+    trainer.train()
+    folder = tmp_path / "checkpoint-8"
+    assert (folder / MARKER).is_file() and not (folder / "model.safetensors").exists()  # removed once stored
+    assert not (folder / "optimizer.pt").exists()
+    assert any("dynaquant/ratio" in h for h in trainer.state.log_history)
+    path = hf_dynaquant.materialize(tmp_path)  # the newest complete checkpoint
+    assert path == folder and (folder / "model.safetensors").is_file() and (folder / "optimizer.pt").is_file()
+    again = Trainer(
+        model=tiny_gpt2(),
+        args=args_for(tmp_path, max_steps=12),
+        train_dataset=train,
+        callbacks=[DynaQuantCallback(None, config=FIXED, background=False)],
+    )
+    again.train(resume_from_checkpoint=str(path))
+    assert again.state.global_step == 12
+    weights, _, _ = read_checkpoint(checkpoint_store(tmp_path), "checkpoint-8")
+    assert weights.keys() == tiny_gpt2().state_dict().keys()
+
+
+@pytest.mark.parametrize("mode", ["lossless", "drop"])
+def test_optimizer_state_modes(tmp_path, data, mode) -> None:
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, optimizer_state=mode, ema_steps=2)
+    trainer = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path, max_steps=4), train_dataset=train, callbacks=[cb]
+    )
+    trainer.train()
+    live = trainer.optimizer.state_dict()
+    _, stored, meta = read_checkpoint(checkpoint_store(tmp_path), "checkpoint-4")
+    assert meta["optimizer_state"]["mode"] == mode
+    if mode == "lossless":
+        for pid, st in live["state"].items():
+            for key, t in st.items():
+                assert torch.equal(stored["state"][pid][key], t)
+        return
+    assert stored is None
+    with pytest.raises(MissingOptimizerStateError, match="drop"):
+        hf_dynaquant.materialize(tmp_path / "checkpoint-4")
+    resumed = DynaQuantTrainer(
+        model=tiny_gpt2(),
+        args=args_for(tmp_path, max_steps=6),
+        train_dataset=train,
+        callbacks=[DynaQuantCallback(None, config=FIXED)],
+    )
+    with pytest.warns(UserWarning, match="FRESH optimizer"):
+        resumed.train(resume_from_checkpoint=True)
+
+
+def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2)
+    trainer = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path, max_steps=4), train_dataset=train, callbacks=[cb]
+    )
+    trainer.train()
+    live = trainer.optimizer.state_dict()
+    _, stored, meta = read_checkpoint(checkpoint_store(tmp_path), "checkpoint-4")
+    report = meta["optimizer_state"]
+    assert report["mode"] == "compress" and report["quantized"] >= 8
+    eps = live["param_groups"][0]["eps"]
+    for pid, st in live["state"].items():
+        got = stored["state"][pid]
+        assert torch.equal(got["step"], st["step"])
+        upd = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps)
+        upd_dec = got["exp_avg"] / (got["exp_avg_sq"].sqrt() + eps)
+        cos = torch.nn.functional.cosine_similarity(upd.flatten(), upd_dec.flatten(), dim=0)
+        assert cos >= 0.95, pid
+        ratio = (got["exp_avg_sq"].sqrt() + eps) / (st["exp_avg_sq"].sqrt() + eps)
+        assert float((ratio - 1).abs().max()) <= 0.14  # the scale grid's bound exp(0.125) - 1
+
+
+def test_rotation_keeps_every_chain_restorable(tmp_path, data) -> None:
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=1, keyframe_every=3)
+    args = args_for(tmp_path, max_steps=16, save_steps=2, save_total_limit=2)
+    DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[cb]).train()
+    folders = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert folders == ["checkpoint-14", "checkpoint-16"]
+    store = checkpoint_store(tmp_path)
+    assert set(store.refs()) == set(folders)  # rotated folders released their references
+    assert set(store.entries()) == store.reachable()  # and what nothing reaches was collected
+    assert len(store.entries()) <= 3  # at most one chain back to its keyframe
+    for name in folders:
+        read_checkpoint(store, name)  # every surviving checkpoint decodes
+    assert store.verify() == []
+
+
+def test_background_error_reaches_the_training_loop(tmp_path, data) -> None:
+    train, _ = data
+    calls = []
+
+    def failing_metric(model) -> float:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("metric exploded")
+        return 1.0
+
+    cb = DynaQuantCallback(0.01, metric=failing_metric, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024))
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb])
+    with pytest.raises(BackgroundCompressionError, match="checkpoint-4") as info:
+        trainer.train()
+    assert "metric exploded" in str(info.value.__cause__)
+
+
+def test_refusals_are_clear(tmp_path, data) -> None:
+    train, held = data
+    args = args_for(tmp_path, push_to_hub=True, hub_strategy="checkpoint", hub_model_id="me/x")
+    with pytest.raises(CheckpointError, match="hub_strategy='end'"):  # refused before any Hub request
+        DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[DynaQuantCallback(None)])
+    args = args_for(tmp_path, eval_strategy="steps", eval_steps=4, load_best_model_at_end=True)
+    plain = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=train, eval_dataset=held, callbacks=[DynaQuantCallback(None)]
+    )
+    with pytest.raises(CheckpointError, match="DynaQuantTrainer"):
+        plain.train()
+
+
+def test_load_best_model_at_end_from_the_store(tmp_path, data) -> None:
+    train, held = data
+    args = args_for(tmp_path, eval_strategy="steps", eval_steps=4, load_best_model_at_end=True)
+    cb = DynaQuantCallback(None, config=FIXED)
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, eval_dataset=held, callbacks=[cb])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    weights, _, _ = read_checkpoint(checkpoint_store(tmp_path), Path(best).name)
+    for name, t in trainer.model.state_dict().items():
+        assert torch.equal(t, weights[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# real processes
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trainer_callback.py"
+
+
+@pytest.mark.slow
+def test_kill_and_resume(tmp_path) -> None:
+    """SIGKILL a training process after a checkpoint, then resume from the newest complete one."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--output-dir",
+        str(out),
+        "--steps",
+        "60",
+        "--save-steps",
+        "10",
+        "--phase",
+        "train",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoint-20" / MARKER).exists():
+        if proc.poll() is not None:
+            pytest.fail(f"training ended early: {proc.stdout.read().decode()[-2000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    found = last_complete_checkpoint(out)
+    assert found is not None and int(found.name.split("-")[1]) >= 20
+    resumed = subprocess.run(cmd[:-1] + ["resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == found.name and summary["global_step"] == 60
+    assert checkpoint_store(out).verify() == []
+
+
+@pytest.mark.slow
+def test_two_processes_write_once_and_resume(tmp_path) -> None:
+    """torchrun with 2 CPU processes (gloo): the search uses both ranks, rank 0 writes, resume works."""
+    script = Path(__file__).with_name("ddp_trainer_job.py")
+    out = tmp_path / "ddp"
+    for phase in ("train", "resume"):
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(_free_port()),
+                str(script),
+                str(out),
+                phase,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert len(reports) == 2
+    assert reports[0]["written"] and not reports[1]["written"]  # only rank 0 wrote
+    assert reports[0]["configs"] == reports[1]["configs"]  # both ranks chose the same configurations
+    assert reports[0]["resumed_step"] == reports[1]["resumed_step"] == 8
+    assert reports[0]["weights_digest"] == reports[1]["weights_digest"]  # restored identically
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
