@@ -119,6 +119,7 @@ class DynaQuantCallback(TrainerCallback):
         self.compressor: Compressor | None = None
         self.worker: BackgroundWorker | None = None
         self.reports: list[dict[str, Any]] = []  # one per checkpoint written (this process)
+        self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every rank
         self._pending_logs: dict[str, float] = {}
         self._totals = {"raw": 0, "stored": 0, "weights_raw": 0, "weights_stored": 0}
         self._trainer_save_seconds = 0.0
@@ -205,7 +206,10 @@ class DynaQuantCallback(TrainerCallback):
         # every rank (a background thread would interleave them with DDP's); one process
         # searches on a CPU copy in the background
         snap = self.compressor.snapshot(state.global_step, detach_model=not distributed)
-        searched = self.compressor.search_snapshot(snap) if distributed else None
+        searched = None
+        if distributed and self.compressor.search is not None:
+            searched = self.compressor.search_snapshot(snap)
+            self.chosen.append((state.global_step, searched.config.to_dict() if searched.config else None))
         if not args.should_save:
             self._pending_logs["dynaquant/stall_seconds"] = time.perf_counter() - started
             return
@@ -215,6 +219,8 @@ class DynaQuantCallback(TrainerCallback):
 
         def job() -> dict[str, Any]:
             report = self.compressor.write(snap, ref=name, progress=self.progress, searched=searched)
+            if searched is None and report.search is not None:
+                self.chosen.append((state.global_step, report.search.get("config")))
             if folder.is_dir():  # a save_total_limit=1 rotation may already have removed it
                 write_marker(folder, store, name, report.entry, state.global_step)
                 remove_uncompressed(folder)
