@@ -33,7 +33,7 @@ import torch
 from .codecs.base import Codec
 from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
-from .core.ranking import GradientEMA
+from .core.ranking import GradientEMA, sensitivity
 from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import OPTIMIZER_MODES, MomentQuant, decode_optimizer_state, encode_optimizer_state
 from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
@@ -115,18 +115,35 @@ class Snapshot:
     """Everything one checkpoint needs, copied off the live training state.
 
     Taking it is the only part of a checkpoint that must stop training (a copy of the weights
-    and of the optimizer state to the CPU); :meth:`Compressor.write` does the rest, in the
+    and of the optimizer state to the CPU, the gradient EMA handed over); :meth:`Compressor.write`
+    does the rest (sensitivity, the model copy the search evaluates, search, encoding), in the
     foreground or on a background thread."""
 
     step: int
     state: dict[str, torch.Tensor]  # CPU copies; tied weights still share one tensor
-    quantizable: set[str]
+    params: dict[str, str]  # state name -> parameter name, for the tensors that are parameters
     types: dict[str, str]
-    sensitivity: dict[str, torch.Tensor] | None
+    gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat, CPU)
     optimizer: dict[str, Any] | None  # CPU copy of the optimizer's state_dict
-    search_model: torch.nn.Module | None  # what the search evaluates: the live model or a CPU copy
+    model: torch.nn.Module | None  # the live model (its structure, for a CPU copy to search on)
+    detached: bool = False  # search a CPU copy built from ``state`` (so training may go on)
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, bytes] = field(default_factory=dict)
+
+    def sensitivity(self) -> dict[str, torch.Tensor] | None:
+        """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded)."""
+        out = {
+            name: sensitivity(self.state[name], self.gradient_ema[p].view(self.state[name].shape))
+            for name, p in self.params.items()
+            if p in self.gradient_ema
+        }
+        return out or None
+
+    def search_model(self) -> torch.nn.Module | None:
+        """The model the search evaluates: the live one, or a CPU copy made from ``state``."""
+        if self.model is None or not self.detached:
+            return self.model
+        return cpu_model_copy(self.model, values=self.state)
 
 
 @dataclass
@@ -176,13 +193,17 @@ def _tree_to_cpu(tree: Any) -> Any:
     return tree
 
 
-def cpu_model_copy(model: torch.nn.Module) -> torch.nn.Module:
+def cpu_model_copy(model: torch.nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """A copy of ``model`` on the CPU, made without a second copy on the accelerator (each
-    parameter and buffer is copied straight to the host; ties are kept)."""
+    parameter and buffer is copied straight to the host; ties are kept). With ``values`` (a
+    state dict snapshot) the copy takes its tensors from there instead of the live model, so it
+    can be made while training goes on."""
     memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
+    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for name, t in named:
         if id(t) not in memo:
-            host = t.detach().to("cpu", copy=True)
+            source = values[name] if values is not None and name in values else t
+            host = source.detach().to("cpu", copy=True)
             memo[id(t)] = (
                 torch.nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else host
             )
@@ -318,20 +339,6 @@ class Compressor:
         self._chain_length = len(store.chain(self.last_entry))
         self._states = {}
 
-    def _sensitivity(self, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict | None:
-        """Sensitivity of every state entry that is a parameter (tied names included)."""
-        out = {}
-        for name, tensor in state.items():
-            if name in params and self.ema.get(params[name]) is not None:
-                out[name] = self.ema.sensitivity(params[name], tensor)
-        if not out and self.config.metric != "sensitivity":  # (with it, the planner warns)
-            warnings.warn(
-                "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
-                "(call on_backward_pass_end() after backward)",
-                stacklevel=4,
-            )
-        return out or None
-
     def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:
         """Copy what checkpoint ``step`` needs to the CPU. With ``detach_model`` the search (if
         any) evaluates a CPU copy of the model, so :meth:`write` may run while training goes on;
@@ -339,35 +346,36 @@ class Compressor:
         live = self.model.state_dict(keep_vars=True)
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
-        state = _cpu_copies(live.items())
         optimizer = None
         if self.optimizer is not None and self.optimizer_state != "drop":
             optimizer = _tree_to_cpu(self.optimizer.state_dict())
-        search_model = None
-        if self.search is not None:
-            search_model = cpu_model_copy(self.model) if detach_model else self.model
-        snap = Snapshot(
+        ema = self.ema.take()
+        if not ema and self.config.metric != "sensitivity":  # (with it, the planner warns)
+            warnings.warn(
+                "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
+                "(call on_backward_pass_end() after backward)",
+                stacklevel=3,
+            )
+        return Snapshot(
             step=step,
-            state=state,
-            quantizable=set(params),
+            state=_cpu_copies(live.items()),
+            params=params,
             types=layer_types(self.model),
-            sensitivity=self._sensitivity(state, params),
+            gradient_ema=ema,
             optimizer=optimizer,
-            search_model=search_model,
+            model=self.model if self.search is not None else None,
+            detached=detach_model,
             metadata={"step": step, **dict(metadata or {})},
         )
-        self.ema.reset()
-        return snap
 
     def search_snapshot(self, snap: Snapshot) -> SearchResult:
         """Run the configuration search on a snapshot (every rank together when distributed)."""
-        if self.search is None or snap.search_model is None:
+        if self.search is None or snap.model is None:
             raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
-        weights = {n: snap.state[n] for n in snap.quantizable}
-        self.last_search = self.search.search(
-            snap.search_model, weights, types=snap.types, sensitivity=snap.sensitivity
-        )
-        return self.last_search
+        weights = {n: snap.state[n] for n in snap.params}
+        result = self.search.search(snap.search_model(), weights, types=snap.types, sensitivity=snap.sensitivity())
+        self.last_search = result
+        return result
 
     def write(
         self,
@@ -384,11 +392,11 @@ class Compressor:
         keyframe = self.last_entry is None or self._chain_length >= self.keyframe_every
         base = None if keyframe else self.last_entry
         meta = dict(snap.metadata)
-        weights = {n: snap.state[n] for n in snap.quantizable}
         search = None
         if self.search is None:
+            weights = {n: snap.state[n] for n in snap.params}
             plan: QuantPlan | None = plan_quantization(
-                weights, self.config, types=snap.types, sensitivity=snap.sensitivity
+                weights, self.config, types=snap.types, sensitivity=snap.sensitivity()
             )
             meta["quant_config"] = self.config.to_dict()
         else:

@@ -100,6 +100,13 @@ class GradientEMA:
         self.ema.clear()
         self.steps = 0
 
+    def take(self) -> dict[str, torch.Tensor]:
+        """Hand the recorded averages over (no copy) and start a new window."""
+        self.finish()
+        taken, self.ema = self.ema, {}
+        self.steps = 0
+        return taken
+
     def sensitivity(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """``|EMA(g) * w|`` for one parameter (``|w|`` with a warning if none was recorded)."""
         ema = self.get(name)

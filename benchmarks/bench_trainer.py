@@ -1,0 +1,254 @@
+"""The Trainer integration over a real training run (the paper's 9.1, at small scale).
+
+Run it with::
+
+    python benchmarks/bench_trainer.py      # options: --steps 480 --save-steps 40 --restores 10
+                                            #   --modes compress,lossless,drop --json PATH --plot PATH
+
+One seeded job: a character-level GPT-2 (2 layers, 128 wide, 0.43 M parameters) trained with
+AdamW (lr 1e-3, warm-up 20 steps, linear decay) on the standard library's docstrings, batch 16 x
+64 characters, a checkpoint every ``--save-steps`` steps. It runs several ways, one after the
+other in this process, each from the same seed:
+
+* **plain**: ``transformers.Trainer``, uncompressed checkpoints (the reference);
+* **dynaquant/<mode>** for each optimizer-state mode: ``DynaQuantTrainer`` with the default
+  ``DynaQuantCallback(threshold=0.01)`` (searched configuration, delta chains, keyframe every 10),
+  and ``--restores`` restores spread over the run: training stops right after checkpoint k
+  (k = 1..restores) and a *new* trainer resumes from that compressed checkpoint
+  (``resume_from_checkpoint=True``), so the run ends having restored weights, optimizer state,
+  scheduler and RNG from compressed checkpoints ``--restores`` times.
+
+Reported: final eval loss (64 held-out blocks) relative to the plain run; the on-disk size of
+all checkpoints (weights only, and weights + optimizer state) against the plain Trainer's
+``model.safetensors`` and ``optimizer.pt``; and the training stall per save, i.e. the time the
+training loop is blocked by a save: ``Trainer._save_checkpoint`` for the plain run, and that plus
+``on_save`` (snapshot to the CPU, hand-off to the background worker) for DynaQuant; the
+background encoding time is reported apart. A per-checkpoint ratio plot (the paper's Fig. 9) is
+written to ``benchmarks/out/trainer_ratios.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from hf_dynaquant.checkpoint_dir import checkpoint_store
+from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def make_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=CharTokenizer().vocab_size,
+        n_positions=64,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def training_args(out: Path, steps: int, save_steps: int) -> TrainingArguments:
+    return TrainingArguments(
+        str(out),
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        learning_rate=1e-3,
+        warmup_steps=20,
+        save_steps=save_steps,
+        logging_steps=save_steps,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        log_level="error",
+    )
+
+
+class StopAfter(TrainerCallback):
+    """Ends training right after the checkpoint at ``step`` (a restore point)."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.step is not None and state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def timed_saves(cls):
+    """A subclass of ``cls`` recording the seconds each ``_save_checkpoint`` blocks training."""
+
+    class Timed(cls):
+        save_seconds: list[float] = []
+
+        def _save_checkpoint(self, model, trial):
+            started = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            Timed.save_seconds.append(time.perf_counter() - started)
+
+    return Timed
+
+
+def run_plain(out: Path, data, steps: int, save_steps: int) -> dict:
+    train, held = data
+    cls = timed_saves(Trainer)
+    cls.save_seconds = []
+    trainer = cls(
+        model=make_model(), args=training_args(out, steps, save_steps), train_dataset=train, eval_dataset=held
+    )
+    trainer.train()
+    weights = optimizer = 0
+    for folder in sorted(out.glob("checkpoint-*")):
+        weights += (folder / "model.safetensors").stat().st_size
+        optimizer += (folder / "optimizer.pt").stat().st_size
+    return {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "weights_bytes": weights,
+        "optimizer_bytes": optimizer,
+        "stall": cls.save_seconds,
+    }
+
+
+def run_dynaquant(out: Path, data, steps: int, save_steps: int, mode: str, restores: int) -> dict:
+    train, held = data
+    cls = timed_saves(DynaQuantTrainer)
+    stops = [save_steps * k for k in range(1, restores + 1) if save_steps * k < steps] + [None]
+    reports, stalls, background = [], [], []
+    trainer = None
+    for i, stop in enumerate(stops):
+        cb = DynaQuantCallback(threshold=0.01, optimizer_state=mode)
+        trainer = cls(
+            model=make_model(),
+            args=training_args(out, steps, save_steps),
+            train_dataset=train,
+            eval_dataset=held,
+            callbacks=[cb, StopAfter(stop)],
+        )
+        trainer.train(resume_from_checkpoint=True if i else None)
+        reports += cb.reports
+        stalls += [r["dynaquant/stall_seconds"] for r in cb.reports]
+        background += [r["dynaquant/background_seconds"] for r in cb.reports]
+    store = checkpoint_store(out)
+    per_checkpoint = []
+    weights = optimizer = total = 0
+    for ref in sorted(store.refs(), key=lambda r: int(r.split("-")[1])):
+        info = store.info(ref)
+        w, o = info.sections.get("model", (0, 0)), info.sections.get("optimizer", (0, 0))
+        weights += w[1]
+        optimizer += o[1]
+        total += info.nbytes
+        per_checkpoint.append(
+            {
+                "step": int(ref.split("-")[1]),
+                "keyframe": info.base is None,
+                "weights": w[1],
+                "optimizer": o[1],
+                "total": info.nbytes,
+            }
+        )
+    return {
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "weights_bytes": weights,
+        "optimizer_bytes": optimizer,
+        "total_bytes": total,
+        "stall": stalls,
+        "background": background,
+        "per_checkpoint": per_checkpoint,
+        "evaluations": [r.get("dynaquant/search_evaluations", 0) for r in reports],
+        "configs": [r.get("config") for r in reports],
+        "restores": len(stops) - 1,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=480)
+    parser.add_argument("--save-steps", type=int, default=40)
+    parser.add_argument("--restores", type=int, default=10)
+    parser.add_argument("--modes", default="compress,lossless,drop")
+    parser.add_argument("--json", default=str(OUT / "trainer.json"))
+    parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
+    args = parser.parse_args()
+    data = docstring_lm_datasets(block=64, eval_blocks=64)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
+        for mode in args.modes.split(","):
+            results[mode] = run_dynaquant(Path(tmp) / mode, data, args.steps, args.save_steps, mode, args.restores)
+            print(f"{mode}: done", flush=True)
+    plain = results["plain"]
+    n_ckpt = args.steps // args.save_steps
+    print(
+        f"\n{n_ckpt} checkpoints, {args.restores} restores; plain Trainer: weights "
+        f"{plain['weights_bytes'] / 1e6:.2f} MB, + optimizer {(plain['weights_bytes'] + plain['optimizer_bytes']) / 1e6:.2f} MB, "
+        f"eval loss {plain['eval_loss']:.4f}, median stall per save {statistics.median(plain['stall']) * 1e3:.0f} ms\n"
+    )
+    header = (
+        "optimizer_state",
+        "eval loss",
+        "vs plain",
+        "weights ratio",
+        "whole ratio",
+        "stall/save ms",
+        "background ms",
+        "evals/ckpt",
+    )
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for mode in args.modes.split(","):
+        r = results[mode]
+        whole_plain = plain["weights_bytes"] + plain["optimizer_bytes"]
+        row = (
+            mode,
+            f"{r['eval_loss']:.4f}",
+            f"{(r['eval_loss'] - plain['eval_loss']) / plain['eval_loss'] * 100:+.2f}%",
+            f"{plain['weights_bytes'] / r['weights_bytes']:.1f}x",
+            f"{whole_plain / r['total_bytes']:.1f}x",
+            f"{statistics.median(r['stall']) * 1e3:.0f}",
+            f"{statistics.median(r['background']) * 1e3:.0f}",
+            f"{statistics.median(r['evaluations']):.0f}",
+        )
+        print("| " + " | ".join(row) + " |")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    plot(results, args, plain)
+
+
+def plot(results: dict, args, plain: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = args.steps // args.save_steps
+    per_w = plain["weights_bytes"] / n
+    per_whole = (plain["weights_bytes"] + plain["optimizer_bytes"]) / n
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in args.modes.split(","):
+        pcs = results[mode]["per_checkpoint"]
+        steps = [p["step"] for p in pcs]
+        ax.plot(steps, [per_w / p["weights"] for p in pcs], marker="o", label=f"weights ({mode})")
+        if mode != "drop":
+            ax.plot(steps, [per_whole / p["total"] for p in pcs], marker="s", ls="--", label=f"whole ({mode})")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("compression ratio vs plain Trainer")
+    ax.set_title("Per-checkpoint ratio (keyframes are the dips)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
