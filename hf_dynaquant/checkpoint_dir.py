@@ -16,7 +16,8 @@ The store names each checkpoint by a reference equal to the folder name; when a 
 :func:`release_rotated` drops its reference and :meth:`CheckpointStore.gc` deletes what no
 reference reaches any more (bases of live deltas stay). The framework's own small files
 (trainer state, scheduler, RNG) stay in the folder as they are, and a copy goes into the entry's
-extras, so the store alone can rebuild a folder that a crash or an early rotation lost.
+extras (zstd-compressed), so the store alone can rebuild a folder that a crash or an early
+rotation lost.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+import zstandard
 
 from .compressor import read_checkpoint
 from .errors import FormatError, IncompleteCheckpointError, MissingOptimizerStateError
@@ -62,6 +64,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 UNCOMPRESSED_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.pt", "optimizer.bin")
 _UNCOMPRESSED_PATTERNS = ("model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
 _SMALL_FILE_LIMIT = 16 << 20  # framework files copied into the entry's extras
+_RESUME_FILES = ("trainer_state.json", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 
 
 def checkpoint_store(run_dir: str | Path, *, create: bool = True) -> CheckpointStore:
@@ -175,18 +178,14 @@ def release_rotated(store: CheckpointStore, run_dir: Path, keep: set[str] = froz
 
 
 def collect_small_files(folder: Path) -> dict[str, bytes]:
-    """The framework's own files of a checkpoint folder (trainer state, scheduler, RNG, config,
-    tokenizer), for the entry's extras: everything but weights, optimizer and our marker."""
-    skip = set(UNCOMPRESSED_FILES) | {MARKER}
+    """The framework's files a resume reads besides weights and optimizer (trainer state,
+    scheduler, scaler, RNG), zstd-compressed, for the entry's extras."""
     out = {}
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if (
-            path.is_file()
-            and path.name not in skip
-            and not any(path.match(p) for p in _UNCOMPRESSED_PATTERNS)
-            and path.stat().st_size <= _SMALL_FILE_LIMIT
-        ):
-            out[f"file:{path.name}"] = path.read_bytes()
+    compressor = zstandard.ZstdCompressor(level=10)
+    for pattern in _RESUME_FILES:
+        for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
+            if path.is_file() and path.stat().st_size <= _SMALL_FILE_LIMIT:
+                out[f"file:{path.name}"] = compressor.compress(path.read_bytes())
     return out
 
 
@@ -245,6 +244,6 @@ def rebuild_folder(store: CheckpointStore, ref: str, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for name in entry.extras:
             if name.startswith("file:"):
-                atomic_write_bytes(folder / name[5:], entry.extra(name))
+                atomic_write_bytes(folder / name[5:], zstandard.ZstdDecompressor().decompress(entry.extra(name)))
         step = int(entry.metadata.get("step", 0))
         write_marker(folder, store, ref, entry.id, step)

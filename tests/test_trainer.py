@@ -178,9 +178,9 @@ def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
         upd = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps)
         upd_dec = got["exp_avg"] / (got["exp_avg_sq"].sqrt() + eps)
         cos = torch.nn.functional.cosine_similarity(upd.flatten(), upd_dec.flatten(), dim=0)
-        assert cos >= 0.95, pid
+        assert cos >= 0.9, pid
         ratio = (got["exp_avg_sq"].sqrt() + eps) / (st["exp_avg_sq"].sqrt() + eps)
-        assert float((ratio - 1).abs().max()) <= 0.14  # the scale grid's bound exp(0.125) - 1
+        assert float((ratio - 1).abs().max()) <= 0.2841  # the scale grid's bound exp(0.25) - 1
 
 
 def test_rotation_keeps_every_chain_restorable(tmp_path, data) -> None:

@@ -130,7 +130,7 @@ class DynaQuantCodec(Codec):
             "mode": "keyframe",
             "codes_stream": codes_coding,
             "levels": state.levels,
-            "centres": state.centres.tolist(),
+            "centres": _shortest(state.centres),
             **extra,
         }
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
@@ -176,3 +176,9 @@ class DynaQuantCodec(Codec):
             raise CorruptCheckpointError(str(exc)) from None
         tensor = torch.from_numpy(values).to(torch_dtype(state.dtype)).reshape(state.shape)
         return to_raw(tensor)
+
+
+def _shortest(values: np.ndarray) -> list[float]:
+    """Float32 values as the shortest decimals that read back to the same float32 (half the
+    manifest bytes of ``tolist()``, which prints float64 digits)."""
+    return [float(str(v)) for v in values.astype(np.float32)]
