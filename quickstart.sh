@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command for a fresh machine: set everything up, then run the demo or the tests.
 #
-#   ./quickstart.sh demo     # venv + install + compress a real model and print the table
+#   ./quickstart.sh demo     # venv + install + train a small GPT-2 with compressed checkpoints,
+#                            #   kill it, resume from a compressed checkpoint, print sizes (~1 minute)
+#   ./quickstart.sh demo-model  # venv + install + compress the real all-MiniLM-L6-v2 and print the table
 #   ./quickstart.sh test     # venv + install + the whole test suite (what CI runs)
 #   ./quickstart.sh test -m "not slow"   # the quick suite, for every edit
 #
@@ -22,6 +24,10 @@ fi
 case "$what" in
   demo)
     "$VENV/bin/python" -m pip install -q -e ".[demo]"
+    exec "$VENV/bin/python" examples/trainer_callback.py "$@"
+    ;;
+  demo-model)
+    "$VENV/bin/python" -m pip install -q -e ".[demo]"
     exec "$VENV/bin/hf-dynaquant" demo "$@"
     ;;
   test)
@@ -29,7 +35,7 @@ case "$what" in
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)
-    echo "usage: $0 demo|test [args...]" >&2
+    echo "usage: $0 demo|demo-model|test [args...]" >&2
     exit 2
     ;;
 esac

@@ -193,7 +193,8 @@ def main() -> None:
     n_ckpt = args.steps // args.save_steps
     print(
         f"\n{n_ckpt} checkpoints, {args.restores} restores; plain Trainer: weights "
-        f"{plain['weights_bytes'] / 1e6:.2f} MB, + optimizer {(plain['weights_bytes'] + plain['optimizer_bytes']) / 1e6:.2f} MB, "
+        f"{plain['weights_bytes'] / 1e6:.2f} MB, with optimizer state "
+        f"{(plain['weights_bytes'] + plain['optimizer_bytes']) / 1e6:.2f} MB, "
         f"eval loss {plain['eval_loss']:.4f}, median stall per save {statistics.median(plain['stall']) * 1e3:.0f} ms\n"
     )
     header = (

@@ -7,6 +7,7 @@ chains. Codecs (:mod:`hf_dynaquant.codecs`) turn tensors into compact blobs.
 
 __version__ = "0.1.0"
 
+from .checkpoint_dir import materialize
 from .codecs import Codec, codec_names, get_codec, register_codec
 from .compressor import Compressor, compress_state_dict
 from .core.quantizer import QuantConfig
@@ -24,6 +25,9 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .folder import compress_folder, decompress_folder
+from .integrations import hf_quantizer as _hf_quantizer
+from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
+from .optimizer_state import MomentQuant
 from .store import CheckpointStore, EntryInfo, EntryReader
 
 __all__ = [
@@ -40,6 +44,10 @@ __all__ = [
     "register_codec",
     "compress_folder",
     "decompress_folder",
+    "materialize",
+    "MomentQuant",
+    "DynaQuantCallback",
+    "DynaQuantTrainer",
     "DynaQuantError",
     "FormatError",
     "UnsupportedFormatVersionError",
@@ -51,4 +59,19 @@ __all__ = [
     "UnknownCodecError",
     "UnsupportedTensorError",
     "UnsafeInputError",
+    "compress_pretrained",
+    "push_to_hub",
+    "pull",
+    "from_pretrained",
 ]
+
+_hf_quantizer.register()  # AutoModel.from_pretrained(<DynaQuant snapshot>) after `import hf_dynaquant`
+
+
+def __getattr__(name: str):
+    """The Trainer integration is imported on first use (``transformers.Trainer`` is heavy)."""
+    if name in ("DynaQuantCallback", "DynaQuantTrainer"):
+        from .integrations import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_dynaquant' has no attribute {name!r}")

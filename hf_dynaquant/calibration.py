@@ -23,11 +23,15 @@ from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpac
 __all__ = ["calibration_batches", "search_pretrained"]
 
 
-def calibration_batches(tokenizer: Any, *, batches: int = 4, batch_size: int = 8, seq_len: int = 128) -> list[dict]:
-    """Tokenized docstring text, as model-ready batches (deterministic)."""
+def calibration_batches(
+    tokenizer: Any, *, batches: int = 4, batch_size: int = 8, seq_len: int = 128, offset: int = 0
+) -> list[dict]:
+    """Tokenized docstring text, as model-ready batches (deterministic). Paragraphs are taken at
+    an even stride through the corpus; a different ``offset`` (below the stride) gives disjoint
+    text, e.g. held-out text for measuring what the search was not tuned on."""
     paragraphs = [p for p in docstring_corpus().split("\n\n") if len(p) > 200]
     step = max(1, len(paragraphs) // (batches * batch_size))
-    texts = paragraphs[::step][: batches * batch_size]
+    texts = paragraphs[offset % step :: step][: batches * batch_size]
     out = []
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(
@@ -44,9 +48,11 @@ def search_pretrained(
     metric: QualityMetric | None = None,
     space: SearchSpace | None = None,
     base: QuantConfig | None = None,
+    data: Any = None,
 ) -> SearchResult:
     """Search the configuration for the model in ``folder`` (loaded with transformers'
-    ``AutoModel``; calibration text through its ``AutoTokenizer`` unless ``metric`` is given)."""
+    ``AutoModel``). Quality is ``metric`` when given, else the output distortion on ``data``
+    (model-ready batches), by default calibration text through the model's ``AutoTokenizer``."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -56,6 +62,8 @@ def search_pretrained(
             f"{folder}: cannot load the model to evaluate configurations ({exc}); "
             "give --bins/--prune/--protect instead of --threshold"
         ) from None
+    if metric is None and data is not None:
+        metric = output_distortion(model, data)
     if metric is None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))

@@ -1,4 +1,4 @@
-"""The ``hf-dynaquant`` command line: compress, decompress, inspect, verify, demo."""
+"""The ``hf-dynaquant`` command line: compress, decompress, inspect, verify, push, pull, demo."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ Compress deep-learning checkpoints and Hugging Face model folders.
   hf-dynaquant inspect ./my-model-dq                    # what is inside, tensor by tensor
   hf-dynaquant verify ./my-model-dq                     # checksums and chain links
   hf-dynaquant decompress ./my-model-dq ./my-model-out  # a folder from_pretrained loads
+  hf-dynaquant push ./my-model-dq user/my-model-dq      # to the Hub (HF_TOKEN, HF_ENDPOINT)
+  hf-dynaquant pull user/my-model-dq ./plain --decompress
   hf-dynaquant demo                                     # all of it on a real model, offline
 """
 
@@ -170,6 +172,34 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from .integrations.hub import push_to_hub
+
+    options = {} if args.threshold is None else {"threshold": args.threshold}
+    info = push_to_hub(
+        args.src,
+        args.repo_id,
+        token=args.token,
+        revision=args.revision,
+        private=args.private or None,
+        commit_message=args.message,
+        **options,
+    )
+    print(f"{args.src} -> {args.repo_id}@{args.revision or 'main'}: commit {info.oid[:12]} ({info.commit_url})")
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from .integrations.hub import decode_snapshot, pull
+
+    local = None if args.decompress else args.dst
+    path = pull(args.repo_id, local, revision=args.revision, token=args.token)
+    if args.decompress:
+        path = decode_snapshot(path, args.dst, overwrite=args.overwrite)
+    print(f"{args.repo_id}@{args.revision or 'main'} -> {path} (checksums verified)")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -273,6 +303,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
+        "push",
+        help="upload a compressed snapshot to the Hugging Face Hub",
+        description="Upload SRC to the Hub repo REPO_ID (created if missing). SRC is a folder made by "
+        "hf_dynaquant.compress_pretrained, or a plain model folder, which is compressed first (configuration "
+        "searched against --threshold). The token comes from --token, HF_TOKEN or the saved login; the server "
+        "from HF_ENDPOINT.",
+    )
+    p.add_argument("src", help="snapshot folder or plain model folder")
+    p.add_argument("repo_id", help="e.g. user/model-dynaquant")
+    p.add_argument("--revision", default=None, help="branch to push to (created from main if missing)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--message", default=None, help="commit message")
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
+    p.add_argument(
+        "--threshold", type=float, default=None, help="for a plain folder: output distortion allowed (default 0.4)"
+    )
+    p.set_defaults(func=_cmd_push)
+
+    p = sub.add_parser(
+        "pull",
+        help="download a compressed snapshot and verify it",
+        description="Download the DynaQuant snapshot REPO_ID and check every checksum. With DST the files "
+        "go there (with --decompress: a plain folder of float safetensors); without, into the Hugging Face cache.",
+    )
+    p.add_argument("repo_id", help="e.g. user/model-dynaquant")
+    p.add_argument("dst", nargs="?", default=None, help="where to put it (default: the Hugging Face cache)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit")
+    p.add_argument("--decompress", action="store_true", help="write plain safetensors to DST")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (with --decompress)")
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
+    p.set_defaults(func=_cmd_pull)
+
+    p = sub.add_parser(
         "demo",
         help="compress, inspect, verify and restore a real model (offline)",
         description="Compress the real all-MiniLM-L6-v2 model shipped by the "
@@ -286,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "decompress", False) and args.dst is None:
+        build_parser().error("pull --decompress needs DST")
     try:
         return int(args.func(args))
     except (DynaQuantError, FileNotFoundError, ValueError) as exc:

@@ -151,6 +151,7 @@ def compress_folder(
     codec: Codec | str = "lossless",
     quant: QuantConfig | None = None,
     threshold: float | None = None,
+    search: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> CompressResult:
@@ -162,6 +163,8 @@ def compress_folder(
     :class:`QuantConfig`), or, given a ``threshold``, with the most compressive configuration
     whose output distortion on calibration text stays within it (see
     :mod:`hf_dynaquant.calibration`); without gradients, sensitivity means magnitude.
+    ``search`` passes further options to :func:`~hf_dynaquant.calibration.search_pretrained`
+    (``metric``, ``data``, ``space``).
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -188,7 +191,7 @@ def compress_folder(
         codecs: Any = codec
         if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
             if threshold is not None:
-                result = search_pretrained(root, threshold, base=quant)
+                result = search_pretrained(root, threshold, base=quant, **(search or {}))
                 metadata["search"] = result.to_dict()
                 if result.config is None:
                     raise DynaQuantError(

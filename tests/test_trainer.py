@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,6 +198,31 @@ def test_rotation_keeps_every_chain_restorable(tmp_path, data) -> None:
     for name in folders:
         read_checkpoint(store, name)  # every surviving checkpoint decodes
     assert store.verify() == []
+
+
+def test_crash_windows_are_repaired_from_the_store(tmp_path, data) -> None:
+    """A crash between the entry and the marker, or one that lost every folder (an early
+    rotation), still resumes from the newest entry the store holds."""
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2)
+    DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path, max_steps=8), train_dataset=train, callbacks=[cb]
+    ).train()
+    (tmp_path / "checkpoint-8" / MARKER).unlink()  # the entry is durable, the marker never came
+    assert last_complete_checkpoint(tmp_path, repair=False) == tmp_path / "checkpoint-4"
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-8"  # repaired
+    assert read_marker(tmp_path / "checkpoint-8")["entry"] == checkpoint_store(tmp_path).resolve("checkpoint-8")
+    for folder in tmp_path.glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    resumed = DynaQuantTrainer(
+        model=tiny_gpt2(),
+        args=args_for(tmp_path, max_steps=10),
+        train_dataset=train,
+        callbacks=[DynaQuantCallback(None, config=FIXED)],
+    )
+    resumed.train(resume_from_checkpoint=True)  # checkpoint-8 rebuilt from the store's copy of its files
+    assert resumed.state.global_step == 10
+    assert json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())["global_step"] == 8
 
 
 def test_background_error_reaches_the_training_loop(tmp_path, data) -> None:

@@ -1,0 +1,454 @@
+"""Compressed pre-trained snapshots on the Hugging Face Hub: compress once, push, pull, fine-tune.
+
+* :func:`compress_pretrained` turns a model (folder or ``PreTrainedModel``) into a **Hub-ready
+  folder**: the source's config, tokenizer and processor files; the weights in a DynaQuant store
+  (``dynaquant/``, FORMAT.md) chosen by the configuration search against a threshold; a
+  ``config.json`` whose ``quantization_config`` (``quant_method: dynaquant``) and
+  ``transformers_weights`` let transformers load it directly (:mod:`.hf_quantizer`); and a model
+  card (``README.md``) from the template in ``model_cards/``.
+* :func:`push_to_hub` uploads such a folder (compressing first when given a model or a plain
+  folder); :func:`pull` downloads one and checks every checksum.
+* :func:`from_pretrained` loads a snapshot with public APIs only: ``snapshot_download``, decode
+  once into a local cache keyed by the commit (or, for a local folder, by the entry id), then the
+  model class's own ``from_pretrained``. ``AutoModel.from_pretrained(repo)`` after
+  ``import hf_dynaquant`` gives the same tensors through the quantizer hooks.
+
+Nothing is ever unpickled: weights are safetensors, everything else JSON. ``HF_TOKEN`` and
+``HF_ENDPOINT`` are read when a function runs (not only when huggingface_hub was imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration import calibration_batches
+from ..core.quantizer import QuantConfig
+from ..errors import CorruptCheckpointError, DynaQuantError
+from ..folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
+from ..search import QualityMetric, SearchSpace
+from .hf_quantizer import QUANT_METHOD, transformers_sections
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "PRETRAINED_SPACE",
+    "HubSnapshot",
+    "compress_pretrained",
+    "push_to_hub",
+    "pull",
+    "from_pretrained",
+    "materialize",
+    "decode_snapshot",
+]
+
+# Output distortion (relative squared error of the model's outputs on calibration text) a
+# snapshot may cost by default. On all-MiniLM-L6-v2 it admits ~12x; fine-tuning from that
+# snapshot lands within one standard deviation of fine-tuning from the original
+# (benchmarks/RESULTS.md, "Hub snapshots").
+DEFAULT_THRESHOLD = 0.4
+
+# The cube for pre-trained snapshots: Table 7's axes without 32 bins (a snapshot that needs 32
+# bins everywhere is better stored losslessly) and with embeddings fixed at 3 levels. Embedding
+# tables are half of a small encoder's bytes and, measured on MiniLM, the least sensitive part
+# (16 levels on the embeddings alone keep 0.999 sentence-embedding cosine); the search only tries
+# fewer embedding levels after settling the rest, when the budget is spent, so with the
+# paper's (16, 32) it stopped at 9.3x where fixing 3 levels reaches 12x at the same distortion.
+PRETRAINED_SPACE = SearchSpace(bins=(4, 6, 8, 12, 16), embedding_bins=(3,))
+
+# Frequency-only K-means weighting (sigma = 1): it minimises the squared error of the weights,
+# which measured better output fidelity on pre-trained MiniLM than the paper's 0.2 (tuned for
+# training checkpoints) at every bin count we tried.
+PRETRAINED_BASE = QuantConfig(sigma=1.0)
+
+_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "dynaquant.md"
+_CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class HubSnapshot:
+    """A Hub-ready folder and what was measured while making it."""
+
+    path: Path
+    entry: str
+    raw_nbytes: int
+    stored_nbytes: int
+    config: dict[str, Any] | None  # the DynaQuant configuration chosen
+    distortion: float | None  # the searched metric's degradation on calibration text
+    cosine: float  # mean cosine of mean-pooled outputs, original vs compressed, on held-out text
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_nbytes / self.stored_nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# compress
+
+
+def compress_pretrained(
+    model_or_path: str | Path | Any,
+    output_dir: str | Path,
+    *,
+    threshold: float | None = DEFAULT_THRESHOLD,
+    metric: QualityMetric | Callable[[torch.nn.Module], float] | None = None,
+    data: Any = None,
+    quant: QuantConfig | None = None,
+    space: SearchSpace | None = None,
+    tokenizer: Any = None,
+    base_model: str | None = None,
+    template: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> HubSnapshot:
+    """One-shot compression of a pre-trained model into a Hub-ready folder ``output_dir``.
+
+    The configuration is the most compressive one whose quality loss stays within ``threshold``.
+    Quality is ``metric`` (a :class:`~hf_dynaquant.search.QualityMetric` or ``model -> float``,
+    lower is better, evaluated on the model loaded with ``AutoModel``) when given; otherwise the
+    relative squared error of the model's outputs against the original's on ``data``
+    (model-ready batches), by default standard-library docstrings through the model's own
+    tokenizer. ``quant`` fixes the knobs outside the search (default: frequency-weighted
+    K-means); ``space`` is the searched cube (default :data:`PRETRAINED_SPACE`). With
+    ``threshold=None`` there is no search: ``quant`` is used as it is.
+
+    ``model_or_path``: a model folder, or a ``PreTrainedModel`` (saved first, with ``tokenizer``
+    when given). ``base_model`` names the source repo in the card (default: the config's
+    ``_name_or_path``). ``output_dir`` appears complete or not at all.
+    """
+    output_dir = Path(output_dir)
+    with tempfile.TemporaryDirectory(prefix="hf-dynaquant-src-") as tmp:
+        src = _as_folder(model_or_path, Path(tmp), tokenizer)
+        source_config = _read_config(src)
+        if metric is not None and not isinstance(metric, QualityMetric):
+            metric = QualityMetric(metric, higher_is_better=False, name=getattr(metric, "__name__", "metric"))
+        staging = _staging(output_dir)
+        try:
+            result = compress_folder(
+                src,
+                staging / "snapshot",
+                codec="dynaquant",
+                quant=quant or PRETRAINED_BASE,
+                threshold=threshold,
+                search=None
+                if threshold is None
+                else {"metric": metric, "data": data, "space": space or PRETRAINED_SPACE},
+                progress=progress,
+            )
+            folder = result.path
+            store = find_store(folder)
+            with store.open(MODEL_REF) as entry:
+                search = entry.metadata.get("search") or {"config": entry.metadata.get("quant_config")}
+                sections = transformers_sections(entry.sections)
+                decoded = {s: entry.load_section(s) for s in sections}
+            snapshot = HubSnapshot(
+                path=output_dir,
+                entry=result.entry,
+                raw_nbytes=result.raw_nbytes,
+                stored_nbytes=result.stored_nbytes,
+                config=search.get("config"),
+                distortion=search.get("degradation"),
+                cosine=_output_cosine(src, decoded),
+            )
+            _write_hub_config(folder, source_config, snapshot, sections)
+            base = base_model or source_config.get("_name_or_path") or None
+            _write_card(folder, snapshot, base, threshold, template)
+            _publish(folder, output_dir, overwrite)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return snapshot
+
+
+def _as_folder(model_or_path: Any, tmp: Path, tokenizer: Any) -> Path:
+    """A model folder for ``model_or_path`` (a ``PreTrainedModel`` is saved into ``tmp``)."""
+    if isinstance(model_or_path, (str, Path)):
+        path = Path(model_or_path)
+        if not (path / _CONFIG).is_file():
+            raise DynaQuantError(f"{path}: not a Hugging Face model folder (no {_CONFIG})")
+        return path
+    if not hasattr(model_or_path, "save_pretrained"):
+        raise DynaQuantError(f"expected a model folder or a transformers PreTrainedModel, got {type(model_or_path)}")
+    model_or_path.save_pretrained(tmp)  # safetensors: v5 writes nothing else
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    return tmp
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / _CONFIG
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DynaQuantError(f"{folder}: no {_CONFIG}; not a Hugging Face model folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _output_cosine(src: Path, decoded: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
+    """Mean cosine similarity of mean-pooled final hidden states, original vs decoded weights,
+    on held-out docstring text (paragraphs the search did not see)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(src))
+    except (OSError, ValueError) as exc:
+        raise DynaQuantError(f"{src}: no tokenizer to measure the snapshot's fidelity ({exc})") from None
+    batches = calibration_batches(tokenizer, batches=2, batch_size=16, offset=1)
+    original = AutoModel.from_pretrained(str(src)).eval()
+    compressed = AutoModel.from_pretrained(str(src)).eval()
+    state = {name: t for section in decoded.values() for name, t in section.items()}
+    missing = _load_into(compressed, state)
+    if missing:
+        raise DynaQuantError(f"{src}: decoded weights do not cover {missing[:3]} of the model")
+    sims = []
+    with torch.no_grad():
+        for batch in batches:
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            a, b = ((m(**batch).last_hidden_state * mask).sum(1) / mask.sum(1) for m in (original, compressed))
+            sims.append(torch.nn.functional.cosine_similarity(a, b))
+    return float(torch.cat(sims).mean())
+
+
+def _load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Load checkpoint tensors (names with or without the base-model prefix); the model's
+    parameters that got nothing."""
+    prefix = getattr(model, "base_model_prefix", "")
+    own = model.state_dict()
+    matched = {}
+    for name, t in state.items():
+        for candidate in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if candidate in own:
+                matched[candidate] = t
+                break
+    model.load_state_dict(matched, strict=False)
+    return [n for n, _ in model.named_parameters() if n not in matched]
+
+
+def _write_hub_config(folder: Path, source: dict[str, Any], snap: HubSnapshot, sections: list[str]) -> None:
+    """config.json: the source's, plus the quantization config and the payload for transformers."""
+    config = dict(source)
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "format_version": 1,
+        "store": STORE_DIR,
+        "entry": snap.entry,
+        "sections": sections,
+        "config": snap.config,
+        "dequantize": True,
+    }
+    config["transformers_weights"] = f"{STORE_DIR}/entries/{snap.entry}/payload.safetensors"
+    config.setdefault("dtype", config.get("torch_dtype") or "float32")
+    _write_json(folder / _CONFIG, config)
+
+
+def _write_card(folder: Path, snap: HubSnapshot, base_model: str | None, threshold: float, template: Any) -> None:
+    """README.md: a model card from the template (YAML header + body), replacing the source's."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    template = Path(template) if template is not None else _TEMPLATE
+    if not template.is_file():
+        raise DynaQuantError(f"model-card template {template} not found; pass template=<path>")
+    data = ModelCardData(
+        base_model=base_model,
+        base_model_relation="quantized" if base_model else None,
+        library_name="transformers",
+        tags=["dynaquant", "hf_dynaquant", "quantized", "compressed"],
+    )
+    card = ModelCard.from_template(
+        data,
+        template_path=str(template),
+        base_model=base_model or "the original model",
+        ratio=f"{snap.ratio:.2f}",
+        raw_mb=f"{snap.raw_nbytes / 1e6:.2f}",
+        stored_mb=f"{snap.stored_nbytes / 1e6:.2f}",
+        config=snap.config or {},
+        distortion="n/a" if snap.distortion is None else f"{snap.distortion:.4f}",
+        threshold=threshold,
+        cosine=f"{snap.cosine:.4f}",
+        entry=snap.entry,
+    )
+    (folder / "README.md").write_text(str(card))
+
+
+# ---------------------------------------------------------------------------------------------
+# push and pull
+
+
+def _is_snapshot(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / _CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def _endpoint(endpoint: str | None) -> str | None:
+    return endpoint or os.environ.get("HF_ENDPOINT") or None
+
+
+def push_to_hub(
+    folder_or_model: str | Path | Any,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    revision: str | None = None,
+    private: bool | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    endpoint: str | None = None,
+    **compress: Any,
+) -> Any:
+    """Upload a Hub-ready folder to ``repo_id`` (created if missing; ``revision`` is a branch,
+    created from main if missing). Given a ``PreTrainedModel`` or a plain model folder, it is
+    compressed first with :func:`compress_pretrained` (``compress`` holds its options). The
+    token defaults to ``HF_TOKEN`` / the saved login, the server to ``HF_ENDPOINT``. Returns
+    huggingface_hub's ``CommitInfo``."""
+    from huggingface_hub import HfApi
+
+    with tempfile.TemporaryDirectory(prefix="hf-dynaquant-push-") as tmp:
+        folder = Path(folder_or_model) if isinstance(folder_or_model, (str, Path)) else None
+        if folder is None or not _is_snapshot(folder):
+            folder = compress_pretrained(folder_or_model, Path(tmp) / "snapshot", **compress).path
+        elif compress:
+            raise DynaQuantError(f"{folder} is already compressed; compression options {sorted(compress)} do not apply")
+        problems = find_store(folder).verify()
+        if problems:
+            raise CorruptCheckpointError(f"{folder}: refusing to push a damaged snapshot: {problems[0]}")
+        api = HfApi(endpoint=_endpoint(endpoint), token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision not in (None, "main"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = find_store(folder).info(MODEL_REF)
+        return api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            revision=revision,
+            commit_message=commit_message or f"DynaQuant snapshot ({info.ratio:.1f}x smaller weights)",
+            create_pr=create_pr,
+        )
+
+
+def pull(
+    repo_id: str,
+    local_dir: str | Path | None = None,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | Path | None = None,
+    endpoint: str | None = None,
+) -> Path:
+    """Download a DynaQuant snapshot (into the Hugging Face cache, or ``local_dir``) and check
+    it: its config must name the dynaquant method and every blob checksum and manifest must be
+    intact. Returns the snapshot folder (for the cache: ``.../snapshots/<commit>``)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    where = f"{repo_id}@{revision or 'main'}"
+    try:
+        path = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_dir=local_dir,
+                endpoint=_endpoint(endpoint),
+            )
+        )
+    except HfHubHTTPError as exc:
+        raise DynaQuantError(f"{where}: download failed ({exc})") from None
+    if not _is_snapshot(path):
+        raise DynaQuantError(f"{where}: not a DynaQuant snapshot (config.json names no quant_method {QUANT_METHOD!r})")
+    try:
+        problems = find_store(path).verify()
+    except DynaQuantError as exc:
+        problems = [str(exc)]
+    if problems:
+        raise CorruptCheckpointError(f"{where}: the snapshot is damaged: " + "; ".join(problems))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def _decode_cache(cache_dir: str | Path | None) -> Path:
+    root = cache_dir or os.environ.get("HF_DYNAQUANT_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "hf_dynaquant" / "decoded"
+
+
+def materialize(
+    repo_id_or_path: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | Path | None = None,
+    hub_cache_dir: str | Path | None = None,
+    endpoint: str | None = None,
+) -> Path:
+    """A plain model folder (float safetensors, config without the quantization entries) for a
+    snapshot, decoded once and kept in ``cache_dir`` (default ``$HF_DYNAQUANT_CACHE`` or
+    ``~/.cache/hf_dynaquant/decoded``) under the repo and commit, or the entry id for a local folder."""
+    local = Path(repo_id_or_path)
+    if local.is_dir():
+        if not _is_snapshot(local):
+            raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
+        src, key = local, Path("local") / find_store(local).resolve(MODEL_REF)
+    else:
+        src = pull(str(repo_id_or_path), revision=revision, token=token, cache_dir=hub_cache_dir, endpoint=endpoint)
+        key = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
+    target = _decode_cache(cache_dir) / key
+    if not target.is_dir():
+        try:
+            decode_snapshot(src, target)
+        except DynaQuantError:
+            if not target.is_dir():  # not merely decoded meanwhile by another process
+                raise
+    return target
+
+
+def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
+    """Write a snapshot folder back as a plain model folder (float safetensors; config.json
+    without ``quantization_config`` and ``transformers_weights``) that any transformers loads."""
+    dst = Path(dst)
+    staging = _staging(dst)
+    try:
+        decompress_folder(src, staging / "plain", progress=False)
+        config = _read_config(staging / "plain")
+        config.pop("quantization_config", None)
+        config.pop("transformers_weights", None)
+        _write_json(staging / "plain" / _CONFIG, config)
+        _publish(staging / "plain", dst, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dst
+
+
+def from_pretrained(
+    model_class: Any,
+    repo_id_or_path: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    cache_dir: str | Path | None = None,
+    endpoint: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``model_class.from_pretrained`` on a DynaQuant snapshot (repo id or folder), with public
+    APIs only: download, decode once into the cache (:func:`materialize`), then load the plain
+    folder. ``kwargs`` go to ``model_class.from_pretrained`` (``num_labels=3``, ``dtype``...)."""
+    folder = materialize(repo_id_or_path, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint)
+    return model_class.from_pretrained(str(folder), **kwargs)
