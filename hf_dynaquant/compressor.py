@@ -130,6 +130,10 @@ class Snapshot:
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, bytes] = field(default_factory=dict)
 
+    def nbytes(self) -> int:
+        """Bytes of the snapshot's tensors (weights and optimizer state)."""
+        return sum(t.numel() * t.element_size() for t in self.state.values()) + _raw_optimizer_bytes(self.optimizer)
+
     def sensitivity(self) -> dict[str, torch.Tensor] | None:
         """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded)."""
         out = {

@@ -61,6 +61,7 @@ __all__ = ["DynaQuantCallback", "DynaQuantTrainer"]
 logger = logging.getLogger("hf_dynaquant")
 
 _SAFE_HUB_STRATEGIES = ("end",)
+_PROGRESS_BYTES = 256 << 20
 
 
 class DynaQuantCallback(TrainerCallback):
@@ -86,7 +87,8 @@ class DynaQuantCallback(TrainerCallback):
         ema_steps: optimizer steps before each save over which gradients are averaged.
         background: encode and write on a background thread (at most one checkpoint in flight).
         delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy``.
-        progress: show a progress bar while a checkpoint is written.
+        progress: show a progress bar while a checkpoint is written (default: for checkpoints
+            of more than 256 MB, where an encode takes long enough to watch).
     """
 
     def __init__(
@@ -105,7 +107,7 @@ class DynaQuantCallback(TrainerCallback):
         ema_steps: int = 50,
         background: bool = True,
         delta_coding: str = "regroup",
-        progress: bool = False,
+        progress: bool | None = None,
     ) -> None:
         if eval_batches < 1:
             raise ValueError(f"eval_batches must be at least 1, got {eval_batches}")
@@ -218,7 +220,8 @@ class DynaQuantCallback(TrainerCallback):
         store = self.compressor.store
 
         def job() -> dict[str, Any]:
-            report = self.compressor.write(snap, ref=name, progress=self.progress, searched=searched)
+            progress = self.progress if self.progress is not None else snap.nbytes() > _PROGRESS_BYTES
+            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
             if searched is None and report.search is not None:
                 self.chosen.append((state.global_step, report.search.get("config")))
             if folder.is_dir():  # a save_total_limit=1 rotation may already have removed it
@@ -239,8 +242,11 @@ class DynaQuantCallback(TrainerCallback):
             if self.worker is not None:
                 self.worker.close()
                 self.worker = None
-        if self._pending_logs and self.trainer is None:
-            self._flush_to_history(state)
+        if self._pending_logs:  # figures of the last checkpoint, which no later log call carries
+            if self.trainer is not None:
+                self.trainer.log({})
+            else:
+                self._flush_to_history(state)
 
     def wait(self, state) -> None:
         """Block until the checkpoint in flight is on disk (raising its error, if any)."""
