@@ -12,7 +12,8 @@ other in this process, each from the same seed:
 
 * **plain**: ``transformers.Trainer``, uncompressed checkpoints (the reference);
 * **dynaquant/<mode>** for each optimizer-state mode: ``DynaQuantTrainer`` with the default
-  ``DynaQuantCallback(threshold=0.01)`` (searched configuration, delta chains, keyframe every 10),
+  ``DynaQuantCallback(threshold=0.01)`` (``compress@0.05``: the same at a 5% threshold;
+  searched configuration, delta chains, keyframe every 10),
   and ``--restores`` restores spread over the run: training stops right after checkpoint k
   (k = 1..restores) and a *new* trainer resumes from that compressed checkpoint
   (``resume_from_checkpoint=True``), so the run ends having restored weights, optimizer state,
@@ -122,14 +123,16 @@ def run_plain(out: Path, data, steps: int, save_steps: int) -> dict:
     }
 
 
-def run_dynaquant(out: Path, data, steps: int, save_steps: int, mode: str, restores: int) -> dict:
+def run_dynaquant(out: Path, data, steps: int, save_steps: int, spec: str, restores: int) -> dict:
+    """One compressed run; ``spec`` is an optimizer-state mode, optionally ``@threshold``."""
+    mode, _, threshold = spec.partition("@")
     train, held = data
     cls = timed_saves(DynaQuantTrainer)
     stops = [save_steps * k for k in range(1, restores + 1) if save_steps * k < steps] + [None]
     reports, stalls, background = [], [], []
     trainer = None
     for i, stop in enumerate(stops):
-        cb = DynaQuantCallback(threshold=0.01, optimizer_state=mode)
+        cb = DynaQuantCallback(threshold=float(threshold or 0.01), optimizer_state=mode)
         trainer = cls(
             model=make_model(),
             args=training_args(out, steps, save_steps),
@@ -178,7 +181,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--save-steps", type=int, default=40)
     parser.add_argument("--restores", type=int, default=10)
-    parser.add_argument("--modes", default="compress,lossless,drop")
+    parser.add_argument(
+        "--modes",
+        default="compress,lossless,drop,compress@0.05",
+        help="optimizer-state modes, @threshold (default 0.01)",
+    )
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
     args = parser.parse_args()
@@ -187,7 +194,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
         for mode in args.modes.split(","):
-            results[mode] = run_dynaquant(Path(tmp) / mode, data, args.steps, args.save_steps, mode, args.restores)
+            results[mode] = run_dynaquant(
+                Path(tmp) / mode.replace("@", "_"), data, args.steps, args.save_steps, mode, args.restores
+            )
             print(f"{mode}: done", flush=True)
     plain = results["plain"]
     n_ckpt = args.steps // args.save_steps
@@ -198,7 +207,7 @@ def main() -> None:
         f"eval loss {plain['eval_loss']:.4f}, median stall per save {statistics.median(plain['stall']) * 1e3:.0f} ms\n"
     )
     header = (
-        "optimizer_state",
+        "optimizer_state@threshold",
         "eval loss",
         "vs plain",
         "weights ratio",
@@ -241,7 +250,7 @@ def plot(results: dict, args, plain: dict) -> None:
         pcs = results[mode]["per_checkpoint"]
         steps = [p["step"] for p in pcs]
         ax.plot(steps, [per_w / p["weights"] for p in pcs], marker="o", label=f"weights ({mode})")
-        if mode != "drop":
+        if not mode.startswith("drop"):
             ax.plot(steps, [per_whole / p["total"] for p in pcs], marker="s", ls="--", label=f"whole ({mode})")
     ax.set_xlabel("training step")
     ax.set_ylabel("compression ratio vs plain Trainer")
