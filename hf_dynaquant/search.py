@@ -4,20 +4,28 @@ The user states how much quality one checkpoint may lose (a metric, its directio
 of relative degradation and a few evaluation batches); the manager finds the most compressive
 configuration that keeps to it, at every checkpoint, cheaply:
 
-* **First checkpoint: guided exhaustive search.** The cube's axes (bins up, pruning down,
-  protection up) each raise quality, so a failing point condemns every point below it and a
-  passing point makes every point above it pointless. A binary search along the cube's diagonal
-  finds a first passing configuration; the feasible sub-cubes around it are then explored
-  best-first (most compressive first), skipping every candidate that the known results already
-  decide. Size is measured (entropy of the codes), not assumed: it is monotone in bins and
-  protection but not in pruning, so the lighter-pruning points at the best's bins and protection
-  are measured too. Done for both pruning metrics; the smaller result wins.
+* **First checkpoint: guided exhaustive search, smallest first.** A candidate's size is
+  *measured* without evaluating the model: plan it (the per-tensor sketches are shared, so this
+  is mostly K-means) and take the entropy of its codes plus 16 bits per protected value. Both
+  pruning metrics share one queue ordered by measured size, so the first candidate that passes
+  is the most compressive one and ends the search. Size rises with bins and with protection (in
+  every cube we measured), so the queue walks out from the most compressive corner and sizes a
+  point only when the point before it leaves: no plan of the whole cube up front. Quality is
+  *not* monotone along the axes on real models (pruning can lower the loss; near the threshold
+  more bins can cost quality), so a failure condemns the points below it only when it is clear:
+  past the threshold by twice the larger of the threshold and the largest inversion seen so far
+  at this checkpoint (a configuration losing against one below it). The rule loosens itself
+  where the metric is noisy. A failure far past that margin has the search try the top of its
+  column (same pruning level and metric), which condemns the column in one evaluation when it
+  fails clearly too. Without pruning the pruning metric changes nothing: such configurations
+  are planned and evaluated once.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   metrics) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
-  most compressive first; the first that passes ends the round. If none passes, the exhaustive
+  smallest measured size first; the first that passes ends the round. If none passes, the exhaustive
   search runs again (counted as a fallback).
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
-  each rank; results are all-gathered, so every rank picks the same configuration.
+  each rank (and sizes are measured the same way); results are all-gathered, so every rank picks
+  the same configuration.
 * **Safe evaluation.** A candidate is evaluated by writing its dequantized values into the live
   model in place and copying the originals back from the checkpoint's CPU snapshot (which the
   compressor holds anyway: no deep copy of the model), under ``torch.no_grad``, in eval mode,
@@ -26,6 +34,7 @@ configuration that keeps to it, at every checkpoint, cheaply:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -46,6 +55,8 @@ __all__ = [
     "SearchSpace",
     "SearchResult",
     "ConfigurationSearch",
+    "evaluate_plan",
+    "measured_bits",
     "mean_loss",
     "accuracy",
     "perplexity",
@@ -206,14 +217,6 @@ class SearchSpace:
         return self.bins.index(config.bins), self.prune.index(config.prune), self.protect.index(config.protect)
 
 
-def estimated_bits(config: QuantConfig) -> float:
-    """Expected bits per quantized value, for ordering candidates (lower compresses more):
-    the entropy of the code distribution plus 16 bits per protected value."""
-    rest = max(1.0 - config.prune - config.protect, 1e-9)
-    probs = [p for p in (config.prune, config.protect, rest) if p > 0]
-    return -sum(p * math.log2(p) for p in probs) + rest * math.log2(config.bins) + 16 * config.protect
-
-
 @dataclass
 class Candidate:
     """One evaluated configuration."""
@@ -249,6 +252,7 @@ class SearchResult:
     candidates: list[Candidate] = field(default_factory=list)
     local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)
+    sized: int = 0  # configurations planned and measured without evaluating the model, to order the candidates
 
     @property
     def evaluations(self) -> int:
@@ -261,6 +265,7 @@ class SearchResult:
             "baseline": self.baseline,
             "mode": self.mode,
             "evaluations": self.evaluations,
+            "sized": self.sized,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -296,6 +301,24 @@ def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
         return model.get_buffer(name)
 
 
+def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
+    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value."""
+    counts = np.bincount(codes)
+    p = counts[counts > 0] / codes.size
+    return float(-(p * np.log2(p)).sum()) * codes.size + 16 * protected.size
+
+
+def measured_bits(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> float:
+    """Bits per quantized value of ``plan`` on ``snapshot`` (the ``bits`` of :func:`evaluate_plan`),
+    without touching the model: what the search orders its candidates by."""
+    bits = total = 0.0
+    for name, tp in plan.tensors.items():
+        codes, protected = quantize(snapshot[name], tp)
+        bits += _code_bits(codes, protected)
+        total += codes.size
+    return bits / max(total, 1.0)
+
+
 def evaluate_plan(
     model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, metric: QualityMetric
 ) -> tuple[float, float]:
@@ -307,9 +330,7 @@ def evaluate_plan(
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
-                counts = np.bincount(codes)
-                p = counts[counts > 0] / codes.size
-                bits += float(-(p * np.log2(p)).sum()) * codes.size + 16 * protected.size
+                bits += _code_bits(codes, protected)
                 total += codes.size
                 live = _live_tensor(model, name)
                 values = torch.from_numpy(dequantize(codes, tp.centres, protected)).view(live.shape)
@@ -340,9 +361,11 @@ def _world() -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # the manager
 
-# Quality is not exactly monotone along the cube's axes (pruning can even help), so a failure
-# condemns the configurations below it only when it fails clearly: by more than this factor.
+# A failure condemns the configurations below it only when it exceeds the threshold by this many
+# times the larger of the threshold and the largest inversion seen (see _Context.condemned).
 _CLEAR_FAIL = 2.0
+# A failure this many times past that margin makes the search evaluate the top of its column.
+_FAR = 4.0
 
 
 class ConfigurationSearch:
@@ -352,7 +375,7 @@ class ConfigurationSearch:
         metric: the quality measure (see :func:`mean_loss`, :func:`accuracy`, ...).
         threshold: the relative degradation one checkpoint may cost (0.01 = 1%). The default,
             1%, comes from our GPT-2 and CNN runs (benchmarks/RESULTS.md): it keeps 4-16 bins and
-            15-55x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
+            14-92x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
             the cube's 32, and would be stored losslessly; 5% lets 4 bins through everywhere.
         space: the configuration cube.
         epsilon: neighbourhood radius, in cube steps, at later checkpoints.
@@ -388,7 +411,7 @@ class ConfigurationSearch:
         with _preserved_state(model):
             baseline = self.metric(model)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline)
+        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics)
         if self.last is not None and self.last.metric in metrics:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -405,15 +428,16 @@ class ConfigurationSearch:
                 "this checkpoint is stored losslessly",
                 stacklevel=2,
             )
-            return SearchResult(None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local)
+            return SearchResult(None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local, sized=ctx.sized)
         found = ctx.embedding_bins(found)
         self.last = found.config
-        plan = found.plan or plan_quantization(snapshot, found.config, types=types, sensitivity=sensitivity)
-        return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan)
+        plan = found.plan or ctx.plan(found.config)
+        return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan, ctx.sized)
 
 
 class _Context:
-    """The state of one checkpoint's search: evaluated points and the rules they imply."""
+    """The state of one checkpoint's search: plans, measured sizes, evaluated points and the rules
+    they imply."""
 
     def __init__(
         self,
@@ -423,12 +447,18 @@ class _Context:
         types: Mapping[str, str] | None,
         sensitivity: Mapping[str, torch.Tensor] | None,
         baseline: float,
+        metrics: Sequence[str],
     ) -> None:
         self.owner, self.model, self.snapshot = owner, model, snapshot
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
+        self.metrics = list(metrics)
         self.tried: list[Candidate] = []
         self.local = 0
+        self.sized = 0
+        self.inversion = 0.0  # the most an evaluated configuration lost against one below it (see condemned)
         self.sketches: dict = {}  # per-tensor sketches, shared by every candidate of this checkpoint
+        self._plans: dict[QuantConfig, QuantPlan] = {}  # made on this rank
+        self._bits: dict[QuantConfig, float] = {}
         self._cache: dict[QuantConfig, Candidate] = {}
         self.has_embeddings = any((types or {}).get(n) == EMBEDDING for n in snapshot) or any(
             "embed" in n.lower() for n in snapshot
@@ -438,7 +468,28 @@ class _Context:
         return self.owner.space.embedding_bins[-1]
 
     def config(self, point: tuple[int, int, int], metric: str, embedding_bins: int | None = None) -> QuantConfig:
-        return self.owner.space.config(point, metric, self.owner.base, embedding_bins or self._embedding_default())
+        """The configuration at ``point``; without pruning the pruning metric changes nothing, so
+        such points all take the first metric (one plan, one evaluation)."""
+        space = self.owner.space
+        metric = self.metrics[0] if space.prune[point[1]] == 0 and self.metrics else metric
+        return space.config(point, metric, self.owner.base, embedding_bins or self._embedding_default())
+
+    def plan(self, config: QuantConfig) -> QuantPlan:
+        if config not in self._plans:
+            self._plans[config] = plan_quantization(
+                self.snapshot, config, types=self.types, sensitivity=self.sensitivity, sketch_cache=self.sketches
+            )
+        return self._plans[config]
+
+    def size(self, configs: Sequence[QuantConfig]) -> list[float]:
+        """Measured bits per quantized value of each configuration, without evaluating the model
+        (spread over the ranks like evaluations)."""
+        todo = [c for c in dict.fromkeys(configs) if c not in self._bits]
+        rank, world = _world()
+        mine = [(c, measured_bits(self.snapshot, self.plan(c))) for c in todo[rank::world]]
+        self._bits.update(_gather(mine) if world > 1 else mine)
+        self.sized += len(todo)
+        return [self._bits[c] for c in configs]
 
     def evaluate(self, configs: Sequence[QuantConfig]) -> list[Candidate]:
         """Evaluate a round: one configuration per rank, results shared by all ranks."""
@@ -448,91 +499,102 @@ class _Context:
             batch = todo[start : start + world]
             mine = []
             if rank < len(batch):
-                plan = plan_quantization(
-                    self.snapshot,
-                    batch[rank],
-                    types=self.types,
-                    sensitivity=self.sensitivity,
-                    sketch_cache=self.sketches,
-                )
+                plan = self.plan(batch[rank])
                 value, bits = evaluate_plan(self.model, self.snapshot, plan, self.owner.metric)
                 deg = self.owner.metric.degradation(self.baseline, value)
                 mine.append(Candidate(batch[rank], deg, bits, deg <= self.owner.threshold, plan))
                 self.local += 1
             gathered = _gather([replace(c, plan=None) for c in mine]) if world > 1 else mine
             for cand in gathered:
+                for other in self.tried:
+                    if self.below(other.config, cand.config):
+                        self.inversion = max(self.inversion, cand.degradation - other.degradation)
+                    elif self.below(cand.config, other.config):
+                        self.inversion = max(self.inversion, other.degradation - cand.degradation)
                 self._cache[cand.config] = cand
                 self.tried.append(cand)
         return [self._cache[c] for c in configs]
 
+    def condemned(self, config: QuantConfig) -> bool:
+        """Whether a clear failure lies at or above ``config`` on every axis. Quality is not
+        monotone along the axes on real models, so a failure is clear only when it exceeds the
+        threshold by ``_CLEAR_FAIL`` times the larger of the threshold and the largest inversion
+        seen at this checkpoint (the most a configuration has lost against one at least as
+        aggressive): the rule loosens itself where the metric is noisy."""
+        margin = self.margin()
+        return any(c.degradation > margin and self.below(config, c.config) for c in self.tried)
+
+    def margin(self) -> float:
+        """The degradation past which a failure is clear (see :meth:`condemned`)."""
+        threshold = self.owner.threshold
+        return threshold + _CLEAR_FAIL * max(threshold, self.inversion)
+
+    def below(self, a: QuantConfig, b: QuantConfig) -> bool:
+        """Whether ``a`` is at least as aggressive as ``b`` on every axis (were quality monotone
+        along the axes, ``a`` would be no better); without pruning the pruning metric is moot."""
+        space = self.owner.space
+        return (
+            (b.prune == 0 or a.metric == b.metric)
+            and a.embedding_bins <= b.embedding_bins
+            and all(x <= y for x, y in zip(space.point_of(a), space.point_of(b)))
+        )
+
     def exhaustive(self, metrics: Sequence[str]) -> Candidate | None:
-        results = [r for r in (self._cube(m) for m in metrics) if r is not None]
-        return min(results, key=lambda c: (c.bits, c.degradation), default=None)
+        """The passing configuration of fewest measured bits, both pruning metrics in one queue.
 
-    def _cube(self, metric: str) -> Candidate | None:
-        """Guided exhaustive search of the cube for one pruning metric."""
+        The queue walks the cube from the most compressive corner of each (pruning, metric)
+        column: a point leaves it in order of measured size, and its successors (one more step of
+        bins; at the fewest bins, one more step of protection) join, sized, as it leaves. Size
+        rises along both, so every point still to come is at least as large as the one leaving,
+        and the first that passes is the answer. A point at or below a clear failure (see
+        :meth:`condemned`) is skipped when its turn comes."""
         space, world = self.owner.space, _world()[1]
-        shape = space.shape
-        points = list(itertools.product(*(range(n) for n in shape)))
-        passed: list[tuple[int, int, int]] = []
-        failed: list[tuple[int, int, int]] = []
+        n_bins, n_prune, n_protect = space.shape
+        queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, metric index)
+        seen: set[QuantConfig] = set()
 
-        def record(cands: list[Candidate], pts: list[tuple[int, int, int]]) -> None:
-            for c, p in zip(cands, pts):
-                if c.passed:
-                    passed.append(p)
-                elif c.degradation > _CLEAR_FAIL * self.owner.threshold:
-                    failed.append(p)  # only a clear failure condemns the points below it
+        def push(points: list[tuple[int, int, int]], m: int) -> None:
+            fresh = []
+            for point in points:
+                if (config := self.config(point, metrics[m])) not in seen:  # without pruning, both metrics meet
+                    seen.add(config)
+                    fresh.append((point, config))
+            for (point, _), bits in zip(fresh, self.size([c for _, c in fresh])):
+                heapq.heappush(queue, (bits, point, m))
 
-        # 1. binary search on the diagonal for the first passing point
-        steps = max(shape)
-        diagonal = [tuple(round(t * (n - 1) / (steps - 1)) if steps > 1 else 0 for n in shape) for t in range(steps)]
-        lo, hi = 0, steps - 1
-        if not self.evaluate([self.config(diagonal[hi], metric)])[0].passed:
-            return None  # even the highest-quality configuration fails
-        passed.append(diagonal[hi])
-        while lo < hi:
-            probes = sorted({lo + (hi - lo) * (i + 1) // (world + 1) for i in range(world)})
-            cands = self.evaluate([self.config(diagonal[t], metric) for t in probes])
-            record(cands, [diagonal[t] for t in probes])
-            first_pass = next((t for t, c in zip(probes, cands) if c.passed), None)
-            last_fail = max((t for t, c in zip(probes, cands) if not c.passed), default=lo - 1)
-            hi = first_pass if first_pass is not None else hi
-            lo = last_fail + 1
-        best = self._cache[self.config(diagonal[hi], metric)]
+        def successors(point: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+            """One more step of bins; at the fewest bins, also one more step of protection (a tree
+            over each column: every point has one predecessor)."""
+            b, p, r = point
+            out = [(b + 1, p, r)] if b + 1 < n_bins else []
+            if b == 0 and r + 1 < n_protect:
+                out.append((b, p, r + 1))
+            return out
 
-        # 2. the feasible sub-cubes, best-first, skipping what the results already decide
-        def open_points() -> list[tuple[int, int, int]]:
-            out = []
-            for p in points:
-                if self.config(p, metric) in self._cache:
-                    continue  # evaluated already
-                if any(all(a <= b for a, b in zip(p, f)) for f in failed):
-                    continue  # at most as good as a failing point: fails
-                if any(all(a >= b for a, b in zip(p, q)) for q in passed):
-                    continue  # at least as good as a passing point: passes, compresses no better
-                if estimated_bits(self.config(p, metric)) >= estimated_bits(best.config):
-                    continue  # cannot beat the best found
-                out.append(p)
-            return sorted(out, key=lambda p: estimated_bits(self.config(p, metric)))
+        def column_top(config: QuantConfig) -> QuantConfig:
+            return self.config((n_bins - 1, space.prune.index(config.prune), n_protect - 1), config.metric)
 
-        while frontier := open_points()[:world]:
-            cands = self.evaluate([self.config(p, metric) for p in frontier])
-            record(cands, frontier)
-            for c in cands:
-                if c.passed and c.bits < best.bits:
-                    best = c
-
-        # 3. less pruning at the best's bins and protection: quality only rises along this axis,
-        # but entropy-coded size need not fall with more pruning (pruned zeros are one more symbol
-        # next to centres that may already be skewed), so measure it rather than assume
-        b, p, r = space.point_of(best.config)
-        lighter = [(b, q, r) for q in range(p + 1, shape[1])]
-        for start in range(0, len(lighter), world):
-            for c in self.evaluate([self.config(q, metric) for q in lighter[start : start + world]]):
-                if c.passed and c.bits < best.bits:
-                    best = c
-        return best
+        # the highest-quality configuration first: when it fails clearly, nothing is left to try
+        tops = [self.config((n_bins - 1, n_prune - 1, n_protect - 1), m) for m in metrics]
+        self.evaluate(tops)
+        if all(self.condemned(c) for c in tops):
+            return None
+        for m in range(len(metrics)):
+            push([(0, p, 0) for p in range(n_prune)], m)
+        while queue:
+            batch: list[QuantConfig] = []
+            while queue and len(batch) < world:
+                _, point, m = heapq.heappop(queue)
+                push(successors(point), m)
+                if not self.condemned(config := self.config(point, metrics[m])):
+                    batch.append(config)
+            cands = self.evaluate(batch)
+            if passed := next((c for c in cands if c.passed), None):
+                return passed
+            # a failure far past the margin hints that its whole column (pruning level and metric)
+            # fails: the column's top decides in one evaluation, and condemns the column if it fails clearly
+            self.evaluate([column_top(c.config) for c in cands if c.degradation > _FAR * self.margin()])
+        return None
 
     def neighbourhood(self, last: QuantConfig, metrics: Sequence[str]) -> Candidate | None:
         space, eps = self.owner.space, self.owner.epsilon
@@ -550,12 +612,11 @@ class _Context:
         if self._cache[self.config(centre, metric, emb)].passed:
             return self._cache[self.config(centre, metric, emb)]
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
-        near = [p for p in itertools.product(*ranges) if p != centre]  # never more aggressive
-        near.sort(key=lambda p: estimated_bits(self.config(p, metric, emb)))
+        near = [self.config(p, metric, emb) for p in itertools.product(*ranges) if p != centre]  # never bolder
+        near = [c for _, c in sorted(zip(self.size(near), near), key=lambda x: x[0])]
         world = _world()[1]
         for start in range(0, len(near), world):
-            batch = near[start : start + world]
-            for cand in self.evaluate([self.config(p, metric, emb) for p in batch]):
+            for cand in self.evaluate(near[start : start + world]):
                 if cand.passed:
                     return cand
         return None

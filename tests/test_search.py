@@ -3,6 +3,7 @@ fallbacks, records, and data-parallel agreement across two real processes."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import random
@@ -24,6 +25,7 @@ from hf_dynaquant.search import (
     evaluate_plan,
     held_out,
     mean_loss,
+    measured_bits,
 )
 
 SMALL = SearchSpace(bins=(4, 6, 8, 12, 16), prune=(0.5, 0.3, 0.1, 0.0), protect=(0.0005, 0.005), metrics=("magnitude",))
@@ -118,6 +120,67 @@ def test_guided_search_reaches_brute_force_with_fewer_evaluations(threshold: flo
     assert max(abs(a - b) for a, b in zip(chosen, best)) <= 1  # the optimum, or within one step of it
     assert result.evaluations < brute_evals / 2
     assert len({(c.config.bins, c.config.prune, c.config.protect) for c in result.candidates}) == result.evaluations
+
+
+def test_measured_bits_need_no_evaluation() -> None:
+    model, _, _ = digits_mlp()
+    snap = snapshot_of(model)
+    plan = plan_quantization(snap, QuantConfig(bins=6, prune=0.3, protect=0.005, min_numel=256))
+    _, evaluated_bits = evaluate_plan(model, snap, plan, QualityMetric(lambda m: 0.0))
+    assert measured_bits(snap, plan) == evaluated_bits  # the size the search orders by, without the model
+
+
+def _weights_digest(model: torch.nn.Module) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.digest()
+
+
+@pytest.mark.parametrize("scenario", ["moderate", "clear", "noisy"])
+def test_search_trusts_only_clear_failures(scenario: str) -> None:
+    """A designed, non-monotone quality over the MLP's real quantized weights: every point fails
+    except the top of the cube and one point X with pruning, whose unpruned twin F (at or above
+    X on every axis) is smaller, so F is evaluated first. A moderate failure of F (2x the
+    threshold) must not hide X; a clear one (10x) condemns X unseen; once the cube has shown
+    an inversion as large as that (a point losing 6x the threshold against one below it), the
+    same failure is no longer clear and X is found again."""
+    model, _, _ = digits_mlp()
+    snap, threshold = snapshot_of(model), 0.01
+    points = list(itertools.product(*(range(n) for n in SMALL.shape)))
+    configs = {p: SMALL.config(p, "magnitude", BASE, 32) for p in points}
+    bits = {p: measured_bits(snap, plan_quantization(snap, c)) for p, c in configs.items()}
+    unpruned = SMALL.prune.index(0.0)
+    x = min((p for p in points if p[1] != unpruned and bits[(p[0], unpruned, p[2])] < bits[p]), key=lambda p: bits[p])
+    f, top = (x[0], unpruned, x[2]), tuple(n - 1 for n in SMALL.shape)
+    level = 2 if scenario == "moderate" else 10
+    degradation = {p: level * threshold for p in points} | {x: 0.0, top: 0.0}
+    if scenario == "noisy":  # the smallest point, and one more step of protection on it, loses 6x the threshold more
+        low = min(points, key=lambda p: bits[p])
+        high = (low[0], low[1], low[2] + 1)
+        assert f not in (low, high) and x not in (low, high) and bits[high] < bits[x]
+        degradation[high] = degradation[low] + 6 * threshold
+
+    by_digest: dict[bytes, tuple[int, int, int]] = {}  # the weights each configuration leaves in the model
+    for p, c in configs.items():
+        evaluate_plan(
+            model,
+            snap,
+            plan_quantization(snap, c),
+            QualityMetric(lambda m, p=p: by_digest.update({_weights_digest(m): p}) or 0.0),
+        )
+
+    def designed(m: torch.nn.Module) -> float:
+        point = by_digest.get(_weights_digest(m))
+        return 1.0 if point is None else 1.0 + degradation[point]
+
+    result = ConfigurationSearch(QualityMetric(designed), threshold, space=SMALL, base=BASE).search(model, snap)
+    evaluated = {SMALL.point_of(c.config) for c in result.candidates}
+    assert bits[f] < bits[x] and f in evaluated and result.evaluations < len(points)
+    if scenario == "clear":
+        assert x not in evaluated and SMALL.point_of(result.config) == top
+    else:
+        assert SMALL.point_of(result.config) == x  # the brute-force optimum: the smallest passing point
 
 
 def test_steady_state_neighbourhood_and_fallback() -> None:
