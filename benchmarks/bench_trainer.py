@@ -187,12 +187,22 @@ def main() -> None:
         help="optimizer-state modes, @threshold (default 0.01)",
     )
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
+    parser.add_argument("--plain-from", default=None, help="reuse the plain run of an earlier --json (same arguments)")
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
     args = parser.parse_args()
     data = docstring_lm_datasets(block=64, eval_blocks=64)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
+        if args.plain_from:
+            earlier = json.loads(Path(args.plain_from).read_text())
+            if {k: earlier["args"][k] for k in ("steps", "save_steps")} != {
+                "steps": args.steps,
+                "save_steps": args.save_steps,
+            }:
+                raise SystemExit("--plain-from: that run used other --steps/--save-steps")
+            results["plain"] = earlier["results"]["plain"]
+        else:
+            results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
         for mode in args.modes.split(","):
             results[mode] = run_dynaquant(
                 Path(tmp) / mode.replace("@", "_"), data, args.steps, args.save_steps, mode, args.restores

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import hf_dynaquant
 from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
@@ -95,6 +95,38 @@ def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> N
         assert torch.equal(loaded["optimizer"][pid]["exp_avg_sq"], st["exp_avg_sq"])
     assert [r["step"] for r in resumed_cb.reports] == [12]
     assert store.info("checkpoint-12").base == store.resolve("checkpoint-8")  # the chain went on
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_lossless_restores_reproduce_the_uninterrupted_run_exactly(tmp_path, data) -> None:
+    """With every tensor lossless, two kills and resumes end on the very weights of one
+    uninterrupted run: the resume restores weights, optimizer, scheduler, RNG and data order."""
+    train, _ = data
+    lossless = dict(config=QuantConfig(min_numel=10**12), optimizer_state="lossless")
+    whole = DynaQuantTrainer(
+        model=tiny_gpt2(),
+        args=args_for(tmp_path / "a"),
+        train_dataset=train,
+        callbacks=[DynaQuantCallback(None, **lossless)],
+    )
+    whole.train()
+    for i, stop in enumerate((4, 8, 12)):
+        part = DynaQuantTrainer(
+            model=tiny_gpt2(),
+            args=args_for(tmp_path / "b"),
+            train_dataset=train,
+            callbacks=[DynaQuantCallback(None, **lossless), StopAfter(stop)],
+        )
+        part.train(resume_from_checkpoint=True if i else None)
+    for name, t in whole.model.state_dict().items():
+        assert torch.equal(part.model.state_dict()[name], t), name
 
 
 def test_search_runs_on_eval_dataset_and_is_recorded(tmp_path, data) -> None:
