@@ -48,6 +48,7 @@ __all__ = [
     "MomentQuant",
     "DynaQuantCallback",
     "DynaQuantTrainer",
+    "DynaQuantPlugin",
     "DynaQuantError",
     "FormatError",
     "UnsupportedFormatVersionError",
@@ -69,9 +70,13 @@ _hf_quantizer.register()  # AutoModel.from_pretrained(<DynaQuant snapshot>) afte
 
 
 def __getattr__(name: str):
-    """The Trainer integration is imported on first use (``transformers.Trainer`` is heavy)."""
+    """The Trainer and Accelerate integrations are imported on first use (both are heavy)."""
     if name in ("DynaQuantCallback", "DynaQuantTrainer"):
         from .integrations import trainer
 
         return getattr(trainer, name)
+    if name == "DynaQuantPlugin":
+        from .integrations import accelerate
+
+        return accelerate.DynaQuantPlugin
     raise AttributeError(f"module 'hf_dynaquant' has no attribute {name!r}")

@@ -59,7 +59,7 @@ MARKER = "dynaquant.json"
 STORE_DIRNAME = "dynaquant"
 MARKER_FORMAT = "hf_dynaquant.checkpoint"
 MARKER_VERSION = 1
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_RE = re.compile(r"^checkpoint[-_](\d+)$")  # the Trainer's checkpoint-N, Accelerate's checkpoint_N
 # what the compressed form replaces (removed from a folder once the entry is durable)
 UNCOMPRESSED_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.pt", "optimizer.bin")
 _UNCOMPRESSED_PATTERNS = ("model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
@@ -134,19 +134,24 @@ def _numbered(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def last_complete_checkpoint(run_dir: str | Path, *, repair: bool = True) -> Path | None:
-    """The newest ``checkpoint-N`` of ``run_dir`` that can be resumed.
+def last_complete_checkpoint(
+    run_dir: str | Path, *, repair: bool = True, store: CheckpointStore | None = None
+) -> Path | None:
+    """The newest ``checkpoint-N`` (or ``checkpoint_N``) of ``run_dir`` that can be resumed.
 
     A folder whose compression was cut short (a crash after the framework's save) is skipped,
     unless its entry did reach the store (the crash came between the entry and the marker):
-    then, with ``repair``, the marker is written and the folder used."""
+    then, with ``repair``, the marker is written and the folder used. ``store``: the run's
+    store when it is not ``<run_dir>/dynaquant`` (Accelerate keeps it beside ``checkpoints/``)."""
     run_dir = Path(run_dir)
-    store = checkpoint_store(run_dir, create=False) if CheckpointStore.is_store(run_dir / STORE_DIRNAME) else None
-    for step, folder in _numbered(run_dir):
+    if store is None and CheckpointStore.is_store(run_dir / STORE_DIRNAME):
+        store = checkpoint_store(run_dir, create=False)
+    for _, folder in _numbered(run_dir):
         if is_complete(folder):
             return folder
         if repair and store is not None and folder.name in store.refs():
-            write_marker(folder, store, folder.name, store.refs()[folder.name], step)
+            entry = store.refs()[folder.name]
+            write_marker(folder, store, folder.name, entry, int(store.info(entry).metadata.get("step", 0)))
             return folder
     if repair and store is not None:  # every folder lost (crash right after an early rotation)
         refs = sorted((int(m.group(1)), ref) for ref in store.refs() if (m := _CHECKPOINT_RE.match(ref)))
@@ -168,21 +173,26 @@ def remove_uncompressed(folder: Path) -> list[str]:
     return removed
 
 
-def release_rotated(store: CheckpointStore, run_dir: Path, keep: set[str] = frozenset()) -> list[str]:
+def release_rotated(
+    store: CheckpointStore, run_dir: Path, keep: set[str] = frozenset(), *, every_ref: bool = False
+) -> list[str]:
     """Drop the references of ``checkpoint-*`` folders the framework deleted, then collect
-    garbage; returns the entries removed. References named in ``keep`` stay."""
+    garbage; returns the entries removed. References named in ``keep`` stay. With
+    ``every_ref`` any reference counts as the name of a folder in ``run_dir`` (a store that
+    only one run directory uses, whatever its folders are called)."""
     for ref in list(store.refs()):
-        if _CHECKPOINT_RE.match(ref) and ref not in keep and not (run_dir / ref).is_dir():
+        if (every_ref or _CHECKPOINT_RE.match(ref)) and ref not in keep and not (run_dir / ref).is_dir():
             store.delete_ref(ref)
     return store.gc()
 
 
-def collect_small_files(folder: Path) -> dict[str, bytes]:
-    """The framework's files a resume reads besides weights and optimizer (trainer state,
-    scheduler, scaler, RNG), zstd-compressed, for the entry's extras."""
+def collect_small_files(folder: Path, patterns: tuple[str, ...] = _RESUME_FILES) -> dict[str, bytes]:
+    """The framework's files a resume reads besides weights and optimizer (by default the
+    Trainer's: trainer state, scheduler, scaler, RNG; ``patterns`` names another framework's),
+    zstd-compressed, for the entry's extras."""
     out = {}
     compressor = zstandard.ZstdCompressor(level=10)
-    for pattern in _RESUME_FILES:
+    for pattern in patterns:
         for path in sorted(folder.glob(pattern)) if folder.is_dir() else []:
             if path.is_file() and path.stat().st_size <= _SMALL_FILE_LIMIT:
                 out[f"file:{path.name}"] = compressor.compress(path.read_bytes())

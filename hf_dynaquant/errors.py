@@ -22,6 +22,8 @@ __all__ = [
     "MissingOptimizerStateError",
     "IncompleteCheckpointError",
     "BackgroundCompressionError",
+    "InvalidSettingError",
+    "UnsupportedSetupError",
 ]
 
 
@@ -110,3 +112,13 @@ class IncompleteCheckpointError(CheckpointError):
 class BackgroundCompressionError(CheckpointError):
     """Compressing a checkpoint on the background worker failed; raised in the training loop at
     the next step, naming the checkpoint (the original exception is its ``__cause__``)."""
+
+
+class InvalidSettingError(DynaQuantError, ValueError):
+    """A setting (an argument or its ``ACCELERATE_DYNAQUANT_*`` environment variable) has a value
+    that cannot be used; the message names the setting and the value."""
+
+
+class UnsupportedSetupError(CheckpointError):
+    """The training set-up (a distributed mode, a model or optimizer not prepared by the
+    accelerator) is one the integration cannot checkpoint correctly; the message says why."""
