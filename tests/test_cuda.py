@@ -123,3 +123,52 @@ def test_search_on_cuda_model_leaves_weights_bit_identical() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert mean_loss(data).fn(model) == pytest.approx(loss(model) / 2, rel=1e-5)
+
+
+class _Blocks(torch.utils.data.Dataset):
+    """Character blocks of random text as Trainer batches (no ``datasets`` needed on a GPU box)."""
+
+    def __init__(self, n: int = 256, block: int = 32) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 97, (n, block), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def test_trainer_on_cuda_saves_in_background_and_resumes(tmp_path) -> None:
+    """DynaQuantTrainer with a model on the GPU: gradients copied off the device, the search on
+    a CPU copy in the background, resume onto the GPU with the decoded weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from hf_dynaquant.checkpoint_dir import checkpoint_store
+    from hf_dynaquant.compressor import read_checkpoint
+    from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+
+    def model() -> GPT2LMHeadModel:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+
+    def args(steps: int) -> TrainingArguments:
+        return TrainingArguments(
+            str(tmp_path), max_steps=steps, per_device_train_batch_size=8, save_steps=4, report_to=[], seed=0
+        )
+
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude", "sensitivity"))
+    cb = DynaQuantCallback(0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2)
+    trainer = DynaQuantTrainer(
+        model=model(), args=args(8), train_dataset=_Blocks(), eval_dataset=_Blocks(32), callbacks=[cb]
+    )
+    trainer.train()
+    assert next(trainer.model.parameters()).is_cuda and [r["step"] for r in cb.reports] == [4, 8]
+    weights, opt_state, meta = read_checkpoint(checkpoint_store(tmp_path), "checkpoint-8")
+    assert meta["search"]["evaluations"] >= 1 and opt_state is not None
+    resumed = DynaQuantTrainer(
+        model=model(), args=args(8), train_dataset=_Blocks(), callbacks=[DynaQuantCallback(None)]
+    )
+    resumed._load_from_checkpoint(str(tmp_path / "checkpoint-8"))
+    for name, t in resumed.model.state_dict().items():
+        assert torch.equal(t.cpu(), weights[name]), name
