@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import warnings
@@ -53,6 +54,7 @@ __all__ = [
     "collect_small_files",
     "materialize",
     "rebuild_folder",
+    "restore_optimizer",
 ]
 
 MARKER = "dynaquant.json"
@@ -257,3 +259,21 @@ def rebuild_folder(store: CheckpointStore, ref: str, folder: Path) -> None:
                 atomic_write_bytes(folder / name[5:], zstandard.ZstdDecompressor().decompress(entry.extra(name)))
         step = int(entry.metadata.get("step", 0))
         write_marker(folder, store, ref, entry.id, step)
+
+
+def restore_optimizer(optimizer: Any, state: dict[str, Any] | None, meta: dict[str, Any], where: str) -> None:
+    """Load a decoded optimizer state into ``optimizer``, or say loudly why there is none: a
+    checkpoint saved with ``optimizer_state="drop"`` warns (training goes on with a fresh
+    optimizer, as its author chose), any other missing state raises."""
+    if state is not None:
+        optimizer.load_state_dict(state)
+        return
+    mode = meta.get("optimizer_state", {}).get("mode", "absent")
+    if mode != "drop":
+        raise MissingOptimizerStateError(f"{where}: no optimizer state in its entry (mode {mode!r})")
+    message = (
+        f"{where} was saved with optimizer_state='drop': training resumes with a FRESH optimizer "
+        "(moments reset), which changes the run"
+    )
+    warnings.warn(message, stacklevel=3)
+    logging.getLogger("hf_dynaquant").warning(message)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ from ..checkpoint_dir import (
     marker_store,
     read_marker,
     release_rotated,
+    restore_optimizer,
     write_marker,
 )
 from ..compressor import CheckpointReport, Compressor, Snapshot, read_checkpoint
@@ -72,7 +72,6 @@ from ..errors import (
     CheckpointError,
     IncompleteCheckpointError,
     InvalidSettingError,
-    MissingOptimizerStateError,
     UnsupportedSetupError,
 )
 from ..optimizer_state import MomentQuant
@@ -407,18 +406,7 @@ class DynaQuantCheckpointing:
             self.compressor.continue_chain(marker["entry"])  # the next save is a delta on this entry
 
     def _load_optimizer(self, state: dict[str, Any] | None, meta: dict[str, Any], where: str) -> None:
-        mode = meta.get("optimizer_state", {}).get("mode", "absent")
-        if state is not None:
-            self.optimizer.load_state_dict(state)
-        elif mode == "drop":
-            message = (
-                f"{where} was saved with optimizer_state='drop': training resumes with a FRESH optimizer "
-                "(moments reset), which changes the run"
-            )
-            warnings.warn(message, stacklevel=4)
-            logger.warning(message)
-        else:
-            raise MissingOptimizerStateError(f"{where}: no optimizer state in its entry (mode {mode!r})")
+        restore_optimizer(self.optimizer, state, meta, where)
 
     # -- writing ------------------------------------------------------------------------------
     def _write(self, snap: Snapshot | None, searched: SearchResult | None, folder: Path) -> None:

@@ -48,11 +48,12 @@ from ..checkpoint_dir import (
     read_marker,
     release_rotated,
     remove_uncompressed,
+    restore_optimizer,
     write_marker,
 )
 from ..compressor import CheckpointReport, Compressor, read_checkpoint
 from ..core.quantizer import QuantConfig
-from ..errors import CheckpointError, IncompleteCheckpointError, MissingOptimizerStateError
+from ..errors import CheckpointError, IncompleteCheckpointError
 from ..optimizer_state import MomentQuant
 from ..search import QualityMetric, SearchSpace
 
@@ -352,18 +353,7 @@ class DynaQuantTrainer(Trainer):
         if marker is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         _, optimizer_state, meta = read_checkpoint(marker_store(checkpoint, marker), marker["entry"])
-        if optimizer_state is None:
-            mode = meta.get("optimizer_state", {}).get("mode", "absent")
-            if mode != "drop":
-                raise MissingOptimizerStateError(f"{checkpoint}: no optimizer state in its entry (mode {mode!r})")
-            message = (
-                f"{checkpoint} was saved with optimizer_state='drop': training resumes with a FRESH optimizer "
-                "(moments reset), which changes the run"
-            )
-            warnings.warn(message, stacklevel=2)
-            logger.warning(message)
-        else:
-            self.optimizer.load_state_dict(optimizer_state)
+        restore_optimizer(self.optimizer, optimizer_state, meta, checkpoint)
         scheduler = os.path.join(checkpoint, "scheduler.pt")
         if not os.path.isfile(scheduler):
             raise IncompleteCheckpointError(f"{checkpoint}: scheduler.pt is missing")
