@@ -5,7 +5,7 @@
   (``dynaquant/``, FORMAT.md) chosen by the configuration search against a threshold; a
   ``config.json`` whose ``quantization_config`` (``quant_method: dynaquant``) and
   ``transformers_weights`` let transformers load it directly (:mod:`.hf_quantizer`); and a model
-  card (``README.md``) from the template in ``model_cards/``.
+  card (``README.md``) from the template in ``hf_dynaquant/model_cards/``.
 * :func:`push_to_hub` uploads such a folder (compressing first when given a model or a plain
   folder); :func:`pull` downloads one and checks every checksum.
 * :func:`from_pretrained` loads a snapshot with public APIs only: ``snapshot_download``, decode
@@ -68,7 +68,7 @@ PRETRAINED_SPACE = SearchSpace(bins=(4, 6, 8, 12, 16), embedding_bins=(3,))
 # training checkpoints) at every bin count we tried.
 PRETRAINED_BASE = QuantConfig(sigma=1.0)
 
-_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "dynaquant.md"
+_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dynaquant.md"  # package data
 _CONFIG = "config.json"
 
 
