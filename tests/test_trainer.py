@@ -64,7 +64,7 @@ def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> N
     trainer.train()
     for step in (4, 8, 12):
         folder = tmp_path / f"checkpoint-{step}"
-        assert read_marker(folder)["ref"] == folder.name
+        assert read_marker(folder)["ref"] == folder.name and read_marker(folder)["step"] == step
         names = set(os.listdir(folder))
         assert not names & {"model.safetensors", "optimizer.pt"}  # never written uncompressed
         assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= names

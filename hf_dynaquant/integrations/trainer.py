@@ -202,17 +202,18 @@ class DynaQuantCallback(TrainerCallback):
         started = time.perf_counter()
         if self.worker is not None:
             self._collect(self.worker.wait(), state)  # at most one checkpoint in flight
-        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        step = state.global_step  # (the job below runs while training moves state on)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
         folder = Path(args.output_dir) / name
         distributed = args.world_size > 1
         # with several processes the search's collectives run here, in the training thread, on
         # every rank (a background thread would interleave them with DDP's); one process
         # searches on a CPU copy in the background
-        snap = self.compressor.snapshot(state.global_step, detach_model=not distributed)
+        snap = self.compressor.snapshot(step, detach_model=not distributed)
         searched = None
         if distributed and self.compressor.search is not None:
             searched = self.compressor.search_snapshot(snap)
-            self.chosen.append((state.global_step, searched.config.to_dict() if searched.config else None))
+            self.chosen.append((step, searched.config.to_dict() if searched.config else None))
         if not args.should_save:
             self._pending_logs["dynaquant/stall_seconds"] = time.perf_counter() - started
             return
@@ -224,9 +225,9 @@ class DynaQuantCallback(TrainerCallback):
             progress = self.progress if self.progress is not None else snap.nbytes() > _PROGRESS_BYTES
             report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
             if searched is None and report.search is not None:
-                self.chosen.append((state.global_step, report.search.get("config")))
+                self.chosen.append((step, report.search.get("config")))
             if folder.is_dir():  # a save_total_limit=1 rotation may already have removed it
-                write_marker(folder, store, name, report.entry, state.global_step)
+                write_marker(folder, store, name, report.entry, step)
                 remove_uncompressed(folder)
             release_rotated(store, Path(args.output_dir), keep={name})
             return self._summary(report, stall)
