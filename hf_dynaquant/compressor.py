@@ -307,6 +307,29 @@ class Compressor:
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
 
+    @classmethod
+    def from_settings(
+        cls,
+        model: torch.nn.Module,
+        store: CheckpointStore | None,
+        settings: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        checkpoint_every: int | None,
+        eval_data: Iterable[Any] | None,
+    ) -> Compressor:
+        """A compressor from an integration's settings object (``DynaQuantCallback``,
+        ``DynaQuantPlugin``): its attributes named like this class's keyword arguments."""
+        return cls(
+            model,
+            store,
+            settings.config,
+            optimizer=optimizer,
+            checkpoint_every=checkpoint_every,
+            eval_data=eval_data,
+            **{name: getattr(settings, name) for name in _SETTING_NAMES},
+        )
+
     @staticmethod
     def _validate(optimizer_state: str, keyframe_every: int) -> None:
         if keyframe_every < 1:
@@ -488,6 +511,19 @@ class Compressor:
                 )
             optimizer.load_state_dict(opt_state)
         return meta
+
+
+_SETTING_NAMES = (
+    "optimizer_state",
+    "moment_quant",
+    "ema_steps",
+    "keyframe_every",
+    "delta_coding",
+    "threshold",
+    "metric",
+    "higher_is_better",
+    "search_space",
+)
 
 
 def _raw_optimizer_bytes(state: Any) -> int:

@@ -264,22 +264,13 @@ class DynaQuantCheckpointing:
         self.plugin, self.accelerator = plugin, accelerator
         self.model = accelerator.unwrap_model(model)
         self.optimizer = optimizer
-        self.compressor = Compressor(
+        self.compressor = Compressor.from_settings(
             self.model,
             None,  # the store is known at the first save or load (main process only)
-            plugin.config,
+            plugin,
             optimizer=optimizer,
-            optimizer_state=plugin.optimizer_state,
-            moment_quant=plugin.moment_quant,
             checkpoint_every=plugin.checkpoint_every,
-            ema_steps=plugin.ema_steps,
-            keyframe_every=plugin.keyframe_every,
-            delta_coding=plugin.delta_coding,
-            threshold=plugin.threshold,
-            metric=plugin.metric,
-            higher_is_better=plugin.higher_is_better,
             eval_data=plugin.eval_data,
-            search_space=plugin.search_space,
         )
         self.reports: list[CheckpointReport] = []
         self.chosen: list[tuple[int, dict[str, Any] | None]] = []

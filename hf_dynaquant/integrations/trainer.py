@@ -134,22 +134,8 @@ class DynaQuantCallback(TrainerCallback):
         eval_data = self.eval_data
         if eval_data is None and self.metric is None and self.threshold is not None:
             eval_data = self._default_eval_data(train_dataloader)
-        self.compressor = Compressor(
-            model,
-            store,
-            self.config,
-            optimizer=optimizer,
-            optimizer_state=self.optimizer_state,
-            moment_quant=self.moment_quant,
-            checkpoint_every=_save_interval(args, state),
-            ema_steps=self.ema_steps,
-            keyframe_every=self.keyframe_every,
-            delta_coding=self.delta_coding,
-            threshold=self.threshold,
-            metric=self.metric,
-            higher_is_better=self.higher_is_better,
-            eval_data=eval_data,
-            search_space=self.search_space,
+        self.compressor = Compressor.from_settings(
+            model, store, self, optimizer=optimizer, checkpoint_every=_save_interval(args, state), eval_data=eval_data
         )
         self.compressor.step = state.global_step
         resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
