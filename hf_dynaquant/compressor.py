@@ -395,6 +395,12 @@ class Compressor:
             metadata={"step": step, **dict(metadata or {})},
         )
 
+    def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
+        """The plan of the fixed configuration for a snapshot (without a threshold). A hook:
+        :class:`~hf_dynaquant.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
+        weights = {n: snap.state[n] for n in snap.params}
+        return plan_quantization(weights, self.config, types=snap.types, sensitivity=snap.sensitivity())
+
     def search_snapshot(self, snap: Snapshot) -> SearchResult:
         """Run the configuration search on a snapshot (every rank together when distributed)."""
         if self.search is None or snap.model is None:
@@ -421,10 +427,7 @@ class Compressor:
         meta = dict(snap.metadata)
         search = None
         if self.search is None:
-            weights = {n: snap.state[n] for n in snap.params}
-            plan: QuantPlan | None = plan_quantization(
-                weights, self.config, types=snap.types, sensitivity=snap.sensitivity()
-            )
+            plan: QuantPlan | None = self.plan_snapshot(snap)
             meta["quant_config"] = self.config.to_dict()
         else:
             result = searched if searched is not None else self.search_snapshot(snap)

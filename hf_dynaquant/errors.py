@@ -13,6 +13,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "MissingBaseError",
+    "MissingShardError",
     "EntryNotFoundError",
     "CodecError",
     "UnknownCodecError",
@@ -70,6 +71,11 @@ class MissingBaseError(FormatError):
             "missing: the chain is broken and this checkpoint cannot be restored"
         )
         self.entry, self.base, self.store = entry, base, store
+
+
+class MissingShardError(FormatError):
+    """A sharded checkpoint's index names a shard entry that is not in the store (a rank's
+    files were lost): the message names the shard, the entry and the checkpoint."""
 
 
 class EntryNotFoundError(FormatError, KeyError):

@@ -26,6 +26,10 @@ configuration that keeps to it, at every checkpoint, cheaply:
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
   each rank (and sizes are measured the same way); results are all-gathered, so every rank picks
   the same configuration.
+* **Sharded models (lockstep).** Under FSDP every forward needs every rank, so candidates cannot
+  be spread: with a :class:`Lockstep` all ranks plan (from sketches merged over the ranks),
+  size and evaluate the same candidate together, sizes are summed over the ranks and metric
+  values averaged, so every rank takes the same decisions (see :mod:`hf_dynaquant.sharded`).
 * **Safe evaluation.** A candidate is evaluated by writing its dequantized values into the live
   model in place and copying the originals back from the checkpoint's CPU snapshot (which the
   compressor holds anyway: no deep copy of the model), under ``torch.no_grad``, in eval mode,
@@ -57,6 +61,7 @@ __all__ = [
     "ConfigurationSearch",
     "evaluate_plan",
     "measured_bits",
+    "Lockstep",
     "mean_loss",
     "accuracy",
     "perplexity",
@@ -295,10 +300,14 @@ def _preserved_state(model: torch.nn.Module):
 
 
 def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The live tensor ``name`` of ``model``; for a sharded (DTensor) parameter its local shard,
+    which is what a sharded snapshot holds."""
     try:
-        return model.get_parameter(name)
+        live = model.get_parameter(name)
     except AttributeError:
-        return model.get_buffer(name)
+        live = model.get_buffer(name)
+    to_local = getattr(live, "to_local", None)  # torch.distributed.tensor.DTensor
+    return to_local() if to_local is not None else live
 
 
 def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
@@ -308,14 +317,19 @@ def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum()) * codes.size + 16 * protected.size
 
 
+def _code_totals(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> np.ndarray:
+    """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards)."""
+    totals = np.zeros(2)
+    for name, tp in plan.tensors.items():
+        codes, protected = quantize(snapshot[name], tp)
+        totals += (_code_bits(codes, protected), codes.size)
+    return totals
+
+
 def measured_bits(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> float:
     """Bits per quantized value of ``plan`` on ``snapshot`` (the ``bits`` of :func:`evaluate_plan`),
     without touching the model: what the search orders its candidates by."""
-    bits = total = 0.0
-    for name, tp in plan.tensors.items():
-        codes, protected = quantize(snapshot[name], tp)
-        bits += _code_bits(codes, protected)
-        total += codes.size
+    bits, total = _code_totals(snapshot, plan)
     return bits / max(total, 1.0)
 
 
@@ -324,14 +338,22 @@ def evaluate_plan(
 ) -> tuple[float, float]:
     """``(metric value, measured bits per value)`` of the model with the plan's tensors
     quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards."""
+    value, (bits, total) = _evaluate(model, snapshot, plan, metric)
+    return value, bits / max(total, 1.0)
+
+
+def _evaluate(
+    model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, metric: QualityMetric
+) -> tuple[float, np.ndarray]:
+    """:func:`evaluate_plan` with the code sizes as ``[bits, quantized values]`` (see
+    :func:`_code_totals`), which sum over the shards of a sharded model."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-    bits = total = 0.0
+    totals = np.zeros(2)
     with _preserved_state(model):
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
-                bits += _code_bits(codes, protected)
-                total += codes.size
+                totals += (_code_bits(codes, protected), codes.size)
                 live = _live_tensor(model, name)
                 values = torch.from_numpy(dequantize(codes, tp.centres, protected)).view(live.shape)
                 swapped.append((live, snapshot[name]))
@@ -340,7 +362,7 @@ def evaluate_plan(
         finally:
             for live, original in swapped:
                 live.copy_(original)
-    return value, bits / max(total, 1.0)
+    return value, totals
 
 
 def _gather(local: list[Any]) -> list[Any]:
@@ -356,6 +378,30 @@ def _world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """How a search runs when every evaluation needs every rank (a sharded model: under FSDP a
+    forward pass is collective). All ranks plan, size and evaluate the same candidates, in the
+    same order; nothing is spread over the ranks.
+
+    Args:
+        plan: the plan of a configuration, identical on every rank for the tensors it covers
+            (:func:`hf_dynaquant.sharded.plan_sharded`: from sketches merged over the ranks).
+            Called on every rank together (it may be collective).
+        all_sum: element-wise sum of a float64 array over the ranks (an all-reduce).
+        ranks: the number of ranks; a metric value is averaged over them, so that every rank
+            judges a candidate alike even when each evaluates its own data shard.
+    """
+
+    plan: Callable[[QuantConfig], QuantPlan]
+    all_sum: Callable[[np.ndarray], np.ndarray]
+    ranks: int
+
+    def agree(self, value: float) -> float:
+        """The mean of a metric value over the ranks."""
+        return float(self.all_sum(np.array([value], dtype=np.float64))[0] / self.ranks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,13 +451,18 @@ class ConfigurationSearch:
         *,
         types: Mapping[str, str] | None = None,
         sensitivity: Mapping[str, torch.Tensor] | None = None,
+        lockstep: Lockstep | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
-        (names as in ``model.state_dict()``; only the tensors to quantize are needed)."""
+        (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
+        ``lockstep`` (a sharded model) ``snapshot`` and ``sensitivity`` hold this rank's shards
+        and every rank evaluates every candidate together (see :class:`Lockstep`)."""
         with _preserved_state(model):
             baseline = self.metric(model)
+        if lockstep is not None:
+            baseline = lockstep.agree(baseline)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics)
+        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep)
         if self.last is not None and self.last.metric in metrics:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -448,8 +499,11 @@ class _Context:
         sensitivity: Mapping[str, torch.Tensor] | None,
         baseline: float,
         metrics: Sequence[str],
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.owner, self.model, self.snapshot = owner, model, snapshot
+        self.lockstep = lockstep
+        self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.metrics = list(metrics)
         self.tried: list[Candidate] = []
@@ -476,8 +530,12 @@ class _Context:
 
     def plan(self, config: QuantConfig) -> QuantPlan:
         if config not in self._plans:
-            self._plans[config] = plan_quantization(
-                self.snapshot, config, types=self.types, sensitivity=self.sensitivity, sketch_cache=self.sketches
+            self._plans[config] = (
+                self.lockstep.plan(config)
+                if self.lockstep is not None
+                else plan_quantization(
+                    self.snapshot, config, types=self.types, sensitivity=self.sensitivity, sketch_cache=self.sketches
+                )
             )
         return self._plans[config]
 
@@ -485,8 +543,11 @@ class _Context:
         """Measured bits per quantized value of each configuration, without evaluating the model
         (spread over the ranks like evaluations)."""
         todo = [c for c in dict.fromkeys(configs) if c not in self._bits]
-        rank, world = _world()
-        mine = [(c, measured_bits(self.snapshot, self.plan(c))) for c in todo[rank::world]]
+        rank, world = self.rank, self.world
+        totals = [_code_totals(self.snapshot, self.plan(c)) for c in todo[rank::world]]
+        if self.lockstep is not None and totals:
+            totals = list(self.lockstep.all_sum(np.stack(totals)))  # every rank sized every candidate
+        mine = [(c, float(t[0] / max(t[1], 1.0))) for c, t in zip(todo[rank::world], totals)]
         self._bits.update(_gather(mine) if world > 1 else mine)
         self.sized += len(todo)
         return [self._bits[c] for c in configs]
@@ -494,13 +555,16 @@ class _Context:
     def evaluate(self, configs: Sequence[QuantConfig]) -> list[Candidate]:
         """Evaluate a round: one configuration per rank, results shared by all ranks."""
         todo = [c for c in dict.fromkeys(configs) if c not in self._cache]
-        rank, world = _world()
+        rank, world = self.rank, self.world
         for start in range(0, len(todo), world):
             batch = todo[start : start + world]
             mine = []
             if rank < len(batch):
                 plan = self.plan(batch[rank])
-                value, bits = evaluate_plan(self.model, self.snapshot, plan, self.owner.metric)
+                value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric)
+                if self.lockstep is not None:
+                    value, totals = self.lockstep.agree(value), self.lockstep.all_sum(totals)
+                bits = float(totals[0] / max(totals[1], 1.0))
                 deg = self.owner.metric.degradation(self.baseline, value)
                 mine.append(Candidate(batch[rank], deg, bits, deg <= self.owner.threshold, plan))
                 self.local += 1
@@ -548,7 +612,7 @@ class _Context:
         rises along both, so every point still to come is at least as large as the one leaving,
         and the first that passes is the answer. A point at or below a clear failure (see
         :meth:`condemned`) is skipped when its turn comes."""
-        space, world = self.owner.space, _world()[1]
+        space, world = self.owner.space, self.world
         n_bins, n_prune, n_protect = space.shape
         queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, metric index)
         seen: set[QuantConfig] = set()
@@ -614,7 +678,7 @@ class _Context:
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
         near = [self.config(p, metric, emb) for p in itertools.product(*ranges) if p != centre]  # never bolder
         near = [c for _, c in sorted(zip(self.size(near), near), key=lambda x: x[0])]
-        world = _world()[1]
+        world = self.world
         for start in range(0, len(near), world):
             for cand in self.evaluate(near[start : start + world]):
                 if cand.passed:

@@ -244,11 +244,18 @@ def test_as_small_as_the_trainer_callback(tmp_path, batches) -> None:
 # real processes
 
 
-def _torchrun(nproc: int, *args: str) -> None:
+def torchrun(nproc: int, script: Path, *args: str) -> None:
+    """Run ``script`` in ``nproc`` real processes (torch.distributed.run; gloo on CPU) and fail
+    the test with the tail of its output unless every process succeeded. Shared with
+    tests/test_sharded.py."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_port", str(_free_port()), str(EXAMPLE), "--cpu", *args]
+    cmd += ["--master_port", str(_free_port()), str(script), *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def _torchrun(nproc: int, *args: str) -> None:
+    torchrun(nproc, EXAMPLE, "--cpu", *args)
 
 
 def _ranks(out: Path, phase: str) -> list[dict]:

@@ -36,8 +36,9 @@ How it fits Accelerate (1.15, see DESIGN.md section 5):
   ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`` deletes whole
   folders and breaks on foreign entries inside ``checkpoints/``; bases of live deltas stay.
 * Weights are stored under the unwrapped model's names, so a checkpoint saved by N data-parallel
-  processes restores onto any number. Sharded set-ups (FSDP, DeepSpeed, Megatron-LM) are refused
-  at attach (see the README).
+  processes restores onto any number. Sharded set-ups (Accelerate's FSDP, DeepSpeed, Megatron-LM,
+  and FSDP2 models with DTensor parameters) are refused at attach: FSDP2 models are checkpointed
+  with :class:`hf_dynaquant.sharded.ShardedCompressor` (see the README).
 """
 
 from __future__ import annotations
@@ -244,6 +245,13 @@ class DynaQuantCheckpointing:
                 f"DynaQuantPlugin does not support {accelerator.distributed_type.value}: each rank holds a shard "
                 "and Accelerate writes it in that framework's own format; this integration compresses data-parallel "
                 "(DDP) or single-process runs (see the README's Accelerate section)"
+            )
+        sharded = next((n for n, p in model.named_parameters() if hasattr(p, "placements")), None)
+        if sharded is not None:
+            raise UnsupportedSetupError(
+                f"parameter {sharded!r} is a DTensor (an FSDP2 / fully_shard model): accelerator.prepare wraps such a "
+                "model in DDP on CPUs, which breaks it, so the plugin does not take it; checkpoint it with "
+                "hf_dynaquant.sharded.ShardedCompressor, where each rank compresses its own shard (see the README)"
             )
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != accelerator.num_processes:

@@ -1,0 +1,193 @@
+"""A 2-process FSDP2 job for tests/test_sharded.py (run with torch.distributed.run, gloo on CPU).
+
+``python -m torch.distributed.run --nproc_per_node 2 fsdp_job.py OUT PHASE``:
+
+* ``save``: train a small model sharded with ``fully_shard`` for a few steps, check that the
+  plan from merged shard sketches equals the plan of the full tensors, and write two sharded
+  checkpoints (a keyframe, then a delta); dump the full weights and sensitivity for the test's
+  single-process reference.
+* ``load`` / ``load-plain``: restore ``step-5`` (or the plain single-process checkpoint ``plain``)
+  onto a fresh sharded model and dump what every rank decoded; then take one training step (the
+  optimizer state must be usable).
+* ``search``: compress with a threshold: the ranks search in lockstep.
+
+Each rank writes ``OUT/rank<r>-<phase>.json`` and tensors as safetensors (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+
+from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
+from hf_dynaquant.search import ConfigurationSearch, mean_loss
+from hf_dynaquant.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
+
+THRESHOLD = 0.02
+CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, metric="sensitivity", min_numel=1024)
+
+
+class Net(torch.nn.Module):
+    """An embedding and two Linear layers with row counts that 2 ranks split unevenly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.hidden = torch.nn.Linear(32, 97)
+        self.head = torch.nn.Linear(97, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.emb(x))))
+
+
+def net(sharded: bool = True) -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    if sharded:
+        for module in (model.emb, model.hidden, model.head):
+            fully_shard(module)
+        fully_shard(model)
+    return model
+
+
+def batches(rank: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches (different on every rank)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 64, (16,), generator=g)
+        out.append((x, (x * 7 + 3) % 64))
+    return out
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list, comp: ShardedCompressor | None) -> None:
+    for x, y in data:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if comp is not None:
+            comp.on_backward_pass_end()
+        optimizer.step()
+        if comp is not None:
+            comp.before_gradient_flush()
+        optimizer.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gathered_rows(local: torch.Tensor) -> torch.Tensor:
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return torch.cat(parts, dim=0)
+
+
+def plans_equal(a, b) -> dict:
+    """Field-by-field comparison of two QuantPlans (exact)."""
+    out = {"names": sorted(a.tensors) == sorted(b.tensors)}
+    for n in a.tensors:
+        x, y = a.tensors[n], b.tensors[n]
+        out[n] = {
+            "centres": bool(torch.equal(torch.from_numpy(x.centres), torch.from_numpy(y.centres))),
+            "protect_magnitude": x.protect_magnitude == y.protect_magnitude,
+            "protect_sensitivity": x.protect_sensitivity == y.protect_sensitivity,
+            "prune_threshold": x.prune_threshold == y.prune_threshold,
+            "layer_type": x.layer_type == y.layer_type,
+        }
+    return out
+
+
+def dump(out: Path, rank: int, phase: str, model: torch.nn.Module, report: dict) -> None:
+    state = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}
+    local = {n: local_tensor(t).detach().clone().contiguous() for n, t in model.state_dict().items()}
+    save_file(local, str(out / f"rank{rank}-{phase}-local.safetensors"))
+    if rank == 0:
+        save_file(state, str(out / f"{phase}-full.safetensors"))
+    (out / f"rank{rank}-{phase}.json").write_text(json.dumps(report))
+
+
+def main(out: Path, phase: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    store = out / "store"
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    report: dict = {"rank": rank}
+    if phase == "save":
+        comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer)
+        train(model, optimizer, batches(rank)[:3], comp)
+        comp.compress(3)
+        train(model, optimizer, batches(rank)[3:], comp)
+        snap = comp.snapshot(5)
+        weights, sens = comp._planning(snap)
+        shapes = {n: v["shape"] for n, v in comp.layout.tensors.items()}
+        merged = plan_sharded(weights, CONFIG, shapes=shapes, types=snap.types, sensitivity=sens)
+        full_w = {n: gathered_rows(t) for n, t in weights.items()}
+        full_s = {n: gathered_rows(t) for n, t in sens.items()}
+        reference = plan_quantization(full_w, CONFIG, types=snap.types, sensitivity=full_s)
+        report["plan"] = plans_equal(merged, reference)
+        report["types"] = snap.types
+        state = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}
+        if rank == 0:  # the full weights and sensitivity, for the test's single-process reference
+            save_file(state, str(out / "save-full.safetensors"))
+            save_file({n: t.contiguous() for n, t in full_s.items()}, str(out / "sensitivity.safetensors"))
+        written = comp.write(snap)
+        report["entry"] = written.entry
+        report["keyframe"] = written.keyframe
+    elif phase in ("load", "load-plain"):
+        comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer)
+        meta = comp.restore("step-5" if phase == "load" else "plain")
+        report["step"] = int(meta["step"])
+        report["same_split"] = bool(meta["_same_split"])
+        dump(out, rank, phase, model, report)
+        train(model, optimizer, batches(rank)[:1], None)  # the restored optimizer state works
+        report["trained"] = True
+    elif phase == "search":
+        comp = ShardedCompressor(
+            model,
+            store,
+            CONFIG,
+            optimizer=optimizer,
+            threshold=THRESHOLD,
+            eval_data=batches(rank, 2),
+            optimizer_state="drop",
+        )
+        train(model, optimizer, batches(rank)[:2], comp)
+        # the same choice made for the unsharded model, on every rank's data together
+        params = dict(model.named_parameters())
+        unsharded = net(sharded=False)
+        unsharded.load_state_dict({n: full(t) for n, t in model.state_dict().items()})
+        weights = {n: p.detach().clone() for n, p in unsharded.named_parameters()}
+        sens = {
+            n: (gathered_rows(comp.ema.get(n).view(local_tensor(params[n]).shape)) * weights[n]).abs() for n in weights
+        }
+        data = batches(0, 2) + batches(1, 2)
+        single = ConfigurationSearch(mean_loss(data), THRESHOLD, base=CONFIG)
+        result = single.search(unsharded, weights, types=_layer_types(model), sensitivity=sens)
+        report["unsharded_chosen"] = result.config.to_dict() if result.config else None
+        comp.compress(2)
+        from accelerate import Accelerator
+
+        from hf_dynaquant.errors import UnsupportedSetupError
+        from hf_dynaquant.integrations.accelerate import DynaQuantPlugin
+
+        try:
+            DynaQuantPlugin(threshold=None).attach(Accelerator(cpu=True), model, optimizer)
+        except UnsupportedSetupError as exc:
+            report["plugin_refusal"] = str(exc)
+        report["chosen"] = comp.last_search.config.to_dict() if comp.last_search.config else None
+        report["degradation"] = comp.last_search.degradation
+        report["evaluations"] = comp.last_search.evaluations
+        dump(out, rank, phase, model, report)
+    (out / f"rank{rank}-{phase}.json").write_text(json.dumps(report))
+    dist.barrier()  # without it a rank may tear the process group down while another still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

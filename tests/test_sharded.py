@@ -1,0 +1,206 @@
+"""Sharded (FSDP2) checkpoints with real processes: 2 gloo ranks on CPU (tests/fsdp_job.py).
+
+The plan from merged shard sketches equals the plan of the full tensors; a 2-rank save restores
+bit-identically on 2 ranks and in 1 process, and equals a single-process compression of the
+same full model with the same plan; a plain single-process checkpoint loads onto 2 ranks; a
+missing or damaged shard is named; the configuration search runs in lockstep."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fsdp_job import CONFIG, batches, net, train
+from safetensors.torch import load_file
+from test_accelerate import torchrun
+
+from hf_dynaquant import CheckpointStore, Compressor
+from hf_dynaquant.compressor import compress_state_dict, read_checkpoint
+from hf_dynaquant.core.kmeans import approximate_kmeans
+from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
+from hf_dynaquant.core.sketch import LogSketch
+from hf_dynaquant.errors import CheckpointError, CorruptCheckpointError, MissingShardError
+from hf_dynaquant.sharded import load_sharded, merge_sketches, plan_sharded, shard_ref
+
+JOB = Path(__file__).with_name("fsdp_job.py")
+MAGNITUDE = replace(CONFIG, metric="magnitude")  # for single-process runs that record no gradients
+
+
+def _ranks(out: Path, phase: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"rank*-{phase}.json"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# in one process
+
+
+def test_shard_sketches_merge_to_the_full_sketch() -> None:
+    """Sketches are bucket counts: the merged sketches of row shards are the full tensor's
+    sketch exactly, so thresholds and K-means codebooks from them are the same too."""
+    torch.manual_seed(0)
+    full = torch.randn(97, 64) * torch.logspace(-3, 0, 64)
+    shards = torch.tensor_split(full, 3, dim=0)
+    for alpha in (0.01, 0.001):
+        merged = LogSketch(alpha)
+        for shard in shards:
+            merged.merge(LogSketch(alpha).add(shard))
+        whole = LogSketch(alpha).add(full)
+        for a, b in zip(merged.buckets(), whole.buckets()):
+            assert np.array_equal(a, b)
+        assert np.array_equal(merged.quantiles([0.1, 0.5, 0.99]), whole.quantiles([0.1, 0.5, 0.99]))
+        assert np.array_equal(approximate_kmeans(merged, 8), approximate_kmeans(whole, 8))
+    # a single process: merging over one rank changes nothing, and plan_sharded is plan_quantization
+    assert merge_sketches({"x": whole})["x"].count == whole.count
+    config = QuantConfig(bins=6, prune=0.3, protect=0.01, min_numel=1024)
+    a = plan_sharded({"w": full}, config, shapes={"w": full.shape}).tensors["w"]
+    b = plan_quantization({"w": full}, config).tensors["w"]
+    assert np.array_equal(a.centres, b.centres) and a.prune_threshold == b.prune_threshold
+
+
+@pytest.mark.filterwarnings("ignore:no gradients were recorded")
+def test_plain_checkpoint_loads_through_the_sharded_path(tmp_path) -> None:
+    """load_sharded reads a plain Compressor checkpoint into a plain model (one process)."""
+    model = net(sharded=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches(0, 2), None)
+    Compressor(model, tmp_path, MAGNITUDE, optimizer=optimizer).compress(2)
+    stored, opt_state, _ = read_checkpoint(CheckpointStore(tmp_path), "step-2")
+    fresh = net(sharded=False)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load_sharded(tmp_path, "step-2", fresh, fresh_opt)["step"] == 2
+    assert all(torch.equal(fresh.state_dict()[n], t) for n, t in stored.items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt_state["state"][0]["exp_avg"])
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_sharded(tmp_path, "step-2", _other())
+
+
+def _other() -> torch.nn.Module:
+    """A model whose tensors have the right names and the wrong shapes."""
+    model = net(sharded=False)
+    model.hidden = torch.nn.Linear(32, 5)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# real processes
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A 2-rank FSDP2 run that wrote sharded checkpoints step-3 (keyframe) and step-5 (delta)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    torchrun(2, JOB, str(out), "save")
+    return out
+
+
+@pytest.mark.slow
+def test_merged_plan_equals_the_full_tensor_plan(saved) -> None:
+    ranks = _ranks(saved, "save")
+    assert len(ranks) == 2
+    for r in ranks:
+        plan = r["plan"]
+        assert plan.pop("names") is True and set(plan) == {"emb.weight", "hidden.weight", "head.weight"}
+        assert all(all(checks.values()) for checks in plan.values()), plan  # thresholds and codebooks, exactly
+    assert ranks[0]["entry"] == ranks[1]["entry"]  # every rank knows the index entry
+    store = CheckpointStore(saved / "store")
+    index = store.info("step-5").metadata["sharded"]
+    assert index["world"] == 2 and index["tensors"]["hidden.weight"]["rows"] == [49, 48]  # uneven rows
+    for rank in range(2):
+        assert store.info(shard_ref("step-5", rank, 2)).base == store.resolve(shard_ref("step-3", rank, 2))  # delta
+    assert store.verify() == []
+
+
+@pytest.mark.slow
+def test_two_ranks_save_and_load_bit_identical_to_one_process(saved, tmp_path) -> None:
+    """2 ranks save, 2 ranks load, 1 process loads: every copy of the decoded state is the same,
+    and the same as one process compressing the full model with the same plan."""
+    full = load_file(str(saved / "save-full.safetensors"))
+    sensitivity = load_file(str(saved / "sensitivity.safetensors"))
+    types = _ranks(saved, "save")[0]["types"]
+    ref_store = CheckpointStore(tmp_path / "reference")
+    compress_state_dict(ref_store, full, CONFIG, types=types, sensitivity=sensitivity, ref="reference")
+    reference = read_checkpoint(ref_store, "reference")[0]
+    assert not torch.equal(reference["hidden.weight"], full["hidden.weight"])  # really quantized
+
+    torchrun(2, JOB, str(saved), "load")
+    ranks = _ranks(saved, "load")
+    assert [r["step"] for r in ranks] == [5, 5] and all(r["same_split"] and r["trained"] for r in ranks)
+    gathered = load_file(str(saved / "load-full.safetensors"))
+    for name, t in reference.items():
+        assert torch.equal(gathered[name], t), name
+    offsets = {n: 0 for n in reference}
+    for rank in range(2):  # each rank decoded exactly its rows of the reference
+        local = load_file(str(saved / f"rank{rank}-load-local.safetensors"))
+        for name, t in local.items():
+            assert torch.equal(t, reference[name][offsets[name] : offsets[name] + t.shape[0]]), (rank, name)
+            offsets[name] += t.shape[0]
+
+    model = net(sharded=False)  # 2 ranks -> 1 process: re-assembled from both shards
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    meta = load_sharded(saved / "store", "step-5", model, optimizer)
+    assert meta["step"] == 5 and not meta["_same_split"]
+    for name, t in reference.items():
+        assert torch.equal(model.state_dict()[name], t), name
+    moments = optimizer.state_dict()["state"]
+    assert moments[1]["exp_avg"].shape == (97, 32) and moments[1]["exp_avg_sq"].min() >= 0
+    x, y = batches(0)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()  # the re-assembled optimizer state is usable
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:no gradients were recorded")
+def test_plain_checkpoint_onto_two_ranks(saved, tmp_path) -> None:
+    """A single-process checkpoint of the full model restores onto 2 FSDP2 ranks."""
+    out = tmp_path / "plain"
+    shutil.copytree(saved / "store", out / "store")
+    model = net(sharded=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, batches(0, 2), None)
+    compressor = Compressor(model, out / "store", MAGNITUDE, optimizer=optimizer)
+    compressor.write(compressor.snapshot(2), ref="plain")
+    stored = read_checkpoint(CheckpointStore(out / "store"), "plain")[0]
+    torchrun(2, JOB, str(out), "load-plain")
+    ranks = _ranks(out, "load-plain")
+    assert [r["step"] for r in ranks] == [2, 2] and all(r["trained"] for r in ranks)
+    gathered = load_file(str(out / "load-plain-full.safetensors"))
+    for name, t in stored.items():
+        assert torch.equal(gathered[name], t), name
+
+
+@pytest.mark.slow
+def test_missing_or_damaged_shard_is_named(saved, tmp_path) -> None:
+    store_dir = tmp_path / "store"
+    shutil.copytree(saved / "store", store_dir)
+    store = CheckpointStore(store_dir)
+    shard = store.resolve(shard_ref("step-5", 1, 2))
+    payload = store_dir / "entries" / shard / "payload.safetensors"
+    data = bytearray(payload.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header + (len(data) - 8 - header) // 2] ^= 0xFF  # a byte of some blob
+    payload.write_bytes(bytes(data))
+    model = net(sharded=False)
+    with pytest.raises(CorruptCheckpointError, match=r"shard 1 of 2 of checkpoint 'step-5'.*payload\.safetensors"):
+        load_sharded(store, "step-5", model, torch.optim.AdamW(model.parameters()))
+    shutil.rmtree(store_dir / "entries" / shard)
+    with pytest.raises(MissingShardError, match=f"shard 1 of 2 of checkpoint 'step-5' \\(entry {shard}"):
+        load_sharded(store, "step-5", net(sharded=False))
+
+
+@pytest.mark.slow
+def test_search_in_lockstep(tmp_path) -> None:
+    """With a threshold the ranks search together (each on its own data) and agree."""
+    torchrun(2, JOB, str(tmp_path), "search")
+    ranks = _ranks(tmp_path, "search")
+    assert len(ranks) == 2 and ranks[0]["chosen"] is not None
+    assert ranks[0]["chosen"] == ranks[1]["chosen"] and ranks[0]["degradation"] == ranks[1]["degradation"]
+    assert ranks[0]["evaluations"] == ranks[1]["evaluations"] >= 1
+    assert ranks[0]["chosen"] == ranks[0]["unsharded_chosen"]  # what a search of the unsharded model chooses
+    assert "ShardedCompressor" in ranks[0]["plugin_refusal"]  # the Accelerate plugin points here
+    meta = CheckpointStore(tmp_path / "store").info("step-2").metadata
+    assert meta["search"]["config"] == ranks[0]["chosen"] and meta["sharded"]["optimizer"] is None
