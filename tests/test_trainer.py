@@ -105,6 +105,18 @@ class StopAfter(TrainerCallback):
         control.should_training_stop = state.global_step >= self.step
 
 
+def test_every_checkpoint_is_logged_even_between_log_calls(tmp_path, data) -> None:
+    """With no log call between saves, each checkpoint's figures still reach the log history
+    (a later checkpoint's figures never overwrite an earlier one's)."""
+    train, _ = data
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2)
+    args = args_for(tmp_path, logging_steps=1000)
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[cb])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "dynaquant/ratio" in h]
+    assert len(logged) == 3 and len({h["dynaquant/background_seconds"] for h in logged}) == 3
+
+
 def test_lossless_restores_reproduce_the_uninterrupted_run_exactly(tmp_path, data) -> None:
     """With every tensor lossless, two kills and resumes end on the very weights of one
     uninterrupted run: the resume restores weights, optimizer, scheduler, RNG and data order."""

@@ -230,11 +230,7 @@ class DynaQuantCallback(TrainerCallback):
             if self.worker is not None:
                 self.worker.close()
                 self.worker = None
-        if self._pending_logs:  # figures of the last checkpoint, which no later log call carries
-            if self.trainer is not None:
-                self.trainer.log({})
-            else:
-                self._flush_to_history(state)
+        self._flush_pending(state)  # figures of the last checkpoint, which no later log call carries
 
     def wait(self, state) -> None:
         """Block until the checkpoint in flight is on disk (raising its error, if any)."""
@@ -279,8 +275,19 @@ class DynaQuantCallback(TrainerCallback):
         if not record:
             return
         self.reports.append(record)
+        self._flush_pending(state)  # an earlier checkpoint's figures no log call took yet: never overwritten
         self._pending_logs.update({k: v for k, v in record.items() if k.startswith("dynaquant/")})
         if self.trainer is None:
+            self._flush_to_history(state)
+
+    def _flush_pending(self, state) -> None:
+        """Log the figures waiting for the Trainer's next log call now (through ``Trainer.log``,
+        so TensorBoard and W&B get them, or straight into the log history without a trainer)."""
+        if not self._pending_logs:
+            return
+        if self.trainer is not None:
+            self.trainer.log({})
+        else:
             self._flush_to_history(state)
 
     def _flush_to_history(self, state) -> None:
