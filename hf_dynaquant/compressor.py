@@ -23,8 +23,9 @@ import copy
 import itertools
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +366,17 @@ class Compressor:
         self.last_entry = store.resolve(ref_or_id)
         self._chain_length = len(store.chain(self.last_entry))
         self._states = {}
+        self.resumed_from(self.last_entry)
+
+    def resumed_from(self, entry: str) -> None:
+        """Training goes on from the decoded weights of stored ``entry``: from now on round
+        stochastically (:mod:`hf_dynaquant.core.rounding`), with random numbers of this resume's
+        own (seeded by the entry's id). Every weight now sits on a centre, and rounding to the
+        nearest one again would erase each update smaller than half a bin made since."""
+        seed = zlib.crc32(entry.encode())
+        self.config = replace(self.config, rounding="stochastic", rounding_seed=seed)
+        if self.search is not None:
+            self.search.base = replace(self.search.base, rounding="stochastic", rounding_seed=seed)
 
     def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:
         """Copy what checkpoint ``step`` needs to the CPU. With ``detach_model`` the search (if
@@ -505,6 +517,8 @@ class Compressor:
         optimizer = optimizer or self.optimizer
         state, opt_state, meta = read_checkpoint(self._writable(), ref)
         model.load_state_dict(state)
+        if model is self.model:
+            self.resumed_from(self._writable().resolve(ref))
         if optimizer is not None:
             if opt_state is None:
                 raise MissingOptimizerStateError(

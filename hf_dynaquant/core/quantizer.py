@@ -19,6 +19,8 @@ Decisions where the paper is silent (also in FORMAT.md):
   approximate K-means over the tensor's remaining values.
 * **Codes**: ``0`` = pruned (decodes to 0), ``1`` = protected (value stored apart), ``2 + i`` =
   centre ``i``; at most 256 levels, so a code is one byte.
+* **Rounding** is to the nearest centre, or stochastic (``QuantConfig.rounding``): unbiased,
+  for checkpoints that training resumes from, see :mod:`hf_dynaquant.core.rounding`.
 
 All thresholds come from :class:`~hf_dynaquant.core.sketch.LogSketch` quantiles; sketches merge,
 so sharded models get the thresholds of the whole model.
@@ -36,6 +38,7 @@ import torch
 from ..dtypes import storage_key
 from .bitplanes import _kernels
 from .kmeans import approximate_kmeans
+from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
 EMBEDDING = "Embedding"
 METRICS = ("magnitude", "sensitivity")
+ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class QuantConfig:
         alpha: relative accuracy of the threshold sketches.
         min_numel: tensors with fewer elements stay lossless.
         seed: K-means++ seed (results are deterministic for a seed).
+        rounding: ``"nearest"`` centre, or ``"stochastic"`` (unbiased; for a checkpoint that
+            training goes on from after a restore, see :mod:`hf_dynaquant.core.rounding`).
+        rounding_seed: seed of the stochastic rounding's random numbers.
     """
 
     bins: int = 16
@@ -83,6 +90,8 @@ class QuantConfig:
     alpha: float = 0.01
     min_numel: int = 4096
     seed: int = 0
+    rounding: str = "nearest"
+    rounding_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("bins", "embedding_bins"):
@@ -95,6 +104,8 @@ class QuantConfig:
             raise ValueError(f"protect must be a fraction in [0, 1), got {self.protect}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,11 +144,21 @@ class TensorPlan:
     prune_threshold: float | None  # metric below this is pruned (None: no pruning)
     metric: str
     sensitivity: torch.Tensor | None = field(default=None, repr=False)
+    dither_seed: int | None = None  # stochastic rounding's seed for this tensor (None: nearest)
+    dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
 
     def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """``(codes, protected count)`` of flat float32 weights; without centres every value
-        that is neither pruned nor protected gets code ``FIRST_CENTRE``."""
+        that is neither pruned nor protected gets code ``FIRST_CENTRE``. Rounding is to the
+        nearest centre, or stochastic when the plan has a ``dither_seed``."""
         centres = self.centres if centres is None else centres
+        codes, nprot = self._nearest_codes(w, centres)
+        if self.dither_seed is not None and centres.size:
+            u = uniform(self.dither_seed, self.dither_offset, w.size)
+            stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
+        return codes, nprot
+
+    def _nearest_codes(self, w: np.ndarray, centres: np.ndarray) -> tuple[np.ndarray, int]:
         mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
         sens = None if self.sensitivity is None else _flat(self.sensitivity).numpy()
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
@@ -259,10 +280,13 @@ def plan_quantization(
         else:
             prune_tau[kind] = merged([mag_sketches[n] for n in members]).quantile(config.prune)
 
+    def dither(name: str) -> int | None:
+        return tensor_seed(config.rounding_seed, name) if config.rounding == "stochastic" else None
+
     plans = {}
     for n in names:
         plan = TensorPlan(
-            kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], metric, sens.get(n)
+            kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], metric, sens.get(n), dither(n)
         )
         w = _flat(tensors[n]).numpy()
         codes, _ = plan.codes(w, np.zeros(0, np.float32))
