@@ -203,7 +203,7 @@ def test_corrupt_payload_is_a_clear_error(hub: HubServer, snapshot, tmp_path: Pa
 
 
 def test_missing_files_are_a_clear_error(hub: HubServer, snapshot, tmp_path: Path) -> None:
-    manifest = f"dynaquant/entries/{snapshot.entry}/manifest.json"
+    manifest = f"dynaquant/entries/{snapshot.entry}/manifest.json.zst"
     hf_dynaquant.push_to_hub(snapshot.path, "alice/missing")
     hub.remove("alice/missing", manifest)
     with pytest.raises(DynaQuantError, match="alice/missing@main"):

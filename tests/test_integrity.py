@@ -36,7 +36,7 @@ def one_entry(store: CheckpointStore) -> str:
 def test_flipped_byte_names_file_and_tensor(store) -> None:
     eid = one_entry(store)
     path = payload(store, eid)
-    info = json.loads((path.parent / "manifest.json").read_bytes())["sections"]["model"]["w"]["blobs"]["c0"]
+    info = json.loads(manifest_mod.read_manifest_bytes(path.parent / manifest_mod.MANIFEST))["sections"]["model"]["w"]["blobs"]["c0"]
     data = bytearray(path.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
     offset = json.loads(data[8 : 8 + header_len])[info["key"]]["data_offsets"][0]  # where tensor w's blob starts
@@ -61,9 +61,13 @@ def test_truncated_payload(store) -> None:
 
 def test_tampered_manifest(store) -> None:
     eid = one_entry(store)
-    mpath = store.path / "entries" / eid / "manifest.json"
-    mpath.write_bytes(mpath.read_bytes().replace(b'"F32"', b'"F16"', 1))
+    mpath = store.path / "entries" / eid / manifest_mod.MANIFEST
+    data = manifest_mod.read_manifest_bytes(mpath)
+    mpath.write_bytes(manifest_mod.pack_manifest(data.replace(b'"F32"', b'"F16"', 1)))
     with pytest.raises(CorruptCheckpointError, match="does not match its content id"):
+        store.open("m")
+    mpath.write_bytes(b"\x28\xb5\x2f\xfd garbage")
+    with pytest.raises(CorruptCheckpointError, match="not a valid zstd frame"):
         store.open("m")
 
 
@@ -94,7 +98,7 @@ def test_unknown_format_version(store) -> None:
     data = manifest_mod.canonical_json(doc)
     eid = manifest_mod.content_id(data)
     (store.path / "entries" / eid).mkdir()
-    (store.path / "entries" / eid / "manifest.json").write_bytes(data)
+    (store.path / "entries" / eid / manifest_mod.LEGACY_MANIFEST).write_bytes(data)  # (plain JSON is read too)
     with pytest.raises(UnsupportedFormatVersionError, match="format version 99 is not supported"):
         store.open(eid)
     marker = store.path / "store.json"

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from hf_dynaquant import CheckpointStore, EntryNotFoundError
+from hf_dynaquant.store.manifest import MANIFEST, read_manifest_bytes
 from hf_dynaquant.store.safetensors_io import StreamingWriter
 
 
@@ -101,7 +102,7 @@ def test_payload_is_a_plain_safetensors_file(store) -> None:
     with safe_open(str(store.path / "entries" / eid / "payload.safetensors"), framework="pt") as f:
         assert list(f.keys()) == ["model/a/c0"]
         assert f.get_tensor("model/a/c0").dtype == torch.uint8
-    manifest = json.loads((store.path / "entries" / eid / "manifest.json").read_bytes())
+    manifest = json.loads(read_manifest_bytes(store.path / "entries" / eid / MANIFEST))
     assert manifest["format_version"] == 1 and manifest["base"] is None
 
 

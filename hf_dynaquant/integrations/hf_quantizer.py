@@ -39,14 +39,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..codecs import get_codec
 from ..dtypes import from_raw
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, DynaQuantError, FormatError
-from ..store.manifest import parse_manifest
+from ..store.manifest import MANIFEST, manifest_file, parse_manifest, read_manifest_bytes
 from ..store.safetensors_io import open_safetensors, read_blob
 
 __all__ = ["QUANT_METHOD", "TESTED_TRANSFORMERS", "DynaQuantConfig", "DynaQuantHfQuantizer", "transformers_sections"]
 
 QUANT_METHOD = "dynaquant"
 TESTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.24")
-_MANIFEST = "manifest.json"
 
 
 def transformers_sections(sections: list[str]) -> list[str]:
@@ -145,11 +144,11 @@ class _Entry:
 def _read_manifest(payload: Path, config: DynaQuantConfig, model_config: Any) -> dict[str, Any]:
     """The entry's manifest: beside the payload (local folders, full snapshots), else fetched
     from the repo at the commit transformers resolved, into the same Hugging Face cache."""
-    path = payload.parent / _MANIFEST
+    path = manifest_file(payload.parent) or payload.parent / MANIFEST
     if not path.exists():
         from huggingface_hub import hf_hub_download
 
-        relative = f"{config.store}/entries/{config.entry}/{_MANIFEST}"
+        relative = f"{config.store}/entries/{config.entry}/{MANIFEST}"
         snapshot = payload.parents[len(Path(relative).parts) - 1]
         if snapshot.parent.name != "snapshots":
             raise CorruptCheckpointError(f"{path} is missing: the snapshot has no manifest for its weights")
@@ -166,7 +165,7 @@ def _read_manifest(payload: Path, config: DynaQuantConfig, model_config: Any) ->
             raise CorruptCheckpointError(
                 f"{model_config.name_or_path}@{snapshot.name}: cannot fetch {relative} ({exc})"
             ) from None
-    return parse_manifest(path.read_bytes(), path, config.entry)
+    return parse_manifest(read_manifest_bytes(path), path, config.entry)
 
 
 class DynaQuantDequantize(ConversionOps):

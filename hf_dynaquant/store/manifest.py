@@ -2,7 +2,10 @@
 
 A manifest is canonical JSON (sorted keys, no whitespace, UTF-8); the entry's content id is
 the SHA-256 of those bytes, so an entry's id covers every blob checksum it lists and a chain's
-base reference pins the exact base content. FORMAT.md is the specification.
+base reference pins the exact base content. On disk it is one zstd frame of those bytes
+(``manifest.json.zst``): per-tensor records (checksums, codebooks, stream sizes) make a
+manifest as large as a small model's whole compressed delta, and they compress about 8x.
+FORMAT.md is the specification.
 """
 
 from __future__ import annotations
@@ -12,19 +15,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+import zstandard
+
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
 
 __all__ = [
     "FORMAT_VERSION",
     "ENTRY_FORMAT",
     "STORE_FORMAT",
+    "MANIFEST",
+    "LEGACY_MANIFEST",
     "canonical_json",
     "content_id",
+    "manifest_file",
+    "pack_manifest",
+    "read_manifest_bytes",
     "parse_manifest",
     "check_store_marker",
 ]
 
 FORMAT_VERSION = 1
+MANIFEST = "manifest.json.zst"  # one zstd frame of the canonical JSON
+LEGACY_MANIFEST = "manifest.json"  # the plain canonical JSON (stores written before manifests were compressed)
+_MAX_MANIFEST_BYTES = 1 << 30
 ENTRY_FORMAT = "hf_dynaquant.entry"
 STORE_FORMAT = "hf_dynaquant.store"
 
@@ -37,6 +50,30 @@ def canonical_json(obj: Any) -> bytes:
 def content_id(manifest_bytes: bytes) -> str:
     """An entry's id: hex SHA-256 of its canonical manifest bytes."""
     return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def pack_manifest(data: bytes) -> bytes:
+    """The on-disk bytes of canonical manifest bytes (zstd, level 19: manifests are small)."""
+    return zstandard.ZstdCompressor(level=19).compress(data)
+
+
+def manifest_file(entry_dir: Path) -> Path | None:
+    """The manifest file of an entry directory (compressed, or a legacy plain one), or None."""
+    for name in (MANIFEST, LEGACY_MANIFEST):
+        if (entry_dir / name).is_file():
+            return entry_dir / name
+    return None
+
+
+def read_manifest_bytes(path: Path) -> bytes:
+    """The canonical JSON bytes of a manifest file (decompressed when it is ``.zst``)."""
+    data = path.read_bytes()
+    if path.name != MANIFEST:
+        return data
+    try:
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=_MAX_MANIFEST_BYTES)
+    except zstandard.ZstdError as exc:
+        raise CorruptCheckpointError(f"{path}: manifest is not a valid zstd frame ({exc})") from None
 
 
 def _check_version(doc: Any, kind: str, path: Path) -> None:

@@ -3,7 +3,7 @@
 Layout (FORMAT.md is the specification)::
 
     <store>/store.json                       format marker and version
-    <store>/entries/<id>/manifest.json       canonical JSON; <id> = sha256 of these bytes
+    <store>/entries/<id>/manifest.json.zst   canonical JSON, zstd'd; <id> = sha256 of the JSON bytes
     <store>/entries/<id>/payload.safetensors uint8 blobs, one or more per tensor
     <store>/refs/<name>.json                 {"entry": "<id>"}: a name for an entry
 
@@ -47,11 +47,15 @@ from .atomic import atomic_write_bytes, fsync_dir, fsync_file
 from .manifest import (
     ENTRY_FORMAT,
     FORMAT_VERSION,
+    MANIFEST,
     STORE_FORMAT,
     canonical_json,
     check_store_marker,
     content_id,
+    manifest_file,
+    pack_manifest,
     parse_manifest,
+    read_manifest_bytes,
 )
 from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_blob
 from .tree import flatten_tree, unflatten_tree
@@ -59,7 +63,6 @@ from .tree import flatten_tree, unflatten_tree
 __all__ = ["CheckpointStore", "EntryReader", "EntryInfo"]
 
 PAYLOAD = "payload.safetensors"
-MANIFEST = "manifest.json"
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _ID = re.compile(r"^[0-9a-f]{64}$")
 _STALE_TMP_SECONDS = 3600.0
@@ -150,7 +153,7 @@ class _EntryWriter:
         except ValueError as exc:
             raise DynaQuantError(f"metadata cannot be stored as JSON: {exc}") from None
         entry_id = content_id(data)
-        (self.tmp / MANIFEST).write_bytes(data)
+        (self.tmp / MANIFEST).write_bytes(pack_manifest(data))
         fsync_file(self.tmp / MANIFEST)
         fsync_dir(self.tmp)
         final = self.store.entries_dir / entry_id
@@ -187,11 +190,11 @@ class EntryReader:
     def __init__(self, store: CheckpointStore, entry_id: str) -> None:
         self.store, self.id = store, entry_id
         self.path = store.entries_dir / entry_id
-        try:
-            data = (self.path / MANIFEST).read_bytes()
-        except FileNotFoundError:
-            raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {store.path}") from None
-        self.manifest = parse_manifest(data, self.path / MANIFEST, entry_id)
+        found = manifest_file(self.path)
+        if found is None:
+            raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {store.path}")
+        self.manifest_path = found
+        self.manifest = parse_manifest(read_manifest_bytes(found), found, entry_id)
         self._handles: dict[int, Any] = {}
         self._base: EntryReader | None = None
 
@@ -240,7 +243,7 @@ class EntryReader:
                 name = self.manifest["files"][index]
             except (IndexError, TypeError):
                 raise CorruptCheckpointError(
-                    f"{self.path / MANIFEST}: blob refers to payload file #{index}, which the manifest does not list"
+                    f"{self.manifest_path}: blob refers to payload file #{index}, which the manifest does not list"
                 ) from None
             self._handles[index] = open_safetensors(self.path / name)
         return self._handles[index]
@@ -260,7 +263,7 @@ class EntryReader:
         if self.base is None:
             raise DynaQuantError(f"entry {self.id[:16]} is a keyframe; it has no base")
         if self._base is None:
-            if not (self.store.entries_dir / self.base / MANIFEST).exists():
+            if manifest_file(self.store.entries_dir / self.base) is None:
                 raise MissingBaseError(self.id, self.base, str(self.store.path))
             self._base = self.store.open(self.base)
         return self._base
@@ -376,7 +379,7 @@ class CheckpointStore:
         """Point reference ``name`` at an entry (atomically replacing any previous target)."""
         if not _REF.match(name):
             raise ValueError(f"invalid reference name {name!r}: use letters, digits, '.', '_' and '-'")
-        if not (self.entries_dir / entry_id / MANIFEST).exists():
+        if manifest_file(self.entries_dir / entry_id) is None:
             raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {self.path}")
         atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
 
@@ -609,7 +612,7 @@ class CheckpointStore:
         for eid in targets:
             try:
                 with EntryReader(self, eid) as r:
-                    if r.base is not None and not (self.entries_dir / r.base / MANIFEST).exists():
+                    if r.base is not None and manifest_file(self.entries_dir / r.base) is None:
                         raise MissingBaseError(r.id, r.base, str(self.path))
                     for section, name, rec in r.tensor_records():
                         if deep:
