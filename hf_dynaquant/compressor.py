@@ -36,7 +36,13 @@ from .codecs.dynaquant import DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
 from .errors import CheckpointError, MissingOptimizerStateError
-from .optimizer_state import OPTIMIZER_MODES, MomentQuant, decode_optimizer_state, encode_optimizer_state
+from .optimizer_state import (
+    OPTIMIZER_MODES,
+    MomentQuant,
+    Reductions,
+    decode_optimizer_state,
+    encode_optimizer_state,
+)
 from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
 from .store import CheckpointStore
 from .store.tree import flatten_tree
@@ -413,6 +419,11 @@ class Compressor:
         weights = {n: snap.state[n] for n in snap.params}
         return plan_quantization(weights, self.config, types=snap.types, sensitivity=snap.sensitivity())
 
+    def optimizer_reductions(self) -> Reductions | None:
+        """How the optimizer encoder combines processes' rows (None: one process holds all). A
+        hook: :class:`~hf_dynaquant.sharded.ShardedCompressor` reduces over the ranks."""
+        return None
+
     def search_snapshot(self, snap: Snapshot) -> SearchResult:
         """Run the configuration search on a snapshot (every rank together when distributed)."""
         if self.search is None or snap.model is None:
@@ -450,7 +461,9 @@ class Compressor:
         plans = {f"{MODEL}/{n}": tp for n, tp in (plan.tensors.items() if plan is not None else ())}
         trees = None
         if snap.optimizer is not None:
-            encoded = encode_optimizer_state(snap.optimizer, self.optimizer_state, self.moment_quant)
+            encoded = encode_optimizer_state(
+                snap.optimizer, self.optimizer_state, self.moment_quant, self.optimizer_reductions()
+            )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}
             plans.update({f"{OPTIMIZER}/{n}": tp for n, tp in encoded.plans.items()})

@@ -15,22 +15,43 @@ Modes (``optimizer_state=``):
 
 The transformed tree marks each compressed entry (``"dq_moments": "adam-v1"`` or
 ``"sgd-v1"``) so :func:`decode_optimizer_state` inverts it with no other information.
+
+**Several processes holding rows of the same state** (a sharded model's optimizer, FSDP2) encode
+with :class:`Reductions`: every choice the encoder makes from the values (which tensors are big
+enough, the codebooks, the fidelity check that picks the bin count or lossless, the scale grid)
+is made from quantities combined over the processes, so every process decides what one process
+encoding the full state decides, and its codes are the rows of the full tensors' codes. In one
+process the reductions are identities.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
-from .core.moments import adam_to_update_scale, fidelity, scale_plan, update_scale_to_adam
-from .core.quantizer import QuantConfig, TensorPlan, dequantize, plan_quantization, quantize
+from .core.moments import (
+    adam_to_update_scale,
+    fidelity_from_sums,
+    fidelity_sums,
+    scale_plan,
+    update_scale_to_adam,
+)
+from .core.quantizer import QuantConfig, QuantPlan, TensorPlan, dequantize, plan_quantization, quantize
 from .errors import FormatError
 from .store.tree import flatten_tree
 
-__all__ = ["OPTIMIZER_MODES", "MomentQuant", "OptimizerEncoding", "encode_optimizer_state", "decode_optimizer_state"]
+__all__ = [
+    "OPTIMIZER_MODES",
+    "MomentQuant",
+    "OptimizerEncoding",
+    "Reductions",
+    "encode_optimizer_state",
+    "decode_optimizer_state",
+]
 
 OPTIMIZER_MODES = ("compress", "lossless", "drop")
 ADAM, SGD = "adam-v1", "sgd-v1"
@@ -87,6 +108,63 @@ class OptimizerEncoding:
     report: dict[str, Any]
 
 
+class PlanFn(Protocol):
+    """Plans tensors from this process's part of each (``shapes``: the full ``(numel, 1)``)."""
+
+    def __call__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        config: QuantConfig,
+        *,
+        shapes: Mapping[str, Any],
+        types: Mapping[str, str],
+    ) -> QuantPlan: ...
+
+
+def _plan_here(
+    tensors: Mapping[str, torch.Tensor], config: QuantConfig, *, shapes: Mapping[str, Any], types: Mapping[str, str]
+) -> QuantPlan:
+    """One process holds every value: the plan of the tensors themselves."""
+    return plan_quantization(tensors, config, types=types)
+
+
+def _float64(values: np.ndarray) -> np.ndarray:
+    """One process's sum or maximum over the processes: the values themselves."""
+    return np.asarray(values, dtype=np.float64)
+
+
+def _mine(pid: Any) -> bool:
+    """In one process every value is the process's own."""
+    return True
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """How :func:`encode_optimizer_state` combines what several processes hold of one optimizer
+    state (each process some rows of every tensor); the defaults are one process's identities.
+
+    Every process calls the encoder together with the same parameter ids and the same tensor
+    structure; each callable below is then called on every process in the same order (it may be
+    collective).
+
+    Args:
+        plan: the quantization plan of the full tensors from this process's part of each
+            (:func:`hf_dynaquant.sharded.plan_sharded`: thresholds and codebooks from sketches
+            merged over the processes); identical on every process.
+        total: element-wise float64 sum of an array over the processes (an all-reduce): tensor
+            sizes and the sums the fidelity check is made of.
+        maximum: element-wise maximum over the processes (the top of each scale grid).
+        counts: whether this process's values of parameter ``pid`` are its own part (rows
+            nobody else holds); ``False`` for a copy that another process counts (state of a
+            parameter every process holds whole), so nothing is counted twice.
+    """
+
+    plan: PlanFn = _plan_here
+    total: Callable[[np.ndarray], np.ndarray] = _float64
+    maximum: Callable[[np.ndarray], np.ndarray] = _float64
+    counts: Callable[[Any], bool] = _mine
+
+
 def _group_eps(state_dict: Mapping[str, Any]) -> dict[Any, float | None]:
     out: dict[Any, float | None] = {}
     for group in state_dict.get("param_groups", []):
@@ -96,9 +174,15 @@ def _group_eps(state_dict: Mapping[str, Any]) -> dict[Any, float | None]:
 
 
 def encode_optimizer_state(
-    state_dict: Mapping[str, Any], mode: str = "compress", settings: MomentQuant | None = None
+    state_dict: Mapping[str, Any],
+    mode: str = "compress",
+    settings: MomentQuant | None = None,
+    reductions: Reductions | None = None,
 ) -> OptimizerEncoding | None:
-    """Prepare an optimizer ``state_dict`` for storage in ``mode`` (``None`` for ``"drop"``)."""
+    """Prepare an optimizer ``state_dict`` for storage in ``mode`` (``None`` for ``"drop"``).
+
+    ``reductions`` (default: one process's) make processes that each hold rows of the state
+    take the decisions of the full state (:class:`~hf_dynaquant.sharded.ShardedCompressor`)."""
     if mode not in OPTIMIZER_MODES:
         raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {mode!r}")
     if mode == "drop":
@@ -106,9 +190,10 @@ def encode_optimizer_state(
     if mode == "lossless":
         return OptimizerEncoding(dict(state_dict), {}, {"mode": "lossless"})
     settings = settings or MomentQuant()
+    red = reductions or Reductions()
     eps_of = _group_eps(state_dict)
     new_state: dict[Any, Any] = {}
-    candidates: dict[Any, tuple[str, torch.Tensor, torch.Tensor | None]] = {}  # pid -> (kind, target, scale)
+    eligible: dict[Any, tuple[str, torch.Tensor]] = {}  # pid -> (kind, the tensor whose size counts)
     for pid, entry in state_dict.get("state", {}).items():
         new_state[pid] = entry
         if not isinstance(entry, Mapping):
@@ -119,19 +204,25 @@ def encode_optimizer_state(
             and isinstance(v, torch.Tensor)
             and m.is_floating_point()
             and m.shape == v.shape
-            and m.numel() >= settings.min_numel
             and eps_of.get(pid) is not None
             and set(entry) <= {"step", "exp_avg", "exp_avg_sq"}
         ):
-            u, s = adam_to_update_scale(m, v, eps_of[pid])
+            eligible[pid] = (ADAM, m)
+        elif isinstance(buf, torch.Tensor) and buf.is_floating_point() and set(entry) == {"momentum_buffer"}:
+            eligible[pid] = (SGD, buf)
+    # sizes of the full tensors (each process counts its own rows)
+    local_numel = np.array([t.numel() if red.counts(pid) else 0 for pid, (_, t) in eligible.items()])
+    numel = dict(zip(eligible, red.total(local_numel))) if eligible else {}
+    candidates: dict[Any, tuple[str, torch.Tensor, torch.Tensor | None]] = {}  # pid -> (kind, target, scale)
+    for pid, (kind, t) in eligible.items():
+        if numel[pid] < settings.min_numel:
+            continue
+        if kind == ADAM:
+            entry = state_dict["state"][pid]
+            u, s = adam_to_update_scale(entry["exp_avg"], entry["exp_avg_sq"], eps_of[pid])
             candidates[pid] = (ADAM, u, s)
-        elif (
-            isinstance(buf, torch.Tensor)
-            and buf.is_floating_point()
-            and buf.numel() >= settings.min_numel
-            and set(entry) == {"momentum_buffer"}
-        ):
-            candidates[pid] = (SGD, buf.detach().to("cpu", torch.float32).reshape(-1), None)
+        else:
+            candidates[pid] = (SGD, t.detach().to("cpu", torch.float32).reshape(-1), None)
 
     chosen: dict[Any, tuple[TensorPlan, int]] = {}
     pending = dict(candidates)
@@ -141,17 +232,29 @@ def encode_optimizer_state(
         config = QuantConfig(
             bins=bins, prune=settings.prune, protect=0.0, min_numel=settings.min_numel, embedding_bins=bins
         )
-        targets = {str(pid): c[1].reshape(-1, 1) for pid, c in pending.items()}
-        plan = plan_quantization(targets, config, types={n: "moment" for n in targets})
-        for pid in list(pending):
+        # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
+        parts = {str(pid): (c[1] if red.counts(pid) else c[1][:0]).reshape(-1, 1) for pid, c in pending.items()}
+        shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
+        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts})
+        sums = np.zeros((len(pending), 4))
+        for i, pid in enumerate(pending):
             tp = plan.tensors[str(pid)]
             target = pending[pid][1].reshape(-1)
             codes, kept = quantize(target, tp)
             decoded = torch.from_numpy(dequantize(codes, tp.centres, kept))
-            cos, rel = fidelity(target, decoded)
+            if red.counts(pid):
+                sums[i] = fidelity_sums(target, decoded)
+        sums = red.total(sums.reshape(-1)).reshape(-1, 4)  # the full tensors' sums
+        for pid, row in zip(list(pending), sums):
+            cos, rel = fidelity_from_sums(row)
             if cos >= settings.min_cosine and rel <= settings.max_rel_error:
-                chosen[pid] = (tp, bins)
+                chosen[pid] = (plan.tensors[str(pid)], bins)
                 del pending[pid]
+
+    # the top of each chosen Adam scale's grid: the full tensor's maximum
+    adam = [pid for pid in chosen if candidates[pid][0] == ADAM]
+    local_top = [float(s.max()) if s.numel() else -np.inf for s in (candidates[p][2] for p in adam)]
+    tops = dict(zip(adam, red.maximum(np.array(local_top)))) if adam else {}
 
     report: dict[str, Any] = {"mode": "compress", "settings": settings.to_dict(), "lossless": [], "bins": {}}
     plan_by_tensor: dict[int, TensorPlan] = {}
@@ -173,7 +276,7 @@ def encode_optimizer_state(
                 "dq_scale": s,
             }
             plan_by_tensor[id(u)] = tp
-            plan_by_tensor[id(s)] = scale_plan(s, eps_of[pid], settings.scale_step)
+            plan_by_tensor[id(s)] = scale_plan(s, eps_of[pid], settings.scale_step, top=float(tops[pid]))
         else:
             buf = target.reshape(original["momentum_buffer"].shape)
             new_state[pid] = {"dq_moments": SGD, "dq_dtype": str(original["momentum_buffer"].dtype), "dq_momentum": buf}

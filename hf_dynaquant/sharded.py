@@ -14,8 +14,12 @@ a DynaQuant checkpoint of such a model without ever gathering a full tensor:
   shard's codes are the rows of the full tensor's codes.
 * **Each rank writes its own shard** as an ordinary store entry (reference
   ``<name>.shard-<rank>-of-<world>``), a delta on its own previous shard entry between keyframes.
-  The optimizer state is encoded per shard by :mod:`hf_dynaquant.optimizer_state` (so an Adam
-  update's codebook is the shard's own, not the unsharded model's). Tensors that are not
+  The optimizer state is encoded by :mod:`hf_dynaquant.optimizer_state` with
+  :class:`~hf_dynaquant.optimizer_state.Reductions` over the ranks: an Adam update's (or SGD
+  momentum's) codebook comes from the merged sketches, the fidelity check that picks its bin
+  count (or lossless) from dot products and squared norms summed over the ranks, a scale's grid
+  from the maximum over the ranks; so every rank decides what one process encoding the full
+  optimizer state decides, and the decoded state is the same. Tensors that are not
   sharded (buffers, parameters outside ``fully_shard``) are the same on every rank: rank 0
   stores them, losslessly.
 * **Rank 0 writes the index last**: an entry with no tensors whose metadata ``sharded`` lists
@@ -74,7 +78,7 @@ from .errors import (
     MissingShardError,
     UnsupportedSetupError,
 )
-from .optimizer_state import decode_optimizer_state
+from .optimizer_state import Reductions, decode_optimizer_state
 from .search import Lockstep, SearchResult
 from .store import CheckpointStore, EntryReader
 
@@ -119,6 +123,15 @@ def all_sum(values: np.ndarray) -> np.ndarray:
         return np.asarray(values, dtype=np.float64)
     t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_device())
     torch.distributed.all_reduce(t)
+    return t.cpu().numpy()
+
+
+def all_max(values: np.ndarray) -> np.ndarray:
+    """Element-wise float64 maximum of ``values`` over the ranks (an all-reduce)."""
+    if _world()[1] == 1:
+        return np.asarray(values, dtype=np.float64)
+    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t.cpu().numpy()
 
 
@@ -286,6 +299,11 @@ def plan_sharded(
         k = config.embedding_bins if tp.layer_type == EMBEDDING else config.bins
         centres = approximate_kmeans(merged, k, sigma=config.sigma, seed=config.seed) if merged.count else np.zeros(1)
         tp.centres = centres.astype(np.float32)
+    if config.rounding == "stochastic":  # a shard draws the random numbers of its rows of the full tensor
+        rows = _all_gather({n: int(selected[n].shape[0]) for n in plan.tensors})
+        rank = _world()[0]
+        for n, tp in plan.tensors.items():
+            tp.dither_offset = sum(r[n] for r in rows[:rank]) * int(np.prod(shapes[n][1:], dtype=np.int64))
     return QuantPlan(config, plan.tensors)
 
 
@@ -420,6 +438,16 @@ class ShardedCompressor(Compressor):
         index = _all_gather(index)[0]  # also: nobody returns before the index is written
         self.last_report = replace(report, entry=index)
         return self.last_report
+
+    def optimizer_reductions(self) -> Reductions:
+        """How the optimizer encoder combines the ranks' rows: plans from merged sketches, sums
+        and maxima over the ranks. A parameter's state counts on every rank when it is sharded
+        (each rank holds its own rows), else on rank 0 only (every rank holds the same copy)."""
+        rank = _world()[0]
+        sharded = {pid for pid, keys in self._optimizer_sharded.items() if keys}
+        return Reductions(
+            plan=plan_sharded, total=all_sum, maximum=all_max, counts=lambda pid: str(pid) in sharded or rank == 0
+        )
 
     # -- loading ----------------------------------------------------------------------------
     def restore(self, step_or_ref: int | str, model: Module | None = None, optimizer: Optimizer | None = None) -> dict:

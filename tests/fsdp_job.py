@@ -4,12 +4,14 @@
 
 * ``save``: train a small model sharded with ``fully_shard`` for a few steps, check that the
   plan from merged shard sketches equals the plan of the full tensors, and write two sharded
-  checkpoints (a keyframe, then a delta); dump the full weights and sensitivity for the test's
-  single-process reference.
+  checkpoints (a keyframe, then a delta); dump the full weights, sensitivity and optimizer state
+  for the test's single-process references.
 * ``load`` / ``load-plain``: restore ``step-5`` (or the plain single-process checkpoint ``plain``)
   onto a fresh sharded model and dump what every rank decoded; then take one training step (the
   optimizer state must be usable).
 * ``search``: compress with a threshold: the ranks search in lockstep.
+* ``replicated``: the optimizer also holds a parameter outside the FSDP model, whose state every
+  rank holds whole: its encoding must count it once.
 
 Each rank writes ``OUT/rank<r>-<phase>.json`` and tensors as safetensors (never pickle).
 """
@@ -17,7 +19,9 @@ Each rank writes ``OUT/rank<r>-<phase>.json`` and tensors as safetensors (never 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,12 +29,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
-from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
+from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, quantize
+from hf_dynaquant.optimizer_state import MomentQuant
 from hf_dynaquant.search import ConfigurationSearch, mean_loss
 from hf_dynaquant.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
 
 THRESHOLD = 0.02
 CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, metric="sensitivity", min_numel=1024)
+# pruned updates: one threshold over all the moment tensors, which a copy counted twice would move
+PRUNED_MOMENTS = MomentQuant(prune=0.2)
 
 
 class Net(torch.nn.Module):
@@ -54,6 +61,16 @@ def net(sharded: bool = True) -> Net:
             fully_shard(module)
         fully_shard(model)
     return model
+
+
+def extra_param() -> torch.nn.Parameter:
+    """A parameter outside the FSDP model (the same on every rank)."""
+    return torch.nn.Parameter(torch.randn(40, 32, generator=torch.Generator().manual_seed(1)))
+
+
+def extra_loss(extra: torch.Tensor) -> torch.Tensor:
+    """A loss term whose gradient is the same on every rank (it does not depend on the data)."""
+    return 1e-2 * (extra.sin() * torch.arange(32)).sum()
 
 
 def batches(rank: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,14 +148,34 @@ def main(out: Path, phase: str) -> None:
         full_s = {n: gathered_rows(t) for n, t in sens.items()}
         reference = plan_quantization(full_w, CONFIG, types=snap.types, sensitivity=full_s)
         report["plan"] = plans_equal(merged, reference)
+        # stochastic rounding (after a restore): a shard's codes are the rows of the full tensor's
+        sr = replace(CONFIG, rounding="stochastic", rounding_seed=3)
+        merged_sr = plan_sharded(weights, sr, shapes=shapes, types=snap.types, sensitivity=sens)
+        reference_sr = plan_quantization(full_w, sr, types=snap.types, sensitivity=full_s)
+        report["stochastic_rows"] = {
+            n: bool(
+                torch.equal(
+                    gathered_rows(torch.from_numpy(quantize(weights[n], tp)[0]).view(weights[n].shape)),
+                    torch.from_numpy(quantize(full_w[n], reference_sr.tensors[n])[0]).view(full_w[n].shape),
+                )
+            )
+            for n, tp in merged_sr.tensors.items()
+        }
         report["types"] = snap.types
         state = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}
+        moments = {  # the full optimizer state at the snapshot (for the test's single-process reference)
+            f"{pid}.{key}": full(v).detach().contiguous()
+            for pid, entry in optimizer.state_dict()["state"].items()
+            for key, v in entry.items()
+        }
         if rank == 0:  # the full weights and sensitivity, for the test's single-process reference
             save_file(state, str(out / "save-full.safetensors"))
             save_file({n: t.contiguous() for n, t in full_s.items()}, str(out / "sensitivity.safetensors"))
+            save_file(moments, str(out / "save-optimizer.safetensors"))
         written = comp.write(snap)
         report["entry"] = written.entry
         report["keyframe"] = written.keyframe
+        report["optimizer_state"] = written.optimizer_state  # this rank's encoding decisions
     elif phase in ("load", "load-plain"):
         comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer)
         meta = comp.restore("step-5" if phase == "load" else "plain")
@@ -147,6 +184,28 @@ def main(out: Path, phase: str) -> None:
         dump(out, rank, phase, model, report)
         train(model, optimizer, batches(rank)[:1], None)  # the restored optimizer state works
         report["trained"] = True
+    elif phase == "replicated":
+        # an optimized tensor outside the FSDP model: every rank holds (and encodes) the same copy
+        extra = extra_param()
+        optimizer = torch.optim.AdamW([*model.parameters(), extra], lr=1e-2)
+        comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer, moment_quant=PRUNED_MOMENTS)
+        for x, y in batches(rank)[:3]:
+            (torch.nn.functional.cross_entropy(model(x), y) + extra_loss(extra)).backward()
+            comp.on_backward_pass_end()
+            optimizer.step()
+            comp.before_gradient_flush()
+            optimizer.zero_grad()
+        moments = {
+            f"{pid}.{key}": full(v).detach().contiguous()
+            for pid, entry in optimizer.state_dict()["state"].items()
+            for key, v in entry.items()
+        }
+        weights = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}  # collective
+        if rank == 0:
+            save_file(moments, str(out / "replicated-optimizer.safetensors"))
+            save_file(weights, str(out / "replicated-full.safetensors"))
+        written = comp.write(comp.snapshot(3))
+        report["optimizer_state"] = written.optimizer_state
     elif phase == "search":
         comp = ShardedCompressor(
             model,
@@ -191,3 +250,9 @@ def main(out: Path, phase: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
+    # Everything is written and the process group is gone; skip the interpreter's teardown, where
+    # a gloo thread still being destroyed rarely aborts the process ("terminate called without an
+    # active exception") after the job has finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

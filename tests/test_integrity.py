@@ -36,7 +36,8 @@ def one_entry(store: CheckpointStore) -> str:
 def test_flipped_byte_names_file_and_tensor(store) -> None:
     eid = one_entry(store)
     path = payload(store, eid)
-    info = json.loads(manifest_mod.read_manifest_bytes(path.parent / manifest_mod.MANIFEST))["sections"]["model"]["w"]["blobs"]["c0"]
+    manifest = json.loads(manifest_mod.read_manifest_bytes(path.parent / manifest_mod.MANIFEST))
+    info = manifest["sections"]["model"]["w"]["blobs"]["c0"]
     data = bytearray(path.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
     offset = json.loads(data[8 : 8 + header_len])[info["key"]]["data_offsets"][0]  # where tensor w's blob starts

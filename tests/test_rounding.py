@@ -68,7 +68,8 @@ def test_small_updates_survive_stochastic_but_not_nearest_rounding() -> None:
     moved = restored + 0.1 * gap * direction
     results = {}
     for rounding in ("nearest", "stochastic"):
-        plan = plan_quantization({"w": moved}, QuantConfig(bins=8, prune=0.0, protect=0.0, min_numel=1, rounding=rounding))
+        config = QuantConfig(bins=8, prune=0.0, protect=0.0, min_numel=1, rounding=rounding)
+        plan = plan_quantization({"w": moved}, config)
         decoded = torch.from_numpy(_decode(moved, plan.tensors["w"])).view_as(w)
         results[rounding] = float(((decoded - restored) * direction).mean()) / (0.1 * gap)
     assert abs(results["nearest"]) < 0.2  # the update is (nearly) erased

@@ -2,8 +2,9 @@
 
 The plan from merged shard sketches equals the plan of the full tensors; a 2-rank save restores
 bit-identically on 2 ranks and in 1 process, and equals a single-process compression of the
-same full model with the same plan; a plain single-process checkpoint loads onto 2 ranks; a
-missing or damaged shard is named; the configuration search runs in lockstep."""
+same full model with the same plan; the optimizer state decodes to what a single-process
+encoding of the full optimizer state decodes to; a plain single-process checkpoint loads onto 2
+ranks; a missing or damaged shard is named; the configuration search runs in lockstep."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fsdp_job import CONFIG, batches, net, train
+from fsdp_job import CONFIG, PRUNED_MOMENTS, batches, extra_param, net, train
 from safetensors.torch import load_file
 from test_accelerate import torchrun
 
@@ -25,9 +26,11 @@ from hf_dynaquant.core.kmeans import approximate_kmeans
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
 from hf_dynaquant.core.sketch import LogSketch
 from hf_dynaquant.errors import CheckpointError, CorruptCheckpointError, MissingShardError
+from hf_dynaquant.optimizer_state import encode_optimizer_state
 from hf_dynaquant.sharded import load_sharded, merge_sketches, plan_sharded, shard_ref
 
 JOB = Path(__file__).with_name("fsdp_job.py")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_sharded.py"
 MAGNITUDE = replace(CONFIG, metric="magnitude")  # for single-process runs that record no gradients
 
 
@@ -106,6 +109,7 @@ def test_merged_plan_equals_the_full_tensor_plan(saved) -> None:
         plan = r["plan"]
         assert plan.pop("names") is True and set(plan) == {"emb.weight", "hidden.weight", "head.weight"}
         assert all(all(checks.values()) for checks in plan.values()), plan  # thresholds and codebooks, exactly
+        assert r["stochastic_rows"] and all(r["stochastic_rows"].values()), r["stochastic_rows"]
     assert ranks[0]["entry"] == ranks[1]["entry"]  # every rank knows the index entry
     store = CheckpointStore(saved / "store")
     index = store.info("step-5").metadata["sharded"]
@@ -151,6 +155,91 @@ def test_two_ranks_save_and_load_bit_identical_to_one_process(saved, tmp_path) -
     x, y = batches(0)[0]
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()  # the re-assembled optimizer state is usable
+
+
+def _full_optimizer(
+    saved: Path, phase: str = "save", extra: list[torch.Tensor] = ()
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A plain model and AdamW (over its parameters and ``extra``) holding the full weights and
+    optimizer state that the 2-rank run's ``phase`` dumped at its snapshot."""
+    model = net(sharded=False)
+    model.load_state_dict(load_file(str(saved / f"{phase}-full.safetensors")))
+    optimizer = torch.optim.AdamW([*model.parameters(), *extra], lr=1e-2)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(str(saved / f"{phase}-optimizer.safetensors")).items():
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = t
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    return model, optimizer
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:no gradients were recorded")
+def test_sharded_optimizer_state_equals_one_process_encoding(saved, tmp_path) -> None:
+    """The Adam moments of a 2-rank save decode, row for row, to what one process compressing
+    the full optimizer state decodes to: codebooks from merged sketches, the bins-or-lossless
+    decision from dot products and norms summed over the ranks, the scale grid from the maximum
+    over the ranks. Both ranks take the single process's decisions."""
+    model, optimizer = _full_optimizer(saved)
+    full_state = optimizer.state_dict()
+    compressor = Compressor(model, tmp_path / "reference", MAGNITUDE, optimizer=optimizer)
+    written = compressor.write(compressor.snapshot(5), ref="reference")
+    reference = read_checkpoint(CheckpointStore(tmp_path / "reference"), "reference")[1]
+    decisions = json.loads(json.dumps(written.optimizer_state))
+    assert decisions["quantized"] == 3 and set(decisions["bins"]) == {"0", "1", "3"}, decisions  # the 3 matrices
+    for pid in (0, 1, 3):  # really quantized: the decoded moments are not the originals
+        assert not torch.equal(reference["state"][pid]["exp_avg"], full_state["state"][pid]["exp_avg"])
+        assert not torch.equal(reference["state"][pid]["exp_avg_sq"], full_state["state"][pid]["exp_avg_sq"])
+
+    # every rank decided what the single process decided (the index keeps rank 0's report)
+    assert [r["optimizer_state"] for r in _ranks(saved, "save")] == [decisions, decisions]
+    assert CheckpointStore(saved / "store").info("step-5").metadata["optimizer_state"] == decisions
+
+    fresh = net(sharded=False)  # the 2-rank save re-assembled in one process
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_sharded(saved / "store", "step-5", fresh, fresh_opt)
+    decoded = fresh_opt.state_dict()["state"]
+    assert set(decoded) == set(reference["state"])
+    for pid, entry in reference["state"].items():
+        for key, t in entry.items():
+            assert torch.equal(decoded[pid][key], t), (pid, key)  # bit-identical, every row
+
+    # the test can tell: a shard encoded on its own gets other codebooks than the full tensor
+    full_plans = encode_optimizer_state(full_state).plans
+    shard = {  # rank 0's rows (FSDP2 gives rank 0 the larger half)
+        "state": {
+            pid: {k: (v[: (len(v) + 1) // 2] if v.dim() else v) for k, v in entry.items()}
+            for pid, entry in full_state["state"].items()
+        },
+        "param_groups": full_state["param_groups"],
+    }
+    own = encode_optimizer_state(shard).plans
+    assert any(not np.array_equal(own[k].centres, full_plans[k].centres) for k in own if k in full_plans)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:no gradients were recorded")
+def test_replicated_optimizer_state_is_counted_once(tmp_path) -> None:
+    """A parameter outside the FSDP model has the same state on every rank; only rank 0's copy
+    enters the merged sketches and sums, so the decisions and the decoded state are still those
+    of one process encoding the full optimizer state (with pruned updates, whose one threshold
+    over all the moment tensors a copy counted twice would move)."""
+    torchrun(2, JOB, str(tmp_path), "replicated")
+    extra = extra_param()
+    model, optimizer = _full_optimizer(tmp_path, "replicated", [extra])
+    compressor = Compressor(model, tmp_path / "reference", MAGNITUDE, optimizer=optimizer, moment_quant=PRUNED_MOMENTS)
+    decisions = json.loads(json.dumps(compressor.write(compressor.snapshot(3), ref="ref").optimizer_state))
+    reference = read_checkpoint(CheckpointStore(tmp_path / "reference"), "ref")[1]
+    assert decisions["bins"].keys() == {"0", "1", "3", "5"}, decisions  # the extra parameter (5) is quantized
+    assert [r["optimizer_state"] for r in _ranks(tmp_path, "replicated")] == [decisions, decisions]
+    assert CheckpointStore(tmp_path / "store").info("step-3").metadata["sharded"]["optimizer"]["5"] == []
+    fresh = net(sharded=False)
+    fresh_opt = torch.optim.AdamW([*fresh.parameters(), extra_param()], lr=1e-2)
+    load_sharded(tmp_path / "store", "step-3", fresh, fresh_opt)
+    decoded = fresh_opt.state_dict()["state"]
+    for pid, entry in reference["state"].items():
+        for key, t in entry.items():
+            assert torch.equal(decoded[pid][key], t), (pid, key)
 
 
 @pytest.mark.slow
@@ -204,3 +293,20 @@ def test_search_in_lockstep(tmp_path) -> None:
     assert "ShardedCompressor" in ranks[0]["plugin_refusal"]  # the Accelerate plugin points here
     meta = CheckpointStore(tmp_path / "store").info("step-2").metadata
     assert meta["search"]["config"] == ranks[0]["chosen"] and meta["sharded"]["optimizer"] is None
+
+
+@pytest.mark.slow
+def test_example_trains_saves_and_restores_onto_one_process(tmp_path) -> None:
+    """examples/fsdp_sharded.py: 2 ranks train and save sharded checkpoints, then one process
+    restores the last into a plain model, close to the trained one, and trains on."""
+    torchrun(2, EXAMPLE, "--out", str(tmp_path), "--steps", "40", "--every", "20")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world"] == 2 and summary["restored_step"] == 40
+    assert [c["keyframe"] for c in summary["checkpoints"]] == [True, False]
+    assert all(c["stored"] * 4 < c["raw"] for c in summary["checkpoints"])
+    assert summary["store_bytes"] * 4 < summary["raw_bytes"]
+    assert summary["optimizer_state"]["quantized"] >= 4  # the Adam moments of the matrices are compressed
+    assert 0 < summary["relative_error"] < 0.3
+    assert abs(summary["restored_loss"] - summary["live_loss"]) < 0.05 * summary["live_loss"]
+    index = CheckpointStore(tmp_path / "store").info("step-40").metadata["sharded"]
+    assert index["world"] == 2 and len(index["shards"]) == 2

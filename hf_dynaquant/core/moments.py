@@ -35,6 +35,8 @@ __all__ = [
     "update_scale_to_adam",
     "scale_plan",
     "fidelity",
+    "fidelity_sums",
+    "fidelity_from_sums",
 ]
 
 MAX_SCALE_LEVELS = 254  # centres a uint8 code can name (0 and 1 are the pruned/protected levels)
@@ -63,15 +65,17 @@ def update_scale_to_adam(
     return m.to(dtype), v.to(dtype)
 
 
-def scale_plan(s: torch.Tensor, eps: float, step: float) -> TensorPlan:
+def scale_plan(s: torch.Tensor, eps: float, step: float, *, top: float | None = None) -> TensorPlan:
     """A plan whose codebook is the fixed log grid ``log(eps) + step * k`` covering ``s``.
 
     The grid widens (``step`` grows) only if ``s`` spans more than :data:`MAX_SCALE_LEVELS`
-    steps; nothing is pruned or protected."""
+    steps; nothing is pruned or protected. ``top`` replaces ``s.max()``: the maximum of the
+    full tensor when ``s`` is one shard of it, so that every shard gets the full tensor's grid."""
     if step <= 0:
         raise ValueError(f"the scale grid step must be positive, got {step}")
     origin = math.log(scale_floor(eps))
-    top = float(s.max()) if s.numel() else origin
+    if top is None:
+        top = float(s.max()) if s.numel() else origin
     span = max(top - origin, 0.0)
     if span / step > MAX_SCALE_LEVELS - 1:
         step = span / (MAX_SCALE_LEVELS - 1)
@@ -80,12 +84,27 @@ def scale_plan(s: torch.Tensor, eps: float, step: float) -> TensorPlan:
     return TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
 
 
+def fidelity_sums(original: torch.Tensor, decoded: torch.Tensor) -> np.ndarray:
+    """``[a.b, a.a, b.b, (a-b).(a-b)]`` in float64 for ``a = original``, ``b = decoded``: the sums
+    :func:`fidelity` is made of. They add over any split of the values (row shards of one tensor:
+    sum each rank's, then :func:`fidelity_from_sums`)."""
+    a, b = original.reshape(-1).double(), decoded.reshape(-1).double()
+    d = a - b
+    return np.array([float(a @ b), float(a @ a), float(b @ b), float(d @ d)], dtype=np.float64)
+
+
+def fidelity_from_sums(sums: np.ndarray) -> tuple[float, float]:
+    """``(cosine similarity, relative L2 error)`` from :func:`fidelity_sums` (of all the values:
+    ``(1, 0)`` for two all-zero tensors)."""
+    ab, aa, bb, dd = (float(x) for x in sums)
+    na, nb = math.sqrt(aa), math.sqrt(bb)
+    if na == 0:
+        return (1.0, 0.0) if nb == 0 else (0.0, math.inf)
+    cos = ab / (na * nb) if nb else 0.0
+    return cos, math.sqrt(dd) / na
+
+
 def fidelity(original: torch.Tensor, decoded: torch.Tensor) -> tuple[float, float]:
     """``(cosine similarity, relative L2 error)`` of a decoded tensor against its original
     (``(1, 0)`` for two all-zero tensors)."""
-    a, b = original.reshape(-1).double(), decoded.reshape(-1).double()
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0:
-        return (1.0, 0.0) if nb == 0 else (0.0, math.inf)
-    cos = float(a @ b) / (na * nb) if nb else 0.0
-    return cos, float((a - b).norm()) / na
+    return fidelity_from_sums(fidelity_sums(original, decoded))
