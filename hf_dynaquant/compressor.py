@@ -377,8 +377,10 @@ class Compressor:
     def resumed_from(self, entry: str) -> None:
         """Training goes on from the decoded weights of stored ``entry``: from now on round
         stochastically (:mod:`hf_dynaquant.core.rounding`), with random numbers of this resume's
-        own (seeded by the entry's id). Every weight now sits on a centre, and rounding to the
-        nearest one again would erase each update smaller than half a bin made since."""
+        own, seeded by ``entry`` (an id or a reference; with several processes every rank must
+        pass the same, so that all search and encode alike). Every weight now sits on a centre,
+        and rounding to the nearest one again would erase each update smaller than half a bin
+        made since."""
         seed = zlib.crc32(entry.encode())
         self.config = replace(self.config, rounding="stochastic", rounding_seed=seed)
         if self.search is not None:

@@ -403,6 +403,7 @@ class DynaQuantCheckpointing:
         if self.accelerator.is_main_process:
             self._use_store(store, Path(input_dir))
             self.compressor.continue_chain(marker["entry"])  # the next save is a delta on this entry
+        self.compressor.resumed_from(marker["entry"])  # every rank rounds stochastically, with the same seed
 
     def _load_optimizer(self, state: dict[str, Any] | None, meta: dict[str, Any], where: str) -> None:
         restore_optimizer(self.optimizer, state, meta, where)

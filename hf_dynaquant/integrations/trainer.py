@@ -141,6 +141,8 @@ class DynaQuantCallback(TrainerCallback):
         resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if store is not None and state.global_step and resumed in store.refs():
             self.compressor.continue_chain(resumed)  # the chain goes on after a resume
+        if state.global_step:  # resumed: every rank rounds stochastically, with the same seed
+            self.compressor.resumed_from(resumed)
         if self.background and self.worker is None:
             self.worker = BackgroundWorker()
 
