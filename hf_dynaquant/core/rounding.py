@@ -31,6 +31,8 @@ import zlib
 
 import numpy as np
 
+from .kmeans import assign
+
 __all__ = ["tensor_seed", "uniform", "stochastic_codes"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -77,14 +79,14 @@ def stochastic_codes(
     sel = np.flatnonzero(codes == pruned)
     if sel.size:
         x = w[sel]
-        # the centre nearest to x among those on its side of zero (none: stays pruned)
-        k = np.clip(np.searchsorted(c, x), 0, top)
-        below = np.clip(k - 1, 0, top)
-        k = np.where(np.abs(c[below] - x) < np.abs(c[k] - x), below, k)
-        side = np.sign(c[k]) == np.sign(x)
-        k = np.where(side, k, np.where(x > 0, np.clip(k + 1, 0, top), np.clip(k - 1, 0, top)))
-        side = (np.sign(c[k]) == np.sign(x)) & (x != 0)
-        p = np.where(side, np.minimum(np.abs(x) / np.maximum(np.abs(c[k]), np.float32(1e-30)), 1), 0)
+        # the centre nearest to x among those on its side of zero: the nearest centre overall, or,
+        # when that one lies across zero, the innermost centre on x's side (none: stays pruned)
+        nearest = assign(x, c)
+        zero = np.searchsorted(c, 0, side="right")  # centres[zero:] are > 0, centres[:zero] <= 0
+        inner = np.clip(np.where(x > 0, zero, zero - 1), 0, top)
+        k = np.where(np.sign(c[nearest]) == np.sign(x), nearest, inner)
+        same_side = (np.sign(c[k]) == np.sign(x)) & (x != 0)
+        p = np.where(same_side, np.minimum(np.abs(x) / np.maximum(np.abs(c[k]), np.float32(1e-30)), 1), 0)
         keep = u[sel] < p
         codes[sel[keep]] = (k[keep] + first_centre).astype(codes.dtype)
     return codes
