@@ -35,6 +35,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from hf_dynaquant.checkpoint_dir import checkpoint_store
 from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+from hf_dynaquant.optimizer_state import MomentQuant
+from hf_dynaquant.search import SearchSpace
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -123,7 +126,16 @@ def run_plain(out: Path, data, steps: int, save_steps: int) -> dict:
     }
 
 
-def run_dynaquant(out: Path, data, steps: int, save_steps: int, spec: str, restores: int) -> dict:
+def run_dynaquant(
+    out: Path,
+    data,
+    steps: int,
+    save_steps: int,
+    spec: str,
+    restores: int,
+    space: SearchSpace | None = None,
+    moments: MomentQuant | None = None,
+) -> dict:
     """One compressed run; ``spec`` is an optimizer-state mode, optionally ``@threshold``."""
     mode, _, threshold = spec.partition("@")
     train, held = data
@@ -132,7 +144,9 @@ def run_dynaquant(out: Path, data, steps: int, save_steps: int, spec: str, resto
     reports, stalls, background = [], [], []
     trainer = None
     for i, stop in enumerate(stops):
-        cb = DynaQuantCallback(threshold=float(threshold or 0.01), optimizer_state=mode)
+        cb = DynaQuantCallback(
+            threshold=float(threshold or 0.01), optimizer_state=mode, search_space=space, moment_quant=moments
+        )
         trainer = cls(
             model=make_model(),
             args=training_args(out, steps, save_steps),
@@ -186,6 +200,13 @@ def main() -> None:
         default="compress,lossless,drop,compress@0.05",
         help="optimizer-state modes, @threshold (default 0.01)",
     )
+    parser.add_argument(
+        "--bins", default=None, help="bin counts the search may choose, e.g. 2,3,4,6,8,12,16,32 (default: Table 7's)"
+    )
+    parser.add_argument("--update-bins", default=None, help="bin counts tried for Adam's update, e.g. 2,3,4,6,8,16,32")
+    parser.add_argument(
+        "--update-fidelity", default=None, help="the update's minimum cosine and maximum relative error, e.g. 0.7,0.75"
+    )
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
     parser.add_argument("--plain-from", default=None, help="reuse the plain run of an earlier --json (same arguments)")
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
@@ -203,9 +224,17 @@ def main() -> None:
             results["plain"] = earlier["results"]["plain"]
         else:
             results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
+        space = SearchSpace(bins=tuple(int(b) for b in args.bins.split(","))) if args.bins else None
+        moments = MomentQuant()
+        if args.update_bins:
+            moments = replace(moments, bins=tuple(int(b) for b in args.update_bins.split(",")))
+        if args.update_fidelity:
+            cosine, error = (float(v) for v in args.update_fidelity.split(","))
+            moments = replace(moments, min_cosine=cosine, max_rel_error=error)
         for mode in args.modes.split(","):
+            folder = Path(tmp) / mode.replace("@", "_")
             results[mode] = run_dynaquant(
-                Path(tmp) / mode.replace("@", "_"), data, args.steps, args.save_steps, mode, args.restores
+                folder, data, args.steps, args.save_steps, mode, args.restores, space, moments
             )
             print(f"{mode}: done", flush=True)
     plain = results["plain"]
