@@ -190,6 +190,19 @@ def run_dynaquant(
     }
 
 
+def moment_settings(spec: str) -> MomentQuant:
+    """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
+    fields = {}
+    for word in spec.split():
+        key, _, value = word.partition("=")
+        default = getattr(MomentQuant(), key)
+        if isinstance(default, tuple):
+            fields[key] = tuple(type(default[0])(v) for v in value.split(","))
+        else:
+            fields[key] = type(default)(value)
+    return replace(MomentQuant(), **fields)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=480)
@@ -203,9 +216,10 @@ def main() -> None:
     parser.add_argument(
         "--bins", default=None, help="bin counts the search may choose, e.g. 2,3,4,6,8,12,16,32 (default: Table 7's)"
     )
-    parser.add_argument("--update-bins", default=None, help="bin counts tried for Adam's update, e.g. 2,3,4,6,8,16,32")
     parser.add_argument(
-        "--update-fidelity", default=None, help="the update's minimum cosine and maximum relative error, e.g. 0.7,0.75"
+        "--moments",
+        default="",
+        help="MomentQuant settings as key=value, e.g. 'bins=2,3,4,6,8,16,32 min_cosine=0.7 scale_step=1.0'",
     )
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
     parser.add_argument("--plain-from", default=None, help="reuse the plain run of an earlier --json (same arguments)")
@@ -225,12 +239,7 @@ def main() -> None:
         else:
             results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
         space = SearchSpace(bins=tuple(int(b) for b in args.bins.split(","))) if args.bins else None
-        moments = MomentQuant()
-        if args.update_bins:
-            moments = replace(moments, bins=tuple(int(b) for b in args.update_bins.split(",")))
-        if args.update_fidelity:
-            cosine, error = (float(v) for v in args.update_fidelity.split(","))
-            moments = replace(moments, min_cosine=cosine, max_rel_error=error)
+        moments = moment_settings(args.moments)
         for mode in args.modes.split(","):
             folder = Path(tmp) / mode.replace("@", "_")
             results[mode] = run_dynaquant(
