@@ -191,6 +191,28 @@ def test_delta_smaller_than_keyframe_and_compaction(tmp_path) -> None:
     assert len(store.entries()) == 1 and torch.equal(store.open("d").load_section("model")["w"], before)
 
 
+def test_no_protected_values_no_protected_blob(tmp_path) -> None:
+    store = CheckpointStore(tmp_path)
+    w = {"w": torch.randn(200, 100) * 0.05}
+    entry = compress_state_dict(store, w, QuantConfig(bins=8, prune=0.1, protect=0.0, min_numel=100), ref="k")
+    record = store.open(entry).record("model", "w")
+    assert set(record["blobs"]) == {"codes"} and record["params"]["protected"] == {"n": 0}
+    decoded = store.open("k").load_section("model")["w"]
+    assert decoded.shape == w["w"].shape and (decoded - w["w"]).norm() < 0.3 * w["w"].norm()
+
+
+def test_small_entries_carry_little_header_padding(tmp_path) -> None:
+    """The payload's header reservation is an upper bound; a small entry is rewritten rather
+    than keep kilobytes of padding (on a 0.4 M-parameter checkpoint it was 8 KB)."""
+    store = CheckpointStore(tmp_path)
+    state = {f"layer{i}.bias": torch.randn(64) for i in range(150)}
+    entry = store.write({"model": state}, ref="small")
+    data = (store.path / "entries" / entry / "payload.safetensors").read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    assert header_len - len(data[8 : 8 + header_len].rstrip(b" ")) < 8  # only the 8-byte alignment
+    assert torch.equal(store.open("small").load_section("model")["layer7.bias"], state["layer7.bias"])
+
+
 def test_bare_codec_needs_a_plan() -> None:
     from hf_dynaquant.dtypes import to_raw
 

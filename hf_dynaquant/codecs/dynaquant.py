@@ -6,7 +6,8 @@ bfloat16. The codec's *state* of a tensor is those codes, the centres and the pr
 a later checkpoint codes its codes as a delta on the base's (section 6 of the paper, see
 :mod:`hf_dynaquant.core.delta`) and falls back to a keyframe when the delta would be larger.
 
-Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16).
+Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16;
+absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``regroup`` | ``rle`` | ``entropy``), ``protected`` (the lossless params of the protected
 values, with their count ``n``), ``layer_type``.
@@ -145,9 +146,11 @@ class DynaQuantCodec(Codec):
                     delta_coding=self.delta_coding,
                     delta_stream=[stream_coding, size],
                 )
-        prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
-        blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
-        params["protected"] = {"n": int(state.protected.size), **prot.params}
+        params["protected"] = {"n": int(state.protected.size)}
+        if state.protected.size:  # none (optimizer moments, protect=0): no blob, no stream params
+            prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
+            blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
+            params["protected"].update(prot.params)
         return Encoded(blobs, params, uses_base=params["mode"] == "delta", state=state)
 
     def decode(
@@ -163,7 +166,11 @@ class DynaQuantCodec(Codec):
             codes = decode_stream(params["codes_stream"], blobs("codes"), n, where)
         prot_params = params["protected"]
         m = int(prot_params["n"])
-        protected = LosslessCodec().decode("BF16", (m,), prot_params, _Prefixed(blobs, "p.")).bits
+        protected = (
+            LosslessCodec().decode("BF16", (m,), prot_params, _Prefixed(blobs, "p.")).bits
+            if m
+            else np.zeros(0, dtype=np.uint16)
+        )
         centres = np.asarray(params["centres"], dtype=np.float32)
         if codes.size and int(codes.max()) >= FIRST_CENTRE + centres.size:
             raise CorruptCheckpointError(f"{where}: a code exceeds the {centres.size} stored centres")

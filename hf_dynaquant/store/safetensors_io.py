@@ -24,6 +24,10 @@ from ..errors import CorruptCheckpointError
 
 __all__ = ["StreamingWriter", "header_size_estimate", "open_safetensors", "read_blob"]
 
+# Unused header reservation kept as padding: beyond this (and 1% of the data) the file is
+# rewritten with an exact header, which costs a copy of the data (cheap when it is that small).
+_MAX_PADDING = 1024
+
 
 def header_size_estimate(keys: list[str], per_key_shape_digits: int = 40) -> int:
     """Bytes a header for ``keys`` (1-D or small tensors) is very unlikely to exceed."""
@@ -34,7 +38,9 @@ class StreamingWriter:
     """Appends tensors to a safetensors file one at a time; :meth:`close` writes the header.
 
     The file is complete only after :meth:`close`; the caller makes it visible atomically
-    (it is written inside a temporary entry directory, see :mod:`.store`).
+    (it is written inside a temporary entry directory, see :mod:`.store`). The header space is
+    reserved from an upper-bound estimate; what it leaves unused stays as padding only when
+    that is small (see ``_MAX_PADDING``), else the file is rewritten with the exact header.
     """
 
     def __init__(self, path: Path, header_reserve: int) -> None:
@@ -67,15 +73,17 @@ class StreamingWriter:
         if metadata:
             header["__metadata__"] = metadata
         raw = json.dumps(header, separators=(",", ":")).encode()
-        if len(raw) <= self._reserve:
+        unused = self._reserve - len(raw)
+        if 0 <= unused <= max(_MAX_PADDING, self._offset // 100):  # else the padding would be waste worth a copy
             raw = raw + b" " * (self._reserve - len(raw))
             self._fh.seek(0)
             self._fh.write(struct.pack("<Q", len(raw)) + raw)
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
-        else:
+        else:  # the reservation was too small, or too large to keep as padding
             self._fh.close()
+            raw = raw + b" " * (-len(raw) % 8)
             self._rewrite_with_header(raw)
         return 8 + len(raw) + self._offset
 
@@ -85,7 +93,6 @@ class StreamingWriter:
         self.path.unlink(missing_ok=True)
 
     def _rewrite_with_header(self, raw: bytes) -> None:
-        raw = raw + b" " * (-len(raw) % 8)
         moved = self.path.with_name(self.path.name + ".grow")
         with open(self.path, "rb") as src, open(moved, "wb") as dst:
             dst.write(struct.pack("<Q", len(raw)) + raw)
