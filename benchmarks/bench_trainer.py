@@ -4,6 +4,9 @@ Run it with::
 
     python benchmarks/bench_trainer.py      # options: --steps 480 --save-steps 40 --restores 10
                                             #   --modes compress,lossless,drop --json PATH --plot PATH
+                                            #   --width 128 --layers 2 (the model)
+                                            #   --bins 4,6,... (the search's bin counts)
+                                            #   --moments 'key=value ...' (MomentQuant settings)
 
 One seeded job: a character-level GPT-2 (2 layers, 128 wide, 0.43 M parameters) trained with
 AdamW (lr 1e-3, warm-up 20 steps, linear decay) on the standard library's docstrings, batch 16 x
@@ -35,7 +38,9 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,13 +55,13 @@ from hf_dynaquant.search import SearchSpace
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def make_model() -> GPT2LMHeadModel:
+def make_model(width: int = 128, layers: int = 2) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=CharTokenizer().vocab_size,
         n_positions=64,
-        n_embd=128,
-        n_layer=2,
+        n_embd=width,
+        n_layer=layers,
         n_head=4,
         bos_token_id=0,
         eos_token_id=0,
@@ -106,13 +111,11 @@ def timed_saves(cls):
     return Timed
 
 
-def run_plain(out: Path, data, steps: int, save_steps: int) -> dict:
+def run_plain(out: Path, data, steps: int, save_steps: int, make: Callable[[], GPT2LMHeadModel] = make_model) -> dict:
     train, held = data
     cls = timed_saves(Trainer)
     cls.save_seconds = []
-    trainer = cls(
-        model=make_model(), args=training_args(out, steps, save_steps), train_dataset=train, eval_dataset=held
-    )
+    trainer = cls(model=make(), args=training_args(out, steps, save_steps), train_dataset=train, eval_dataset=held)
     trainer.train()
     weights = optimizer = 0
     for folder in sorted(out.glob("checkpoint-*")):
@@ -135,6 +138,7 @@ def run_dynaquant(
     restores: int,
     space: SearchSpace | None = None,
     moments: MomentQuant | None = None,
+    make: Callable[[], GPT2LMHeadModel] = make_model,
 ) -> dict:
     """One compressed run; ``spec`` is an optimizer-state mode, optionally ``@threshold``."""
     mode, _, threshold = spec.partition("@")
@@ -148,7 +152,7 @@ def run_dynaquant(
             threshold=float(threshold or 0.01), optimizer_state=mode, search_space=space, moment_quant=moments
         )
         trainer = cls(
-            model=make_model(),
+            model=make(),
             args=training_args(out, steps, save_steps),
             train_dataset=train,
             eval_dataset=held,
@@ -190,6 +194,9 @@ def run_dynaquant(
     }
 
 
+DEFAULTS = {"width": 128, "layers": 2}  # of runs recorded before these options existed
+
+
 def moment_settings(spec: str) -> MomentQuant:
     """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
     fields = {}
@@ -221,6 +228,8 @@ def main() -> None:
         default="",
         help="MomentQuant settings as key=value, e.g. 'bins=2,3,4,6,8,16,32 min_cosine=0.7 scale_step=1.0'",
     )
+    parser.add_argument("--width", type=int, default=128, help="the model's width (n_embd)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's transformer blocks")
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
     parser.add_argument("--plain-from", default=None, help="reuse the plain run of an earlier --json (same arguments)")
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
@@ -228,22 +237,21 @@ def main() -> None:
     data = docstring_lm_datasets(block=64, eval_blocks=64)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        make = partial(make_model, args.width, args.layers)
         if args.plain_from:
             earlier = json.loads(Path(args.plain_from).read_text())
-            if {k: earlier["args"][k] for k in ("steps", "save_steps")} != {
-                "steps": args.steps,
-                "save_steps": args.save_steps,
-            }:
-                raise SystemExit("--plain-from: that run used other --steps/--save-steps")
+            same = ("steps", "save_steps", "width", "layers")
+            if any(earlier["args"].get(k, DEFAULTS.get(k)) != getattr(args, k) for k in same):
+                raise SystemExit("--plain-from: that run used other --steps/--save-steps/--width/--layers")
             results["plain"] = earlier["results"]["plain"]
         else:
-            results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps)
+            results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps, make)
         space = SearchSpace(bins=tuple(int(b) for b in args.bins.split(","))) if args.bins else None
         moments = moment_settings(args.moments)
         for mode in args.modes.split(","):
             folder = Path(tmp) / mode.replace("@", "_")
             results[mode] = run_dynaquant(
-                folder, data, args.steps, args.save_steps, mode, args.restores, space, moments
+                folder, data, args.steps, args.save_steps, mode, args.restores, space, moments, make
             )
             print(f"{mode}: done", flush=True)
     plain = results["plain"]
