@@ -37,7 +37,8 @@ from hf_dynaquant.sharded import ShardedCompressor, _layer_types, local_tensor, 
 THRESHOLD = 0.02
 CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, metric="sensitivity", min_numel=1024)
 # pruned updates: one threshold over all the moment tensors, which a copy counted twice would move
-PRUNED_MOMENTS = MomentQuant(prune=0.2)
+MOMENTS = MomentQuant(min_numel=256)  # the moments of the three weight matrices are quantized, the rest lossless
+PRUNED_MOMENTS = MomentQuant(prune=0.2, min_numel=256)
 
 
 class Net(torch.nn.Module):
@@ -136,7 +137,7 @@ def main(out: Path, phase: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     report: dict = {"rank": rank}
     if phase == "save":
-        comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer)
+        comp = ShardedCompressor(model, store, CONFIG, optimizer=optimizer, moment_quant=MOMENTS)
         train(model, optimizer, batches(rank)[:3], comp)
         comp.compress(3)
         train(model, optimizer, batches(rank)[3:], comp)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fsdp_job import CONFIG, PRUNED_MOMENTS, batches, extra_param, net, train
+from fsdp_job import CONFIG, MOMENTS, PRUNED_MOMENTS, batches, extra_param, net, train
 from safetensors.torch import load_file
 from test_accelerate import torchrun
 
@@ -182,7 +182,7 @@ def test_sharded_optimizer_state_equals_one_process_encoding(saved, tmp_path) ->
     over the ranks. Both ranks take the single process's decisions."""
     model, optimizer = _full_optimizer(saved)
     full_state = optimizer.state_dict()
-    compressor = Compressor(model, tmp_path / "reference", MAGNITUDE, optimizer=optimizer)
+    compressor = Compressor(model, tmp_path / "reference", MAGNITUDE, optimizer=optimizer, moment_quant=MOMENTS)
     written = compressor.write(compressor.snapshot(5), ref="reference")
     reference = read_checkpoint(CheckpointStore(tmp_path / "reference"), "reference")[1]
     decisions = json.loads(json.dumps(written.optimizer_state))
@@ -205,7 +205,7 @@ def test_sharded_optimizer_state_equals_one_process_encoding(saved, tmp_path) ->
             assert torch.equal(decoded[pid][key], t), (pid, key)  # bit-identical, every row
 
     # the test can tell: a shard encoded on its own gets other codebooks than the full tensor
-    full_plans = encode_optimizer_state(full_state).plans
+    full_plans = encode_optimizer_state(full_state, settings=MOMENTS).plans
     shard = {  # rank 0's rows (FSDP2 gives rank 0 the larger half)
         "state": {
             pid: {k: (v[: (len(v) + 1) // 2] if v.dim() else v) for k, v in entry.items()}
@@ -213,7 +213,7 @@ def test_sharded_optimizer_state_equals_one_process_encoding(saved, tmp_path) ->
         },
         "param_groups": full_state["param_groups"],
     }
-    own = encode_optimizer_state(shard).plans
+    own = encode_optimizer_state(shard, settings=MOMENTS).plans
     assert any(not np.array_equal(own[k].centres, full_plans[k].centres) for k in own if k in full_plans)
 
 
