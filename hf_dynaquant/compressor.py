@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .codecs.base import Codec
-from .codecs.dynaquant import DynaQuantCodec
+from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
 from .errors import CheckpointError, MissingOptimizerStateError
@@ -64,7 +64,7 @@ OPTIMIZER = "optimizer"
 def quantized_codecs(
     plan: QuantPlan,
     section: str = MODEL,
-    delta_coding: str = "regroup",
+    delta_coding: str = DEFAULT_DELTA_CODING,
     key: Callable[[str, str], str] | None = None,
 ) -> Callable[[str, str], Codec | str]:
     """A ``codecs=`` function for :meth:`CheckpointStore.write`: the plan's tensors through
@@ -93,7 +93,7 @@ def compress_state_dict(
     trees: Mapping[str, Any] | None = None,
     extras: Mapping[str, bytes] | None = None,
     metadata: Mapping[str, Any] | None = None,
-    delta_coding: str = "regroup",
+    delta_coding: str = DEFAULT_DELTA_CODING,
     progress: bool = False,
     base_states: Mapping[tuple[str, str], Any] | None = None,
     keep_states: dict[tuple[str, str], Any] | None = None,
@@ -258,7 +258,8 @@ class Compressor:
         keyframe_every: at most this many entries in a delta chain: every ``keyframe_every``-th
             checkpoint is self-contained, which bounds restore time; the others are deltas on
             the previous checkpoint.
-        delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy`` (for comparisons).
+        delta_coding: ``ans`` (the paper's regrouping, each group rANS-coded; the default),
+            ``regroup`` (the paper's, with RLE and zstd), ``rle`` or ``entropy`` (for comparisons).
         threshold: with it, the configuration is searched at every checkpoint (``config`` then
             only sets the fixed knobs): the most compressive one whose relative degradation of
             ``metric`` stays within ``threshold``.
@@ -281,7 +282,7 @@ class Compressor:
         ema_steps: int = 50,
         ema_beta: float = 0.9,
         keyframe_every: int = 10,
-        delta_coding: str = "regroup",
+        delta_coding: str = DEFAULT_DELTA_CODING,
         threshold: float | None = None,
         metric: QualityMetric | Callable[[torch.nn.Module], float] | None = None,
         higher_is_better: bool = False,

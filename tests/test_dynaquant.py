@@ -152,7 +152,7 @@ def test_rle_rejects_malformed_streams() -> None:
         varint_decode(np.array([0x80], dtype=np.uint8))
 
 
-@pytest.mark.parametrize("coding", ["regroup", "rle", "entropy"])
+@pytest.mark.parametrize("coding", ["ans", "regroup", "rle", "entropy"])
 def test_chain_of_20_checkpoints_reconstructs_codes_exactly(tmp_path, coding: str) -> None:
     """Bins change along the chain; every checkpoint decodes to exactly the codes it quantized to."""
     store = CheckpointStore(tmp_path / coding)
@@ -327,7 +327,7 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> Non
     assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads
 
 
-@pytest.mark.parametrize("coding", ["regroup", "rle", "entropy"])
+@pytest.mark.parametrize("coding", ["ans", "regroup", "rle", "entropy"])
 def test_incompressible_code_streams_stay_readable(tmp_path, coding: str) -> None:
     """Streams zstd cannot shrink are stored raw; the coding must be recorded and honoured."""
     store = CheckpointStore(tmp_path)

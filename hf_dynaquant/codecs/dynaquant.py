@@ -8,8 +8,10 @@ a later checkpoint codes its codes as a delta on the base's (section 6 of the pa
 
 Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16;
 absent when there are none).
+Keyframe codes are rANS-coded (or zstd, when that is smaller; ``codes_stream`` says which).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
-(``regroup`` | ``rle`` | ``entropy``), ``protected`` (the lossless params of the protected
+(``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
++ RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``protected`` (the lossless params of the protected
 values, with their count ``n``), ``layer_type``.
 """
 
@@ -31,16 +33,18 @@ from ..core.delta import (
     varint_decode,
     varint_encode,
 )
-from ..core.entropy import decode_stream, encode_stream
+from ..core.ans import ans_decode, ans_encode
+from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, dequantize, quantize
 from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 from .lossless import LosslessCodec
 
-__all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS"]
+__all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS", "DEFAULT_DELTA_CODING"]
 
-DELTA_CODINGS = ("regroup", "rle", "entropy")
+DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
+DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
 
 
@@ -59,23 +63,35 @@ class QuantState:
 def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' delta."""
     delta = cyclic_delta(prev, cur, levels)
+    if coding == "ans":
+        return ANS, ans_encode(regroup(delta, prev), _groups(prev)), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
     return (*encode_stream(tokens, level=_TOKEN_LEVEL), int(tokens.size))
 
 
+def _groups(prev: np.ndarray) -> np.ndarray:
+    """Sizes of the regrouped delta's groups: how many values the base has at each code."""
+    return np.bincount(prev, minlength=1)
+
+
 def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:
     coding, (stream_coding, size) = params["delta_coding"], params["delta_stream"]
-    data = decode_stream(stream_coding, payload, int(size), where)
     try:
-        if coding == "entropy":
-            delta = data
+        if coding == "ans":
+            if int(size) != n:
+                raise ValueError(f"delta holds {int(size)} values, expected {n}")
+            delta = ungroup(ans_decode(payload, n, _groups(prev)), prev)
         else:
-            stream = rle_decode(varint_decode(data)).astype(np.uint8)
-            if stream.size != n:
-                raise ValueError(f"delta decodes to {stream.size} values, expected {n}")
-            delta = ungroup(stream, prev) if coding == "regroup" else stream
+            data = decode_stream(stream_coding, payload, int(size), where)
+            if coding == "entropy":
+                delta = data
+            else:
+                stream = rle_decode(varint_decode(data)).astype(np.uint8)
+                if stream.size != n:
+                    raise ValueError(f"delta decodes to {stream.size} values, expected {n}")
+                delta = ungroup(stream, prev) if coding == "regroup" else stream
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     if delta.size != n:
@@ -101,7 +117,7 @@ class DynaQuantCodec(Codec):
     version = 1
     stable_state = True  # codes, centres and protected values are new arrays
 
-    def __init__(self, plan: TensorPlan | None = None, delta_coding: str = "regroup") -> None:
+    def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
         if delta_coding not in DELTA_CODINGS:
             raise ValueError(f"delta_coding must be one of {DELTA_CODINGS}, got {delta_coding!r}")
         self.plan, self.delta_coding = plan, delta_coding
@@ -125,7 +141,7 @@ class DynaQuantCodec(Codec):
         return self._encode_state(state, None, {})
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
-        codes_coding, codes_payload = encode_stream(state.codes)  # zstd level 1 codes them best (measured)
+        codes_coding, codes_payload = encode_codes(state.codes)
         blobs = {"codes": codes_payload}
         params: dict[str, Any] = {
             "mode": "keyframe",

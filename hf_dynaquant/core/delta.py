@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .varint import uleb128_decode, uleb128_encode
+
 __all__ = [
     "cyclic_delta",
     "apply_delta",
@@ -88,30 +90,10 @@ def rle_decode(tokens: np.ndarray) -> np.ndarray:
 def varint_encode(tokens: np.ndarray) -> np.ndarray:
     """LEB128 bytes of RLE tokens: value ``-t`` as ``2 * -t``, length ``L`` as ``2 * L - 1``."""
     t = np.asarray(tokens, dtype=np.int64)
-    u = np.where(t <= 0, -2 * t, 2 * t - 1).astype(np.uint64)
-    nbytes = np.ones(u.size, dtype=np.int64)
-    for shift in (7, 14, 21, 28, 35, 42):
-        nbytes += u >= (1 << shift)
-    pos = np.cumsum(nbytes) - nbytes
-    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
-    for j in range(int(nbytes.max(initial=0))):
-        sel = nbytes > j
-        more = (nbytes[sel] > j + 1).astype(np.uint8) << 7
-        out[pos[sel] + j] = ((u[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8) | more
-    return out
+    return uleb128_encode(np.where(t <= 0, -2 * t, 2 * t - 1))
 
 
 def varint_decode(data: np.ndarray) -> np.ndarray:
     """Inverse of :func:`varint_encode`."""
-    b = np.asarray(data, dtype=np.uint8)
-    if b.size and b[-1] & 0x80:
-        raise ValueError("varint stream is truncated")
-    ends = np.flatnonzero(b < 0x80)
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    u = np.zeros(ends.size, dtype=np.uint64)
-    for j in range(int(lengths.max(initial=0))):
-        sel = lengths > j
-        u[sel] |= (b[starts[sel] + j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
-    u = u.astype(np.int64)
+    u = uleb128_decode(data).astype(np.int64)
     return np.where(u % 2 == 0, -(u // 2), (u + 1) // 2)

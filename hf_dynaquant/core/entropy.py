@@ -1,6 +1,8 @@
-"""Entropy coding of byte streams with zstandard, used only where it pays.
+"""Entropy coding of byte streams: zstandard where it pays, rANS for quantization codes.
 
-We use zstd (well-kept, multi-GB/s decode, in every Python environment) as the entropy coder:
+Quantization codes (a few distinct byte values) are coded by :func:`encode_codes`: order-0 rANS
+(:mod:`~hf_dynaquant.core.ans`) unless zstd's match finder does better on them. For the other
+streams we use zstd (well-kept, multi-GB/s decode, in every Python environment) as the entropy coder:
 at level 1 its literals are Huffman-coded per 128 KiB block, so a byte stream with a skewed
 histogram compresses close to its order-0 entropy, and its match finder still catches repeated
 values. Streams that do not shrink (random mantissa bytes) are stored raw.
@@ -14,12 +16,24 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptCheckpointError
+from .ans import ans_decode, ans_encode
 from .bitplanes import pack_bits, unpack_bits
 
-__all__ = ["encode_stream", "encode_symbols", "decode_stream", "decompress", "packed_bits", "RAW", "ZSTD"]
+__all__ = [
+    "encode_stream",
+    "encode_symbols",
+    "encode_codes",
+    "decode_stream",
+    "decompress",
+    "packed_bits",
+    "RAW",
+    "ZSTD",
+    "ANS",
+]
 
 RAW = "raw"
 ZSTD = "zstd"
+ANS = "ans"  # order-0 rANS, one group (core/ans.py)
 PACK = "pack"  # "pack<N>": N-bit symbols packed densely, least significant bit first
 _SAMPLE = 1 << 16
 
@@ -76,6 +90,14 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
     return f"{PACK}{bits}", pack_bits(values, bits).tobytes()
 
 
+def encode_codes(codes: np.ndarray) -> tuple[str, bytes]:
+    """Code a stream of quantization codes: rANS at its order-0 entropy, or zstd when repeats
+    (e.g. runs of pruned values) make it smaller."""
+    ans = ans_encode(codes)
+    coding, payload = encode_stream(codes)
+    return (coding, payload) if len(payload) < len(ans) else (ANS, ans)
+
+
 def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int = 0) -> bytes:
     """One zstd frame (its decoded size is in its header; ``size`` caps it when known)."""
     try:
@@ -95,6 +117,11 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
         out = np.frombuffer(payload, dtype=np.uint8)
     elif coding == ZSTD:
         out = np.frombuffer(decompress(payload, where, size), dtype=np.uint8)
+    elif coding == ANS:
+        try:
+            out = ans_decode(payload, size)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: {exc}") from None
     elif packed_bits(coding):
         try:
             out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), packed_bits(coding), size)

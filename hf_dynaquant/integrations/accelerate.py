@@ -67,6 +67,7 @@ from ..checkpoint_dir import (
     restore_optimizer,
     write_marker,
 )
+from ..codecs.dynaquant import DEFAULT_DELTA_CODING
 from ..compressor import CheckpointReport, Compressor, Snapshot, read_checkpoint
 from ..core.quantizer import QuantConfig
 from ..errors import (
@@ -167,8 +168,11 @@ class DynaQuantPlugin:
         },
     )
     delta_coding: str = field(
-        default_factory=lambda: _env("DELTA_CODING", str, "regroup"),
-        metadata={"help": "'regroup' (the paper's), 'rle' or 'entropy'. Env: ACCELERATE_DYNAQUANT_DELTA_CODING."},
+        default_factory=lambda: _env("DELTA_CODING", str, DEFAULT_DELTA_CODING),
+        metadata={
+            "help": "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'. "
+            "Env: ACCELERATE_DYNAQUANT_DELTA_CODING."
+        },
     )
     store_dir: str | None = field(
         default_factory=lambda: _env("STORE_DIR", str, None),

@@ -51,6 +51,7 @@ from ..checkpoint_dir import (
     restore_optimizer,
     write_marker,
 )
+from ..codecs.dynaquant import DEFAULT_DELTA_CODING
 from ..compressor import CheckpointReport, Compressor, read_checkpoint
 from ..core.quantizer import QuantConfig
 from ..errors import CheckpointError, IncompleteCheckpointError
@@ -87,7 +88,7 @@ class DynaQuantCallback(TrainerCallback):
         keyframe_every: longest delta chain (bounds restore time).
         ema_steps: optimizer steps before each save over which gradients are averaged.
         background: encode and write on a background thread (at most one checkpoint in flight).
-        delta_coding: ``regroup`` (the paper's), ``rle`` or ``entropy``.
+        delta_coding: ``ans`` (default), ``regroup`` (the paper's), ``rle`` or ``entropy``.
         progress: show a progress bar while a checkpoint is written (default: for checkpoints
             of more than 256 MB, where an encode takes long enough to watch).
     """
@@ -107,7 +108,7 @@ class DynaQuantCallback(TrainerCallback):
         keyframe_every: int = 10,
         ema_steps: int = 50,
         background: bool = True,
-        delta_coding: str = "regroup",
+        delta_coding: str = DEFAULT_DELTA_CODING,
         progress: bool | None = None,
     ) -> None:
         if eval_batches < 1:

@@ -1,0 +1,45 @@
+"""Unsigned LEB128 varints, vectorised: 7 bits per byte, high bit set on all but the last.
+
+Used for run-length tokens (:mod:`~hf_dynaquant.core.delta`) and for the frequency tables of
+the rANS coder (:mod:`~hf_dynaquant.core.entropy`): small integers take one byte.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["uleb128_encode", "uleb128_decode"]
+
+_MAX_BYTES = 10  # a uint64 needs at most ten 7-bit groups
+
+
+def uleb128_encode(values: np.ndarray) -> np.ndarray:
+    """The LEB128 bytes of non-negative integers, as one uint8 array."""
+    u = np.asarray(values).astype(np.uint64)
+    nbytes = np.ones(u.size, dtype=np.int64)
+    for j in range(1, _MAX_BYTES):
+        nbytes += u >= (np.uint64(1) << np.uint64(7 * j))
+    pos = np.cumsum(nbytes) - nbytes
+    out = np.empty(int(nbytes.sum()), dtype=np.uint8)
+    for j in range(int(nbytes.max(initial=0))):
+        sel = nbytes > j
+        more = (nbytes[sel] > j + 1).astype(np.uint8) << 7
+        out[pos[sel] + j] = ((u[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8) | more
+    return out
+
+
+def uleb128_decode(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`uleb128_encode` (uint64); ``ValueError`` on a truncated stream."""
+    b = np.asarray(data, dtype=np.uint8)
+    if b.size and b[-1] & 0x80:
+        raise ValueError("varint stream is truncated")
+    ends = np.flatnonzero(b < 0x80)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.size and int(lengths.max()) > _MAX_BYTES:
+        raise ValueError("varint longer than 64 bits")
+    u = np.zeros(ends.size, dtype=np.uint64)
+    for j in range(int(lengths.max(initial=0))):
+        sel = lengths > j
+        u[sel] |= (b[starts[sel] + j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
+    return u

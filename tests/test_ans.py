@@ -1,0 +1,141 @@
+"""The rANS coder of quantization codes (core/ans.py) and its use by the dynaquant codec."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_dynaquant import CheckpointStore
+from hf_dynaquant.compressor import compress_state_dict
+from hf_dynaquant.core.ans import ans_decode, ans_encode
+from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes
+from hf_dynaquant.core.quantizer import QuantConfig
+from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
+from hf_dynaquant.errors import CorruptCheckpointError
+
+
+def _entropy_bytes(symbols: np.ndarray) -> float:
+    counts = np.bincount(symbols)
+    counts = counts[counts > 0]
+    return float(-(counts * np.log2(counts / symbols.size)).sum() / 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 255), max_size=400),
+    st.lists(st.integers(0, 60), max_size=8),
+)
+def test_round_trip_any_symbols_and_groups(values: list[int], cuts: list[int]) -> None:
+    symbols = np.array(values, dtype=np.uint8)
+    sizes = np.array(cuts + [0], dtype=np.int64)
+    sizes[-1] = max(0, symbols.size - int(sizes[:-1].sum()))
+    symbols = np.resize(symbols, int(sizes.sum())) if symbols.size else np.zeros(int(sizes.sum()), np.uint8)
+    assert np.array_equal(ans_decode(ans_encode(symbols, sizes), symbols.size, sizes), symbols)
+    assert np.array_equal(ans_decode(ans_encode(symbols), symbols.size), symbols)
+
+
+def test_reaches_the_order0_entropy() -> None:
+    """Within a few bytes of the entropy, where zstd's Huffman stage spends a third more."""
+    rng = np.random.default_rng(0)
+    symbols = rng.choice(6, 200_000, p=[0.02, 0.002, 0.5, 0.4, 0.06, 0.018]).astype(np.uint8)
+    payload = ans_encode(symbols)
+    assert len(payload) <= _entropy_bytes(symbols) + 64
+    coding, zstd = encode_codes(symbols)
+    assert coding == ANS and len(zstd) == len(payload)
+    import zstandard
+
+    assert len(zstandard.ZstdCompressor(level=1).compress(symbols.tobytes())) > 1.1 * len(payload)
+
+
+def test_groups_get_their_own_models() -> None:
+    """Two groups with opposite histograms: one model each costs a fraction of one shared model."""
+    rng = np.random.default_rng(1)
+    a = (rng.random(50_000) < 0.02).astype(np.uint8)
+    b = (rng.random(50_000) > 0.02).astype(np.uint8)
+    both = np.concatenate([a, b])
+    grouped = ans_encode(both, np.array([a.size, b.size]))
+    assert len(grouped) < 0.2 * len(ans_encode(both))
+    assert len(grouped) <= _entropy_bytes(a) + _entropy_bytes(b) + 64
+
+
+def test_constant_and_empty_groups_write_no_words() -> None:
+    symbols = np.concatenate([np.full(1000, 3, np.uint8), np.full(500, 7, np.uint8)])
+    payload = ans_encode(symbols, np.array([0, 1000, 0, 500, 0]))
+    assert len(payload) == 1 + len(uleb128_encode(np.array([4, 0, 0, 0, 1000, 8, 0, 0, 0, 0, 0, 0, 0, 500])))
+    assert np.array_equal(ans_decode(payload, 1500, np.array([0, 1000, 0, 500, 0])), symbols)
+    assert ans_encode(np.zeros(0, np.uint8)) == b"\x00" and ans_decode(b"\x00", 0).size == 0
+
+
+def test_stream_bytes_are_pinned() -> None:
+    """The payload is part of the file format: a change in constriction's model quantization or
+    word layout must fail here, not in a user's restore."""
+    symbols = np.array([2, 3, 3, 2, 4, 2, 3, 3, 0, 3, 2, 3] * 3, dtype=np.uint8)
+    payload = ans_encode(symbols, np.array([20, 16]))
+    assert payload.hex() == PINNED
+    assert np.array_equal(ans_decode(bytes.fromhex(PINNED), 36, np.array([20, 16])), symbols)
+
+
+PINNED = "0c050100070a020502000508013faeb9a54fb3635656cf0000"
+
+
+def test_damaged_streams_raise_value_errors() -> None:
+    rng = np.random.default_rng(2)
+    symbols = rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4]).astype(np.uint8)
+    payload = ans_encode(symbols)
+    with pytest.raises(ValueError, match="truncated"):
+        ans_decode(payload[:-3], symbols.size)
+    with pytest.raises(ValueError, match="histogram|left over"):
+        ans_decode(payload + b"\x01\x00\x00\x00", symbols.size)
+    with pytest.raises(ValueError, match="does not match"):
+        ans_decode(payload, symbols.size - 1)
+    with pytest.raises(ValueError, match="sum to"):
+        ans_encode(symbols, np.array([10, 10]))
+    with pytest.raises(ValueError, match="table length"):
+        ans_decode(b"\x80", 1)
+    flipped = bytearray(payload)
+    flipped[len(flipped) // 2] ^= 0x55
+    with pytest.raises(ValueError):
+        ans_decode(bytes(flipped), symbols.size)
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):
+        decode_stream(ANS, payload[:-3], symbols.size, "tensor w")
+
+
+def test_uleb128_round_trip_and_limits() -> None:
+    values = np.array([0, 1, 127, 128, 300, 2**32, 2**63 + 5], dtype=np.uint64)
+    assert np.array_equal(uleb128_decode(uleb128_encode(values)), values)
+    assert uleb128_encode(np.array([127, 128])).tolist() == [0x7F, 0x80, 0x01]
+    with pytest.raises(ValueError, match="truncated"):
+        uleb128_decode(np.array([0x80], dtype=np.uint8))
+    with pytest.raises(ValueError, match="64 bits"):
+        uleb128_decode(np.array([0x80] * 10 + [1], dtype=np.uint8))
+
+
+def test_keyframes_take_zstd_when_repeats_make_it_smaller() -> None:
+    periodic = np.tile(np.arange(2, 6, dtype=np.uint8), 50_000)  # order-0: 2 bits each; zstd: almost free
+    coding, payload = encode_codes(periodic)
+    assert coding == ZSTD and len(payload) < 0.01 * len(ans_encode(periodic))
+    assert np.array_equal(decode_stream(coding, payload, periodic.size, "t"), periodic)
+
+
+def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
+    """Default codings end to end, a damaged delta named by tensor, and the size gain over the
+    paper's RLE + zstd on a realistic delta (a weight moves one bin with small probability)."""
+    torch.manual_seed(0)
+    w = {"layer.weight": torch.randn(256, 256) * 0.05}
+    config = QuantConfig(bins=6, prune=0.0, protect=0.001, min_numel=1000)
+    sizes = {}
+    for coding in ("ans", "regroup"):
+        store = CheckpointStore(tmp_path / coding)
+        base = compress_state_dict(store, w, config, ref="k", delta_coding=coding)
+        moved = {"layer.weight": w["layer.weight"] + 0.004 * torch.randn(256, 256)}
+        compress_state_dict(store, moved, config, base=base, ref="d", delta_coding=coding)
+        key, delta = store.open("k").record("model", "layer.weight"), store.open("d").record("model", "layer.weight")
+        assert delta["params"]["mode"] == "delta" and delta["params"]["delta_coding"] == coding
+        sizes[coding] = delta["blobs"]["delta"]["nbytes"]
+        if coding == "ans":
+            assert key["params"]["codes_stream"] == ANS and delta["params"]["delta_stream"] == [ANS, 256 * 256]
+        assert store.verify(deep=True) == []
+    assert sizes["ans"] < 0.85 * sizes["regroup"]
