@@ -266,7 +266,7 @@ class Compressor:
         metric: a :class:`~hf_dynaquant.search.QualityMetric`, or a callable ``model -> float``
             (lower is better unless ``higher_is_better``); default: mean loss on ``eval_data``.
         eval_data: evaluation batches (a DataLoader or a list) for the default metric.
-        search_space: the configuration cube (Table 7 by default).
+        search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default).
     """
 
     def __init__(

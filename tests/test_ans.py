@@ -139,3 +139,17 @@ def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
             assert key["params"]["codes_stream"] == ANS and delta["params"]["delta_stream"] == [ANS, 256 * 256]
         assert store.verify(deep=True) == []
     assert sizes["ans"] < 0.85 * sizes["regroup"]
+
+
+def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch) -> None:
+    """The coder sees at most ``_SLICE`` symbols at once (bounded memory); the stream is the same."""
+    import hf_dynaquant.core.ans as ans
+
+    rng = np.random.default_rng(3)
+    symbols = rng.choice(5, 12_345, p=[0.1, 0.2, 0.3, 0.3, 0.1]).astype(np.uint8)
+    groups = np.array([5000, 0, 7345])
+    whole = ans_encode(symbols, groups)
+    monkeypatch.setattr(ans, "_SLICE", 1000)
+    assert ans_encode(symbols, groups) == whole
+    monkeypatch.setattr(ans, "_SLICE", 777)
+    assert np.array_equal(ans_decode(whole, symbols.size, groups), symbols)

@@ -30,6 +30,8 @@ from .varint import uleb128_decode, uleb128_encode
 
 __all__ = ["ans_encode", "ans_decode"]
 
+_SLICE = 1 << 22  # symbols handed to the coder at once: bounds the int32 copies to 16 MiB
+
 
 def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
     """The group's model: a pure function of its exact counts, so encoder and decoder agree."""
@@ -59,7 +61,9 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None) -> bytes:
             coded.append((part, counts))
     coder = constriction.stream.stack.AnsCoder()
     for part, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
-        coder.encode_reverse(part.astype(np.int32), _model(counts))
+        model = _model(counts)
+        for start in reversed(range(0, part.size, _SLICE)):
+            coder.encode_reverse(part[start : start + _SLICE].astype(np.int32), model)
     header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
     words = coder.get_compressed().astype("<u4").tobytes()
     return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + words
@@ -95,10 +99,12 @@ def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndar
     words = np.frombuffer(data[table_end:].tobytes(), dtype="<u4").astype(np.uint32)
     decoder = constriction.stream.stack.AnsCoder(words)
     for g, counts in coded:
-        part = decoder.decode(_model(counts), int(sizes[g]))
-        if not np.array_equal(np.bincount(part, minlength=counts.size), counts):
+        model = _model(counts)
+        for start in range(int(bounds[g]), int(bounds[g + 1]), _SLICE):
+            stop = min(start + _SLICE, int(bounds[g + 1]))
+            out[start:stop] = decoder.decode(model, stop - start)
+        if not np.array_equal(np.bincount(out[bounds[g] : bounds[g + 1]], minlength=counts.size), counts):
             raise ValueError(f"rANS group {g} decodes to a histogram other than its table's")
-        out[bounds[g] : bounds[g + 1]] = part
     if not decoder.is_empty():
         raise ValueError("rANS stream has words left over after its last symbol")
     return out

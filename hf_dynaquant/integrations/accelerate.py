@@ -198,7 +198,7 @@ class DynaQuantPlugin:
         },
     )
     search_space: SearchSpace | None = field(
-        default=None, metadata={"help": "The configuration cube (the paper's Table 7 by default)."}
+        default=None, metadata={"help": "The configuration cube (the paper's Table 7 plus 3 bins by default)."}
     )
     moment_quant: MomentQuant | None = field(default=None, metadata={"help": "Settings of optimizer_state='compress'."})
 
