@@ -19,8 +19,8 @@ delta of the codes is coded:
 * **PE + rANS** (``"ans"``, our default): the delta regrouped the same way, each group
   (previous code) coded by order-0 rANS with its own histogram instead of RLE + zstd.
 
-Keyframe codes are rANS-coded in every store (the codec's own choice), so the stores differ in
-their deltas only.
+The coding also decides the keyframe (checkpoint 0): rANS under ``ans``, zstd under the
+paper's three, as the codec does.
 
 For reference, a fifth store holds every checkpoint as a keyframe (quantized, no delta). The
 codec falls back to a keyframe for any tensor whose delta would be larger, so the "delta
@@ -104,7 +104,7 @@ def write_variant(store: CheckpointStore, run: GPT2Run, coding: str) -> Variant:
             types=types,
             base=None if coding == KEYFRAMES else prev,
             ref=f"ckpt-{i}",
-            delta_coding="regroup" if coding == KEYFRAMES else coding,  # unused without a base
+            delta_coding="ans" if coding == KEYFRAMES else coding,  # the default codec's keyframes
         )
         variant.write_s += time.perf_counter() - start
         prev = entry

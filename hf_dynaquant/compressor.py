@@ -258,8 +258,9 @@ class Compressor:
         keyframe_every: at most this many entries in a delta chain: every ``keyframe_every``-th
             checkpoint is self-contained, which bounds restore time; the others are deltas on
             the previous checkpoint.
-        delta_coding: ``ans`` (the paper's regrouping, each group rANS-coded; the default),
-            ``regroup`` (the paper's, with RLE and zstd), ``rle`` or ``entropy`` (for comparisons).
+        delta_coding: ``ans`` (the paper's regrouping, each group rANS-coded, and rANS-coded
+            keyframes; the default), ``regroup`` (the paper's, with RLE and zstd; zstd keyframes,
+            which decode faster), ``rle`` or ``entropy`` (for comparisons).
         threshold: with it, the configuration is searched at every checkpoint (``config`` then
             only sets the fixed knobs): the most compressive one whose relative degradation of
             ``metric`` stays within ``threshold``.

@@ -137,6 +137,8 @@ def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
         sizes[coding] = delta["blobs"]["delta"]["nbytes"]
         if coding == "ans":
             assert key["params"]["codes_stream"] == ANS and delta["params"]["delta_stream"] == [ANS, 256 * 256]
+        else:  # the paper's coding keeps zstd keyframes (faster to decode)
+            assert key["params"]["codes_stream"] == ZSTD
         assert store.verify(deep=True) == []
     assert sizes["ans"] < 0.85 * sizes["regroup"]
 

@@ -8,10 +8,10 @@ a later checkpoint codes its codes as a delta on the base's (section 6 of the pa
 
 Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16;
 absent when there are none).
-Keyframe codes are rANS-coded (or zstd, when that is smaller; ``codes_stream`` says which).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
-+ RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``protected`` (the lossless params of the protected
++ RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
+rANS under ``ans`` unless zstd is smaller, zstd under the others), ``protected`` (the lossless params of the protected
 values, with their count ``n``), ``layer_type``.
 """
 
@@ -141,7 +141,10 @@ class DynaQuantCodec(Codec):
         return self._encode_state(state, None, {})
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
-        codes_coding, codes_payload = encode_codes(state.codes)
+        # "ans" codes keyframes with rANS too (unless zstd is smaller); the paper's codings keep
+        # zstd keyframes, which decode several times faster
+        coded = encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
+        codes_coding, codes_payload = coded
         blobs = {"codes": codes_payload}
         params: dict[str, Any] = {
             "mode": "keyframe",
