@@ -113,6 +113,17 @@ def test_uleb128_round_trip_and_limits() -> None:
         uleb128_decode(np.array([0x80] * 10 + [1], dtype=np.uint8))
 
 
+def test_many_levels_keep_zstd_which_decodes_faster() -> None:
+    """At 16 near-uniform levels zstd's Huffman stage is within a few percent of the entropy:
+    rANS would save too little for its slower decode."""
+    rng = np.random.default_rng(4)
+    codes = (2 + rng.binomial(15, 0.5, 200_000)).astype(np.uint8)
+    coding, payload = encode_codes(codes)
+    assert coding == ZSTD and len(payload) < 1.1 * _entropy_bytes(codes) + 1000
+    coarse = (2 + rng.binomial(2, 0.3, 200_000)).astype(np.uint8)  # 3 levels: Huffman wastes a third
+    assert encode_codes(coarse)[0] == ANS
+
+
 def test_keyframes_take_zstd_when_repeats_make_it_smaller() -> None:
     periodic = np.tile(np.arange(2, 6, dtype=np.uint8), 50_000)  # order-0: 2 bits each; zstd: almost free
     coding, payload = encode_codes(periodic)

@@ -11,7 +11,7 @@ absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
-rANS under ``ans`` unless zstd is smaller, zstd under the others), ``protected`` (the lossless params of the protected
+under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others), ``protected`` (the lossless params of the protected
 values, with their count ``n``), ``layer_type``.
 """
 
@@ -141,7 +141,7 @@ class DynaQuantCodec(Codec):
         return self._encode_state(state, None, {})
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
-        # "ans" codes keyframes with rANS too (unless zstd is smaller); the paper's codings keep
+        # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
         # zstd keyframes, which decode several times faster
         coded = encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
         codes_coding, codes_payload = coded
