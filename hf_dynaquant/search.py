@@ -427,7 +427,7 @@ class ConfigurationSearch:
         metric: the quality measure (see :func:`mean_loss`, :func:`accuracy`, ...).
         threshold: the relative degradation one checkpoint may cost (0.01 = 1%). The default,
             1%, comes from our GPT-2 and CNN runs (benchmarks/RESULTS.md): it keeps 4-16 bins and
-            14-92x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
+            19-127x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
             the cube's 32, and would be stored losslessly; 5% lets the coarsest bins through
             everywhere.
         space: the configuration cube.
