@@ -150,7 +150,8 @@ def markdown_tables(run: GPT2Run, variants: dict[str, Variant], restored_loss: l
     codings = list(variants)
     head = " | ".join(f"{VARIANTS[c]} ratio" for c in codings)
     lines = [
-        f"| ckpt | step | raw bytes | {head} | delta tensors (HE / RLE / PE / PE + rANS) | held-out loss: fp32 -> restored |",
+        f"| ckpt | step | raw bytes | {head} | delta tensors (HE / RLE / PE / PE + rANS) "
+        "| held-out loss: fp32 -> restored |",
         "|---:|---:|---:|" + "---:|" * len(codings) + ":---:|---|",
     ]
     for i, ckpt in enumerate(run.checkpoints):

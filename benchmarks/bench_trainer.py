@@ -221,7 +221,9 @@ def main() -> None:
         help="optimizer-state modes, @threshold (default 0.01)",
     )
     parser.add_argument(
-        "--bins", default=None, help="bin counts the search may choose, e.g. 2,3,4,6,8,12,16,32 (default: SearchSpace's, Table 7 plus 3)"
+        "--bins",
+        default=None,
+        help="bin counts the search may choose, e.g. 2,3,4,6,8,12,16,32 (default: SearchSpace's)",
     )
     parser.add_argument(
         "--moments",

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .core.entropy import order0_bits
 from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
 
 __all__ = [
@@ -318,9 +319,7 @@ def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
 
 def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
     """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value."""
-    counts = np.bincount(codes)
-    p = counts[counts > 0] / codes.size
-    return float(-(p * np.log2(p)).sum()) * codes.size + 16 * protected.size
+    return order0_bits(codes) + 16 * protected.size
 
 
 def _code_totals(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> np.ndarray:

@@ -11,8 +11,9 @@ absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
-under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others), ``protected`` (the lossless params of the protected
-values, with their count ``n``), ``layer_type``.
+under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others),
+``protected`` (the lossless params of the protected values, with their count ``n``),
+``layer_type``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.ans import ans_decode, ans_encode
 from ..core.delta import (
     apply_delta,
     cyclic_delta,
@@ -33,7 +35,6 @@ from ..core.delta import (
     varint_decode,
     varint_encode,
 )
-from ..core.ans import ans_decode, ans_encode
 from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, dequantize, quantize
 from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
@@ -143,8 +144,9 @@ class DynaQuantCodec(Codec):
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
         # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
         # zstd keyframes, which decode several times faster
-        coded = encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
-        codes_coding, codes_payload = coded
+        codes_coding, codes_payload = (
+            encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
+        )
         blobs = {"codes": codes_payload}
         params: dict[str, Any] = {
             "mode": "keyframe",

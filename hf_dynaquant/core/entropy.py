@@ -1,9 +1,9 @@
 """Entropy coding of byte streams: zstandard where it pays, rANS for quantization codes.
 
-Quantization codes (a few distinct byte values) are coded by :func:`encode_codes`: order-0 rANS
-(:mod:`~hf_dynaquant.core.ans`) unless zstd's match finder does better on them. For the other
-streams we use zstd (well-kept, multi-GB/s decode, in every Python environment) as the entropy coder:
-at level 1 its literals are Huffman-coded per 128 KiB block, so a byte stream with a skewed
+Quantization codes (a few distinct byte values) are coded by :func:`encode_codes`: zstd, or
+order-0 rANS (:mod:`~hf_dynaquant.core.ans`) where it is clearly smaller. Everywhere else we
+use zstd (well-kept, multi-GB/s decode, in every Python environment) as the entropy coder: at
+level 1 its literals are Huffman-coded per 128 KiB block, so a byte stream with a skewed
 histogram compresses close to its order-0 entropy, and its match finder still catches repeated
 values. Streams that do not shrink (random mantissa bytes) are stored raw.
 """
@@ -20,6 +20,7 @@ from .ans import ans_decode, ans_encode
 from .bitplanes import pack_bits, unpack_bits
 
 __all__ = [
+    "order0_bits",
     "encode_stream",
     "encode_symbols",
     "encode_codes",
@@ -91,6 +92,14 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
     return f"{PACK}{bits}", pack_bits(values, bits).tobytes()
 
 
+def order0_bits(symbols: np.ndarray) -> float:
+    """Total bits of uint8 ``symbols`` at their order-0 entropy: what rANS codes them in, to
+    within its table and a few bytes."""
+    counts = np.bincount(np.asarray(symbols, dtype=np.uint8).ravel(), minlength=1)
+    counts = counts[counts > 0]
+    return float(-(counts * np.log2(counts / counts.sum())).sum())
+
+
 def encode_codes(codes: np.ndarray) -> tuple[str, bytes]:
     """Code a stream of quantization codes: zstd, or rANS where that is clearly smaller.
 
@@ -101,10 +110,7 @@ def encode_codes(codes: np.ndarray) -> tuple[str, bytes]:
     most :data:`_ANS_PAYS` of zstd's size, and it is smaller in fact.
     """
     coding, payload = encode_stream(codes)
-    counts = np.bincount(np.asarray(codes, dtype=np.uint8).ravel(), minlength=1)
-    counts = counts[counts > 0]
-    entropy_bytes = float(-(counts * np.log2(counts / counts.sum())).sum()) / 8
-    if entropy_bytes <= _ANS_PAYS * len(payload):
+    if order0_bits(codes) / 8 <= _ANS_PAYS * len(payload):
         ans = ans_encode(codes)
         if len(ans) < len(payload):
             return ANS, ans
