@@ -96,7 +96,7 @@ def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndar
             coded.append((g, counts))
     if pos != table.size:
         raise ValueError("rANS table has entries for more groups than the stream has")
-    words = np.frombuffer(data[table_end:].tobytes(), dtype="<u4").astype(np.uint32)
+    words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
     decoder = constriction.stream.stack.AnsCoder(words)
     for g, counts in coded:
         model = _model(counts)
