@@ -30,7 +30,10 @@ from .varint import uleb128_decode, uleb128_encode
 
 __all__ = ["ans_encode", "ans_decode"]
 
-_SLICE = 1 << 22  # symbols handed to the coder at once: bounds the int32 copies to 16 MiB
+# Symbols handed to the coder at once. constriction holds the GIL while it codes, so this bounds
+# both the int32 copies (4 MiB) and how long a background encode can hold up the training loop's
+# Python thread (about 5-10 ms); the stream does not depend on it.
+_SLICE = 1 << 20
 
 
 def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
