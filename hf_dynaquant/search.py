@@ -33,7 +33,11 @@ configuration that keeps to it, at every checkpoint, cheaply:
 * **Safe evaluation.** A candidate is evaluated by writing its dequantized values into the live
   model in place and copying the originals back from the checkpoint's CPU snapshot (which the
   compressor holds anyway: no deep copy of the model), under ``torch.no_grad``, in eval mode,
-  with the train/eval mode and every RNG state restored: the weights are bit-identical after.
+  with the train/eval mode restored: the weights are bit-identical after. The process-wide RNG
+  states are saved and restored around evaluations only on the thread that made the search (the
+  training thread); on a background thread they are left alone, since restoring them there would
+  rewind the training loop's draws (:mod:`hf_dynaquant.core.rng`). A metric of your own that draws
+  random numbers must therefore not run in the background (``background=False``).
 """
 
 from __future__ import annotations
@@ -41,10 +45,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import random
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +56,7 @@ import numpy as np
 import torch
 
 from .core.entropy import order0_bits
+from .core.rng import preserved_rng
 from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
 
 __all__ = [
@@ -287,23 +292,16 @@ class SearchResult:
 
 
 @contextmanager
-def _preserved_state(model: torch.nn.Module):
-    """Eval mode, no gradients, and every RNG state restored afterwards."""
+def _preserved_state(model: torch.nn.Module, rng: bool):
+    """Eval mode and no gradients; the train/eval mode restored afterwards, and with ``rng`` (the
+    caller's thread owns the process-wide generators) every RNG state too."""
     was_training = model.training
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    py_rng, np_rng = random.getstate(), np.random.get_state()
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), preserved_rng() if rng else nullcontext():
             yield
     finally:
         model.train(was_training)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        random.setstate(py_rng)
-        np.random.set_state(np_rng)
 
 
 def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
@@ -339,22 +337,33 @@ def measured_bits(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> floa
 
 
 def evaluate_plan(
-    model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, metric: QualityMetric
+    model: torch.nn.Module,
+    snapshot: Mapping[str, torch.Tensor],
+    plan: QuantPlan,
+    metric: QualityMetric,
+    *,
+    preserve_rng: bool = True,
 ) -> tuple[float, float]:
     """``(metric value, measured bits per value)`` of the model with the plan's tensors
-    quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards."""
-    value, (bits, total) = _evaluate(model, snapshot, plan, metric)
+    quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards, and with
+    ``preserve_rng`` every process-wide RNG state (pass ``False`` off the training thread, see
+    :mod:`hf_dynaquant.core.rng`)."""
+    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng)
     return value, bits / max(total, 1.0)
 
 
 def _evaluate(
-    model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, metric: QualityMetric
+    model: torch.nn.Module,
+    snapshot: Mapping[str, torch.Tensor],
+    plan: QuantPlan,
+    metric: QualityMetric,
+    preserve_rng: bool,
 ) -> tuple[float, np.ndarray]:
     """:func:`evaluate_plan` with the code sizes as ``[bits, quantized values]`` (see
     :func:`_code_totals`), which sum over the shards of a sharded model."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(2)
-    with _preserved_state(model):
+    with _preserved_state(model, preserve_rng):
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
@@ -449,6 +458,14 @@ class ConfigurationSearch:
         self.space, self.epsilon, self.base = space or SearchSpace(), epsilon, base or QuantConfig()
         self.last: QuantConfig | None = None
         self.fallbacks = 0
+        self._rng_thread = threading.get_ident()  # the thread that made the search: the training thread
+
+    def owns_rng(self) -> bool:
+        """Whether this thread may save and restore the process-wide RNG states around an
+        evaluation: only the thread that made the search (training). On a background thread the
+        search leaves them alone (see :mod:`hf_dynaquant.core.rng`); evaluations run in eval mode,
+        where a model draws no random numbers."""
+        return threading.get_ident() == self._rng_thread
 
     def search(
         self,
@@ -463,7 +480,7 @@ class ConfigurationSearch:
         (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
         ``lockstep`` (a sharded model) ``snapshot`` and ``sensitivity`` hold this rank's shards
         and every rank evaluates every candidate together (see :class:`Lockstep`)."""
-        with _preserved_state(model):
+        with _preserved_state(model, self.owns_rng()):
             baseline = self.metric(model)
         if lockstep is not None:
             baseline = lockstep.agree(baseline)
@@ -567,7 +584,7 @@ class _Context:
             mine = []
             if rank < len(batch):
                 plan = self.plan(batch[rank])
-                value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric)
+                value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric, self.owner.owns_rng())
                 if self.lockstep is not None:
                     value, totals = self.lockstep.agree(value), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))

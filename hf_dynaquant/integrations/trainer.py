@@ -54,6 +54,7 @@ from ..checkpoint_dir import (
 from ..codecs.dynaquant import DEFAULT_DELTA_CODING
 from ..compressor import CheckpointReport, Compressor, read_checkpoint
 from ..core.quantizer import QuantConfig
+from ..core.rng import preserved_rng
 from ..errors import CheckpointError, IncompleteCheckpointError
 from ..optimizer_state import MomentQuant
 from ..search import QualityMetric, SearchSpace
@@ -134,7 +135,8 @@ class DynaQuantCallback(TrainerCallback):
         store = checkpoint_store(args.output_dir) if args.should_save else None  # rank 0 writes
         eval_data = self.eval_data
         if eval_data is None and self.metric is None and self.threshold is not None:
-            eval_data = self._default_eval_data(train_dataloader)
+            with preserved_rng():  # iterating a DataLoader (and collating) draws from the global RNG
+                eval_data = self._default_eval_data(train_dataloader)
         self.compressor = Compressor.from_settings(
             model, store, self, optimizer=optimizer, checkpoint_every=_save_interval(args, state), eval_data=eval_data
         )
