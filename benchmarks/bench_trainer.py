@@ -3,15 +3,17 @@
 Run it with::
 
     python benchmarks/bench_trainer.py      # options: --steps 480 --save-steps 40 --restores 10
-                                            #   --modes compress,lossless,drop --json PATH --plot PATH
+                                            #   --modes compress,lossless,drop --seeds 0,1,2
+                                            #   --json PATH --plot PATH
                                             #   --width 128 --layers 2 (the model)
                                             #   --bins 4,6,... (the search's bin counts)
                                             #   --moments 'key=value ...' (MomentQuant settings)
 
-One seeded job: a character-level GPT-2 (2 layers, 128 wide, 0.43 M parameters) trained with
+One job, run from several seeds (``--seeds``, default 0,1,2: the model's initialisation and the
+Trainer's seed): a character-level GPT-2 (2 layers, 128 wide, 0.43 M parameters) trained with
 AdamW (lr 1e-3, warm-up 20 steps, linear decay) on the standard library's docstrings, batch 16 x
 64 characters, a checkpoint every ``--save-steps`` steps. It runs several ways, one after the
-other in this process, each from the same seed:
+other in this process, each from the same seed, for every seed:
 
 * **plain**: ``transformers.Trainer``, uncompressed checkpoints (the reference);
 * **dynaquant/<mode>** for each optimizer-state mode: ``DynaQuantTrainer`` with the default
@@ -22,13 +24,15 @@ other in this process, each from the same seed:
   (``resume_from_checkpoint=True``), so the run ends having restored weights, optimizer state,
   scheduler and RNG from compressed checkpoints ``--restores`` times.
 
-Reported: final eval loss (64 held-out blocks) relative to the plain run; the on-disk size of
+Reported, as mean ± sample standard deviation over the seeds: final eval loss (64 held-out
+blocks) relative to the plain run of the same seed (beside the plain runs' own spread over the
+seeds, which is the noise a difference must clear to mean anything); the on-disk size of
 all checkpoints (weights only, and weights + optimizer state) against the plain Trainer's
 ``model.safetensors`` and ``optimizer.pt``; and the training stall per save, i.e. the time the
 training loop is blocked by a save: ``Trainer._save_checkpoint`` for the plain run, and that plus
 ``on_save`` (snapshot to the CPU, hand-off to the background worker) for DynaQuant; the
 background encoding time is reported apart. A per-checkpoint ratio plot (the paper's Fig. 9) is
-written to ``benchmarks/out/trainer_ratios.png``.
+written to ``benchmarks/out/trainer_ratios.png`` (first seed).
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ from hf_dynaquant.search import SearchSpace
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def make_model(width: int = 128, layers: int = 2) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
+def make_model(width: int = 128, layers: int = 2, seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=CharTokenizer().vocab_size,
         n_positions=64,
@@ -69,7 +73,7 @@ def make_model(width: int = 128, layers: int = 2) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def training_args(out: Path, steps: int, save_steps: int) -> TrainingArguments:
+def training_args(out: Path, steps: int, save_steps: int, seed: int = 0) -> TrainingArguments:
     return TrainingArguments(
         str(out),
         max_steps=steps,
@@ -80,7 +84,7 @@ def training_args(out: Path, steps: int, save_steps: int) -> TrainingArguments:
         logging_steps=save_steps,
         report_to=[],
         use_cpu=True,
-        seed=0,
+        seed=seed,
         disable_tqdm=True,
         log_level="error",
     )
@@ -111,11 +115,14 @@ def timed_saves(cls):
     return Timed
 
 
-def run_plain(out: Path, data, steps: int, save_steps: int, make: Callable[[], GPT2LMHeadModel] = make_model) -> dict:
+def run_plain(
+    out: Path, data, steps: int, save_steps: int, make: Callable[[], GPT2LMHeadModel] = make_model, seed: int = 0
+) -> dict:
     train, held = data
     cls = timed_saves(Trainer)
     cls.save_seconds = []
-    trainer = cls(model=make(), args=training_args(out, steps, save_steps), train_dataset=train, eval_dataset=held)
+    args = training_args(out, steps, save_steps, seed)
+    trainer = cls(model=make(), args=args, train_dataset=train, eval_dataset=held)
     trainer.train()
     weights = optimizer = 0
     for folder in sorted(out.glob("checkpoint-*")):
@@ -139,6 +146,7 @@ def run_dynaquant(
     space: SearchSpace | None = None,
     moments: MomentQuant | None = None,
     make: Callable[[], GPT2LMHeadModel] = make_model,
+    seed: int = 0,
 ) -> dict:
     """One compressed run; ``spec`` is an optimizer-state mode, optionally ``@threshold``."""
     mode, _, threshold = spec.partition("@")
@@ -153,7 +161,7 @@ def run_dynaquant(
         )
         trainer = cls(
             model=make(),
-            args=training_args(out, steps, save_steps),
+            args=training_args(out, steps, save_steps, seed),
             train_dataset=train,
             eval_dataset=held,
             callbacks=[cb, StopAfter(stop)],
@@ -194,9 +202,6 @@ def run_dynaquant(
     }
 
 
-DEFAULTS = {"width": 128, "layers": 2}  # of runs recorded before these options existed
-
-
 def moment_settings(spec: str) -> MomentQuant:
     """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
     fields = {}
@@ -210,6 +215,13 @@ def moment_settings(spec: str) -> MomentQuant:
     return replace(MomentQuant(), **fields)
 
 
+def mean_spread(values: list[float], fmt: str) -> str:
+    """``mean ± sample standard deviation`` (just the value for one seed)."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt.lstrip('+'))}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=480)
@@ -220,6 +232,7 @@ def main() -> None:
         default="compress,lossless,drop,compress@0.05",
         help="optimizer-state modes, @threshold (default 0.01)",
     )
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the model initialisation and the Trainer")
     parser.add_argument(
         "--bins",
         default=None,
@@ -233,41 +246,47 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128, help="the model's width (n_embd)")
     parser.add_argument("--layers", type=int, default=2, help="the model's transformer blocks")
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
-    parser.add_argument("--plain-from", default=None, help="reuse the plain run of an earlier --json (same arguments)")
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
     args = parser.parse_args()
     data = docstring_lm_datasets(block=64, eval_blocks=64)
-    results = {}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    space = SearchSpace(bins=tuple(int(b) for b in args.bins.split(","))) if args.bins else None
+    moments = moment_settings(args.moments)
+    results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        make = partial(make_model, args.width, args.layers)
-        if args.plain_from:
-            earlier = json.loads(Path(args.plain_from).read_text())
-            same = ("steps", "save_steps", "width", "layers")
-            if any(earlier["args"].get(k, DEFAULTS.get(k)) != getattr(args, k) for k in same):
-                raise SystemExit("--plain-from: that run used other --steps/--save-steps/--width/--layers")
-            results["plain"] = earlier["results"]["plain"]
-        else:
-            results["plain"] = run_plain(Path(tmp) / "plain", data, args.steps, args.save_steps, make)
-        space = SearchSpace(bins=tuple(int(b) for b in args.bins.split(","))) if args.bins else None
-        moments = moment_settings(args.moments)
-        for mode in args.modes.split(","):
-            folder = Path(tmp) / mode.replace("@", "_")
-            results[mode] = run_dynaquant(
-                folder, data, args.steps, args.save_steps, mode, args.restores, space, moments, make
-            )
-            print(f"{mode}: done", flush=True)
-    plain = results["plain"]
+        for seed in seeds:
+            make = partial(make_model, args.width, args.layers, seed)
+            runs = results[seed] = {"plain": run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed)}
+            for mode in modes:
+                folder = Path(tmp) / f"{seed}-{mode.replace('@', '_')}"
+                runs[mode] = run_dynaquant(
+                    folder, data, args.steps, args.save_steps, mode, args.restores, space, moments, make, seed
+                )
+                print(f"seed {seed}, {mode}: done", flush=True)
+    report(results, args, seeds, modes)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    plot(results[seeds[0]], args, results[seeds[0]]["plain"])
+
+
+def report(results: dict[int, dict], args, seeds: list[int], modes: list[str]) -> None:
+    """The table: each figure as mean ± spread over the seeds; losses paired by seed."""
+    plains = [results[s]["plain"] for s in seeds]
+    plain_loss = [p["eval_loss"] for p in plains]
     n_ckpt = args.steps // args.save_steps
     print(
-        f"\n{n_ckpt} checkpoints, {args.restores} restores; plain Trainer: weights "
-        f"{plain['weights_bytes'] / 1e6:.2f} MB, with optimizer state "
-        f"{(plain['weights_bytes'] + plain['optimizer_bytes']) / 1e6:.2f} MB, "
-        f"eval loss {plain['eval_loss']:.4f}, median stall per save {statistics.median(plain['stall']) * 1e3:.0f} ms\n"
+        f"\n{n_ckpt} checkpoints, {args.restores} restores, seeds {args.seeds}; plain Trainer: weights "
+        f"{plains[0]['weights_bytes'] / 1e6:.2f} MB, with optimizer state "
+        f"{(plains[0]['weights_bytes'] + plains[0]['optimizer_bytes']) / 1e6:.2f} MB, "
+        f"eval loss {mean_spread(plain_loss, '.4f')} (spread over seeds: "
+        f"{statistics.stdev(plain_loss) / statistics.mean(plain_loss) * 100 if len(seeds) > 1 else 0:.2f}%), "
+        f"median stall per save {statistics.median([x for p in plains for x in p['stall']]) * 1e3:.0f} ms\n"
     )
     header = (
         "optimizer_state@threshold",
         "eval loss",
-        "vs plain",
+        "vs plain (same seed)",
         "weights ratio",
         "whole ratio",
         "stall/save ms",
@@ -275,23 +294,20 @@ def main() -> None:
         "evals/ckpt",
     )
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for mode in args.modes.split(","):
-        r = results[mode]
-        whole_plain = plain["weights_bytes"] + plain["optimizer_bytes"]
+    for mode in modes:
+        runs = [results[s][mode] for s in seeds]
+        pairs = list(zip(runs, plains))
         row = (
             mode,
-            f"{r['eval_loss']:.4f}",
-            f"{(r['eval_loss'] - plain['eval_loss']) / plain['eval_loss'] * 100:+.2f}%",
-            f"{plain['weights_bytes'] / r['weights_bytes']:.1f}x",
-            f"{whole_plain / r['total_bytes']:.1f}x",
-            f"{statistics.median(r['stall']) * 1e3:.0f}",
-            f"{statistics.median(r['background']) * 1e3:.0f}",
-            f"{statistics.median(r['evaluations']):.0f}",
+            mean_spread([r["eval_loss"] for r in runs], ".4f"),
+            mean_spread([(r["eval_loss"] - p["eval_loss"]) / p["eval_loss"] * 100 for r, p in pairs], "+.2f") + "%",
+            mean_spread([p["weights_bytes"] / r["weights_bytes"] for r, p in pairs], ".1f") + "x",
+            mean_spread([(p["weights_bytes"] + p["optimizer_bytes"]) / r["total_bytes"] for r, p in pairs], ".1f") + "x",
+            f"{statistics.median([x for r in runs for x in r['stall']]) * 1e3:.0f}",
+            f"{statistics.median([x for r in runs for x in r['background']]) * 1e3:.0f}",
+            f"{statistics.median([x for r in runs for x in r['evaluations']]):.0f}",
         )
         print("| " + " | ".join(row) + " |")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    plot(results, args, plain)
 
 
 def plot(results: dict, args, plain: dict) -> None:

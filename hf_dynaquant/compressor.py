@@ -24,7 +24,8 @@ import itertools
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ __all__ = [
     "CheckpointReport",
     "Snapshot",
     "compress_state_dict",
-    "cpu_model_copy",
+    "ModelSkeleton",
     "quantized_codecs",
     "read_checkpoint",
 ]
@@ -132,8 +133,7 @@ class Snapshot:
     types: dict[str, str]
     gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat, CPU)
     optimizer: dict[str, Any] | None  # CPU copy of the optimizer's state_dict
-    model: torch.nn.Module | None  # the live model (its structure, for a CPU copy to search on)
-    detached: bool = False  # search a CPU copy built from ``state`` (so training may go on)
+    model: torch.nn.Module | ModelSkeleton | None  # what the search evaluates: the live model or a skeleton
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, bytes] = field(default_factory=dict)
 
@@ -150,11 +150,63 @@ class Snapshot:
         }
         return out or None
 
-    def search_model(self) -> torch.nn.Module | None:
-        """The model the search evaluates: the live one, or a CPU copy made from ``state``."""
-        if self.model is None or not self.detached:
-            return self.model
-        return cpu_model_copy(self.model, values=self.state)
+    @contextmanager
+    def search_model(self) -> Iterator[torch.nn.Module | None]:
+        """The model the search evaluates: the live one, or (detached) a CPU copy whose tensors
+        are this snapshot's, made for the search and released after it."""
+        if not isinstance(self.model, ModelSkeleton):
+            yield self.model
+            return
+        with self.model.filled(self.state) as model:
+            yield model
+
+
+class ModelSkeleton:
+    """A CPU copy of a model's structure, for the search to evaluate while training goes on.
+
+    Made in the training thread (which owns the live model; copying the structure of GPT-2 small
+    takes ~50 ms, so it is made once and reused while the model's tensors keep their names,
+    shapes and dtypes). The tensors of the state dict are empty placeholders; :meth:`filled`
+    gives them copies of a snapshot's values (on whichever thread searches) and empties them
+    again afterwards, so the skeleton costs no memory between checkpoints. Tensors outside the
+    state dict (non-persistent buffers) are copied when the skeleton is made."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.signature = self.signature_of(model)
+        state_names = set(model.state_dict(keep_vars=True))
+        memo: dict[int, Any] = {}
+        self._slots: list[tuple[torch.Tensor, str]] = []  # (placeholder, state name), one per tensor (ties shared)
+        for name, t in _named_tensors(model):
+            if id(t) in memo:
+                continue
+            if name in state_names:
+                empty = torch.empty(0, dtype=t.dtype)
+                memo[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(t, torch.nn.Parameter) else empty
+                self._slots.append((memo[id(t)], name))
+            else:
+                host = t.detach().to("cpu", copy=True)
+                memo[id(t)] = torch.nn.Parameter(host, requires_grad=False) if isinstance(t, torch.nn.Parameter) else host
+        self.module = copy.deepcopy(model, memo)
+
+    @staticmethod
+    def signature_of(model: torch.nn.Module) -> tuple:
+        """What the skeleton depends on: the model object and each tensor's name, shape and dtype."""
+        return (id(model), *((n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)))
+
+    @contextmanager
+    def filled(self, values: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+        """The skeleton with copies of ``values`` (a snapshot's state) in its tensors."""
+        try:
+            for slot, name in self._slots:
+                slot.data = values[name].clone()
+            yield self.module
+        finally:
+            for slot, _ in self._slots:
+                slot.data = torch.empty(0, dtype=slot.dtype)
+
+
+def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
 
 
 @dataclass
@@ -202,23 +254,6 @@ def _tree_to_cpu(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_tree_to_cpu(v) for v in tree)
     return tree
-
-
-def cpu_model_copy(model: torch.nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> torch.nn.Module:
-    """A copy of ``model`` on the CPU, made without a second copy on the accelerator (each
-    parameter and buffer is copied straight to the host; ties are kept). With ``values`` (a
-    state dict snapshot) the copy takes its tensors from there instead of the live model, so it
-    can be made while training goes on."""
-    memo: dict[int, Any] = {}
-    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        if id(t) not in memo:
-            source = values[name] if values is not None and name in values else t
-            host = source.detach().to("cpu", copy=True)
-            memo[id(t)] = (
-                torch.nn.Parameter(host, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else host
-            )
-    return copy.deepcopy(model, memo)
 
 
 def read_checkpoint(
@@ -315,6 +350,7 @@ class Compressor:
         self.last_entry: str | None = None
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
+        self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
 
     @classmethod
     def from_settings(
@@ -412,10 +448,17 @@ class Compressor:
             types=layer_types(self.model),
             gradient_ema=ema,
             optimizer=optimizer,
-            model=self.model if self.search is not None else None,
-            detached=detach_model,
+            model=self._search_model(detach_model) if self.search is not None else None,
             metadata={"step": step, **dict(metadata or {})},
         )
+
+    def _search_model(self, detached: bool) -> torch.nn.Module | ModelSkeleton:
+        """The live model, or (detached) the skeleton of it, made again when the model changed."""
+        if not detached:
+            return self.model
+        if self._skeleton is None or self._skeleton.signature != ModelSkeleton.signature_of(self.model):
+            self._skeleton = ModelSkeleton(self.model)
+        return self._skeleton
 
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
         """The plan of the fixed configuration for a snapshot (without a threshold). A hook:
@@ -433,7 +476,8 @@ class Compressor:
         if self.search is None or snap.model is None:
             raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
         weights = {n: snap.state[n] for n in snap.params}
-        result = self.search.search(snap.search_model(), weights, types=snap.types, sensitivity=snap.sensitivity())
+        with snap.search_model() as model:
+            result = self.search.search(model, weights, types=snap.types, sensitivity=snap.sensitivity())
         self.last_search = result
         return result
 
