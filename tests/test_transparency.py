@@ -202,3 +202,25 @@ def test_compressor_runs_without_restore_are_the_plain_run(tmp_path, data, searc
     eval_batches = [held[0:8], held[8:16]]
     plain = compressor_run(None, batches, eval_batches, search)
     assert_same(compressor_run(tmp_path / "store", batches, eval_batches, search), plain)
+
+
+def test_model_skeleton_is_filled_for_the_search_only(tiny_net) -> None:
+    """The structure a background search evaluates is copied in the training thread once; it
+    holds a snapshot's values only inside ``filled`` (ties kept), and is made again when the
+    model's tensors change shape."""
+    from hf_dynaquant.compressor import ModelSkeleton
+
+    tiny_net.register_buffer("scratch", torch.arange(4.0), persistent=False)
+    compressor = Compressor(tiny_net, None, CONFIG, threshold=0.5, metric=lambda m: 0.0)
+    snap = compressor.snapshot(1, detach_model=True)
+    skeleton = snap.model
+    assert isinstance(skeleton, ModelSkeleton) and skeleton.module is not tiny_net
+    assert all(p.numel() == 0 for p in skeleton.module.parameters())  # no copy held between searches
+    with snap.search_model() as model:
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, snap.state[name]) and t.data_ptr() != snap.state[name].data_ptr()
+        assert model.out.weight is model.emb.weight and torch.equal(model.scratch, torch.arange(4.0))
+    assert all(p.numel() == 0 for p in skeleton.module.parameters())
+    assert compressor.snapshot(2, detach_model=True).model is skeleton  # reused
+    tiny_net.lin = torch.nn.Linear(16, 32, bias=False)
+    assert compressor.snapshot(3, detach_model=True).model is not skeleton  # the model changed
