@@ -312,9 +312,10 @@ class DynaQuantCallback(TrainerCallback):
         the training thread, without an entry in ``state.log_history`` (see the module
         docstring). Without a DynaQuantTrainer they are in :attr:`reports` and the logger only."""
         if self.trainer is not None:
-            self.trainer.control = self.trainer.callback_handler.on_log(
-                self.trainer.args, self.trainer.state, self.trainer.control, figures
-            )
+            trainer = self.trainer
+            should_log = trainer.control.should_log  # the handler clears it: the Trainer's own log is due
+            trainer.control = trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, figures)
+            trainer.control.should_log = should_log
 
 
 class DynaQuantTrainer(Trainer):
