@@ -362,9 +362,14 @@ class Compressor:
         optimizer: torch.optim.Optimizer | None,
         checkpoint_every: int | None,
         eval_data: Iterable[Any] | None,
+        default_metric: QualityMetric | None = None,
     ) -> Compressor:
         """A compressor from an integration's settings object (``DynaQuantCallback``,
-        ``DynaQuantPlugin``): its attributes named like this class's keyword arguments."""
+        ``DynaQuantPlugin``): its attributes named like this class's keyword arguments.
+        ``default_metric`` is the integration's own metric where the settings give none."""
+        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES}
+        if settings_kwargs["metric"] is None:
+            settings_kwargs["metric"] = default_metric
         return cls(
             model,
             store,
@@ -372,7 +377,7 @@ class Compressor:
             optimizer=optimizer,
             checkpoint_every=checkpoint_every,
             eval_data=eval_data,
-            **{name: getattr(settings, name) for name in _SETTING_NAMES},
+            **settings_kwargs,
         )
 
     @staticmethod

@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "MissingOptimizerStateError",
     "IncompleteCheckpointError",
+    "NoValidCheckpointError",
     "BackgroundCompressionError",
     "InvalidSettingError",
     "UnsupportedSetupError",
@@ -113,6 +114,12 @@ class MissingOptimizerStateError(CheckpointError):
 class IncompleteCheckpointError(CheckpointError):
     """A checkpoint folder lacks its weights: its compression had not finished (a crash), or
     its files were removed."""
+
+
+class NoValidCheckpointError(IncompleteCheckpointError, ValueError):
+    """``resume_from_checkpoint=True`` found no complete checkpoint in the output directory. A
+    ``ValueError`` worded as ``transformers.Trainer``'s own ("No valid checkpoint found in output
+    directory ..."), so code that catches the Trainer's error catches ours."""
 
 
 class BackgroundCompressionError(CheckpointError):

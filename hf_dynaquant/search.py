@@ -58,6 +58,7 @@ import torch
 from .core.entropy import order0_bits
 from .core.rng import preserved_rng
 from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
+from .errors import InvalidSettingError
 
 __all__ = [
     "held_out",
@@ -110,22 +111,53 @@ def held_out(data: Iterable[Any], n: int) -> list[Any]:
 def _loss_of(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
     if isinstance(batch, Mapping):
         out = model(**batch)
-        return out.loss if loss_fn is None else loss_fn(out, batch)
+        return model_output_loss(out) if loss_fn is None else loss_fn(out, batch)
     inputs, target = batch
     out = model(inputs)
     logits = getattr(out, "logits", out)
     return (loss_fn or torch.nn.functional.cross_entropy)(logits, target)
 
 
-def mean_loss(data: Iterable[Any], loss_fn: Callable | None = None) -> QualityMetric:
+def model_output_loss(out: Any) -> torch.Tensor:
+    """The loss in a model's output, read as ``transformers.Trainer.compute_loss`` reads it: a
+    ``ModelOutput`` or a dict holds it under ``"loss"``, a tuple or list first."""
+    if isinstance(out, Mapping):  # ModelOutput is an OrderedDict
+        loss = out.get("loss")
+    elif isinstance(out, (tuple, list)):
+        loss = out[0] if out else None
+    else:
+        loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        keys = f" (keys: {', '.join(map(str, out.keys()))})" if isinstance(out, Mapping) else ""
+        raise InvalidSettingError(
+            f"the model returned no loss for an evaluation batch: got {type(out).__name__}{keys}; give the batches "
+            "their labels, or pass metric= (a callable model -> float) for the configuration search"
+        )
+    return loss
+
+
+def mean_loss(
+    data: Iterable[Any],
+    loss_fn: Callable | None = None,
+    *,
+    compute_loss: Callable[[torch.nn.Module, Mapping[str, Any]], torch.Tensor] | None = None,
+) -> QualityMetric:
     """Mean loss over evaluation batches (lower is better). A batch is a dict for a Hugging Face
-    model (``model(**batch).loss``) or an ``(inputs, target)`` pair (cross-entropy by default)."""
+    model (the loss of ``model(**batch)``: a ``ModelOutput``'s or dict's ``"loss"``, a tuple's
+    first element) or an ``(inputs, target)`` pair (cross-entropy by default). ``compute_loss``
+    (``(model, batch) -> loss``, e.g. a ``Trainer``'s own ``compute_loss``) replaces the default for
+    dict batches; it gets a shallow copy of each batch, so it may pop keys."""
     batches = _batches(data)
     device_of = _device_of
 
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if compute_loss is not None and isinstance(batch, Mapping):
+            return compute_loss(model, dict(batch))
+        return _loss_of(model, batch, loss_fn)
+
     def fn(model: torch.nn.Module) -> float:
         dev = device_of(model)
-        return float(np.mean([_loss_of(model, _to(b, dev), loss_fn).item() for b in batches]))
+        return float(np.mean([loss(model, _to(b, dev)).item() for b in batches]))
 
     return QualityMetric(fn, higher_is_better=False, name="loss")
 

@@ -16,13 +16,24 @@ Two pieces, one line each::
   callback cannot: it never writes the uncompressed weights and optimizer file in the first
   place (so a save stalls training less than a plain save), it resumes from compressed folders
   (``resume_from_checkpoint=True`` takes the newest *complete* one), loads the best model at
-  the end from the store, and puts the compression figures into the Trainer's logs (so
-  TensorBoard and W&B see them).
+  the end from the store, compresses JIT (SIGTERM) checkpoints too (the Trainer sends no
+  ``on_save`` for them), and hands the compression figures to the reporting integrations
+  (TensorBoard, W&B, ... through ``on_log``).
+
+The figures stay out of ``trainer_state.json``'s ``log_history``: they depend on timing and on
+where a run was resumed (its first checkpoint after a resume is a keyframe), and the log history
+of a resumed run must equal an uninterrupted run's, as the Trainer's own resume tests require.
+Every checkpoint's figures are in :attr:`DynaQuantCallback.reports` and the Python logger.
+
+The default quality metric of the configuration search is the Trainer's own loss
+(``Trainer.compute_loss``, so a custom ``compute_loss``, ``compute_loss_func`` or label
+smoothing counts, and a model may return a ``ModelOutput``, a dict or a tuple) on the evaluation
+batches, evaluated on the search's model (a CPU copy when one process trains).
 
 With a plain ``Trainer`` and the callback, resume with
 ``trainer.train(resume_from_checkpoint=hf_dynaquant.materialize(output_dir))``: it writes the
 newest complete checkpoint back as ``model.safetensors`` + ``optimizer.pt``. The figures then go
-to ``trainer_state.json``'s log history and the Python logger.
+to :attr:`DynaQuantCallback.reports` and the Python logger.
 """
 
 from __future__ import annotations
@@ -55,9 +66,9 @@ from ..codecs.dynaquant import DEFAULT_DELTA_CODING
 from ..compressor import CheckpointReport, Compressor, read_checkpoint
 from ..core.quantizer import QuantConfig
 from ..core.rng import preserved_rng
-from ..errors import CheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, IncompleteCheckpointError, NoValidCheckpointError
 from ..optimizer_state import MomentQuant
-from ..search import QualityMetric, SearchSpace
+from ..search import QualityMetric, SearchSpace, mean_loss
 
 __all__ = ["DynaQuantCallback", "DynaQuantTrainer"]
 
@@ -75,7 +86,8 @@ class DynaQuantCallback(TrainerCallback):
             default, see ``benchmarks/RESULTS.md``); ``None`` uses ``config`` as it is.
         config: the fixed quantization knobs (and the configuration itself without a threshold).
         metric: a :class:`~hf_dynaquant.search.QualityMetric` or a callable ``model -> float``;
-            default: mean loss on the evaluation batches.
+            default: mean loss on the evaluation batches (with :class:`DynaQuantTrainer`, as the
+            Trainer's ``compute_loss`` computes it).
         higher_is_better: direction of a callable ``metric``.
         eval_data: evaluation batches (a DataLoader or a list of model-ready batches); default:
             the first ``eval_batches`` batches of the Trainer's eval dataset (with
@@ -125,7 +137,7 @@ class DynaQuantCallback(TrainerCallback):
         self.worker: BackgroundWorker | None = None
         self.reports: list[dict[str, Any]] = []  # one per checkpoint written (this process)
         self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every rank
-        self._pending_logs: dict[str, float] = {}
+        self._submitted_step: int | None = None  # the checkpoint last handed to the compressor
         self._totals = {"raw": 0, "stored": 0, "weights_raw": 0, "weights_stored": 0}
         self._trainer_save_seconds = 0.0
 
@@ -138,7 +150,13 @@ class DynaQuantCallback(TrainerCallback):
             with preserved_rng():  # iterating a DataLoader (and collating) draws from the global RNG
                 eval_data = self._default_eval_data(train_dataloader)
         self.compressor = Compressor.from_settings(
-            model, store, self, optimizer=optimizer, checkpoint_every=_save_interval(args, state), eval_data=eval_data
+            model,
+            store,
+            self,
+            optimizer=optimizer,
+            checkpoint_every=_save_interval(args, state),
+            eval_data=eval_data,
+            default_metric=self._trainer_loss(eval_data),
         )
         self.compressor.step = state.global_step
         resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -173,6 +191,15 @@ class DynaQuantCallback(TrainerCallback):
             return batches
         return _tail_batches(train_dataloader, self.eval_batches)
 
+    def _trainer_loss(self, eval_data: Any) -> QualityMetric | None:
+        """With a trainer, the default metric: mean ``Trainer.compute_loss(model, batch)`` over the
+        evaluation batches (without ``num_items_in_batch``: a per-batch mean, as evaluation
+        computes it). ``compute_loss`` only reads the trainer's settings, so the background
+        thread may call it on the search's CPU copy of the model while training goes on."""
+        if self.trainer is None or eval_data is None or self.threshold is None:
+            return None
+        return mean_loss(eval_data, compute_loss=self.trainer.compute_loss)
+
     # -- gradient window ------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.compressor is not None:
@@ -188,8 +215,9 @@ class DynaQuantCallback(TrainerCallback):
             self._collect(self.worker.check(), state)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.compressor is None:
-            return
+        if self.compressor is None or self._submitted_step == state.global_step:
+            return  # (DynaQuantTrainer already handed this checkpoint over in _save_checkpoint)
+        self._submitted_step = state.global_step
         started = time.perf_counter()
         if self.worker is not None:
             self._collect(self.worker.wait(), state)  # at most one checkpoint in flight
@@ -206,7 +234,7 @@ class DynaQuantCallback(TrainerCallback):
             searched = self.compressor.search_snapshot(snap)
             self.chosen.append((step, searched.config.to_dict() if searched.config else None))
         if not args.should_save:
-            self._pending_logs["dynaquant/stall_seconds"] = time.perf_counter() - started
+            self._emit({"dynaquant/stall_seconds": time.perf_counter() - started})
             return
         snap.extras = collect_small_files(folder)
         stall = time.perf_counter() - started + self._trainer_save_seconds
@@ -235,7 +263,6 @@ class DynaQuantCallback(TrainerCallback):
             if self.worker is not None:
                 self.worker.close()
                 self.worker = None
-        self._flush_pending(state)  # figures of the last checkpoint, which no later log call carries
 
     def wait(self, state) -> None:
         """Block until the checkpoint in flight is on disk (raising its error, if any)."""
@@ -280,29 +307,17 @@ class DynaQuantCallback(TrainerCallback):
         if not record:
             return
         self.reports.append(record)
-        self._flush_pending(state)  # an earlier checkpoint's figures no log call took yet: never overwritten
-        self._pending_logs.update({k: v for k, v in record.items() if k.startswith("dynaquant/")})
-        if self.trainer is None:
-            self._flush_to_history(state)
+        self._emit({k: v for k, v in record.items() if k.startswith("dynaquant/")})
 
-    def _flush_pending(self, state) -> None:
-        """Log the figures waiting for the Trainer's next log call now (through ``Trainer.log``,
-        so TensorBoard and W&B get them, or straight into the log history without a trainer)."""
-        if not self._pending_logs:
-            return
+    def _emit(self, figures: dict[str, float]) -> None:
+        """Hand figures to the reporting integrations through the Trainer's ``on_log`` event, in
+        the training thread, without an entry in ``state.log_history`` (see the module
+        docstring). Without a DynaQuantTrainer they are in :attr:`reports` and the logger only."""
         if self.trainer is not None:
-            self.trainer.log({})
-        else:
-            self._flush_to_history(state)
-
-    def _flush_to_history(self, state) -> None:
-        state.log_history.append({**self._pending_logs, "step": state.global_step})
-        self._pending_logs = {}
-
-    def pop_logs(self) -> dict[str, float]:
-        """Figures not yet logged (DynaQuantTrainer adds them to its next ``log`` call)."""
-        logs, self._pending_logs = self._pending_logs, {}
-        return logs
+            trainer = self.trainer
+            should_log = trainer.control.should_log  # the handler clears it: the Trainer's own log is due
+            trainer.control = trainer.callback_handler.on_log(trainer.args, trainer.state, trainer.control, figures)
+            trainer.control.should_log = should_log
 
 
 class DynaQuantTrainer(Trainer):
@@ -334,8 +349,11 @@ class DynaQuantTrainer(Trainer):
         checkpoint (a folder whose compression a crash cut short is skipped)."""
         if resume_from_checkpoint is True:
             found = last_complete_checkpoint(self.args.output_dir)
-            if found is None:
-                raise IncompleteCheckpointError(f"no complete checkpoint to resume from in {self.args.output_dir}")
+            if found is None:  # the Trainer's error, type and words
+                raise NoValidCheckpointError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): no checkpoint-* "
+                    "folder there holds complete weights"
+                )
             resume_from_checkpoint = str(found)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -370,13 +388,22 @@ class DynaQuantTrainer(Trainer):
 
     # -- saving ---------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's save, then the compression handed over at once: the Trainer sends no
+        ``on_save`` for a JIT (SIGTERM) checkpoint or a direct call, whose folder would otherwise
+        lack its weights (the callback's ``on_save`` then finds the checkpoint taken). With
+        ``save_total_limit`` the checkpoint in flight is finished first: the Trainer's rotation
+        (inside this save) may delete its folder, which must not happen while its marker is
+        being written (the wait would come at ``on_save`` anyway)."""
         started = time.perf_counter()
+        if self.args.save_total_limit:
+            self.dynaquant.wait(self.state)
         self._dq_saving = True
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._dq_saving = False
             self.dynaquant._trainer_save_seconds = time.perf_counter() - started
+        self.dynaquant.on_save(self.args, self.state, self.control)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self._dq_saving or self._dq_unsupported():
@@ -406,10 +433,6 @@ class DynaQuantTrainer(Trainer):
     def _dq_unsupported(self) -> bool:
         """Sharded set-ups write their own formats; they keep the Trainer's files."""
         return bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
-
-    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        logs.update(self.dynaquant.pop_logs())
-        super().log(logs, *args, **kwargs)
 
 
 def _save_interval(args, state) -> int | None:
