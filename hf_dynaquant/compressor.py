@@ -399,10 +399,11 @@ class Compressor:
         if self.optimizer is not None and self.optimizer_state != "drop":
             optimizer = _tree_to_cpu(self.optimizer.state_dict())
         ema = self.ema.take()
-        if not ema and self.config.metric != "sensitivity":  # (with it, the planner warns)
+        # a fixed config with metric "sensitivity" has the planner warn; a search that offers it warns here
+        if not ema and self.search is not None and "sensitivity" in self.search.space.metrics:
             warnings.warn(
-                "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
-                "(call on_backward_pass_end() after backward)",
+                "no gradients were recorded before this checkpoint: the search tries the magnitude metric "
+                "only (call on_backward_pass_end() after backward)",
                 stacklevel=3,
             )
         return Snapshot(
