@@ -301,7 +301,9 @@ def test_compressor_warns_without_gradients_only_when_sensitivity_is_used(tmp_pa
     comp = Compressor(tiny_net, tmp_path / "sensitivity", QuantConfig(min_numel=256, metric="sensitivity"))
     with pytest.warns(UserWarning, match="fall back to magnitude"):
         comp.compress(1)
-    searched = Compressor(tiny_net, tmp_path / "search", QuantConfig(min_numel=256), threshold=1.0, metric=lambda m: 1.0)
+    searched = Compressor(
+        tiny_net, tmp_path / "search", QuantConfig(min_numel=256), threshold=1.0, metric=lambda m: 1.0
+    )
     with pytest.warns(UserWarning, match="no gradients were recorded"):
         searched.compress(1)
 
