@@ -35,6 +35,7 @@ from .codecs.base import Codec
 from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
+from .dtypes import check_storable
 from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import (
     OPTIMIZER_MODES,
@@ -187,6 +188,7 @@ def _cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
     for name, t in tensors:
+        check_storable(t, name)
         key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen or t.numel() == 0:
             seen[key] = t.detach().to("cpu", copy=True)
@@ -422,7 +424,9 @@ class Compressor:
         """The plan of the fixed configuration for a snapshot (without a threshold). A hook:
         :class:`~hf_dynaquant.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
         weights = {n: snap.state[n] for n in snap.params}
-        return plan_quantization(weights, self.config, types=snap.types, sensitivity=snap.sensitivity())
+        return plan_quantization(
+            weights, self.config, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+        )
 
     def optimizer_reductions(self) -> Reductions | None:
         """How the optimizer encoder combines processes' rows (None: one process holds all). A
@@ -434,7 +438,9 @@ class Compressor:
         if self.search is None or snap.model is None:
             raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
         weights = {n: snap.state[n] for n in snap.params}
-        result = self.search.search(snap.search_model(), weights, types=snap.types, sensitivity=snap.sensitivity())
+        result = self.search.search(
+            snap.search_model(), weights, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+        )
         self.last_search = result
         return result
 
@@ -467,7 +473,12 @@ class Compressor:
         trees = None
         if snap.optimizer is not None:
             encoded = encode_optimizer_state(
-                snap.optimizer, self.optimizer_state, self.moment_quant, self.optimizer_reductions()
+                snap.optimizer,
+                self.optimizer_state,
+                self.moment_quant,
+                self.optimizer_reductions(),
+                non_finite=self.config.non_finite,
+                where=f"step {snap.step}",
             )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}

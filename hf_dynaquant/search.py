@@ -52,7 +52,16 @@ import numpy as np
 import torch
 
 from .core.entropy import order0_bits
-from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
+from .core.quantizer import (
+    EMBEDDING,
+    QuantConfig,
+    QuantPlan,
+    dequantize,
+    is_quantizable,
+    plan_quantization,
+    quantize,
+    refuse_or_warn_non_finite,
+)
 
 __all__ = [
     "held_out",
@@ -260,7 +269,7 @@ class SearchResult:
     config: QuantConfig | None  # None: nothing passed; store this checkpoint losslessly
     degradation: float | None
     baseline: float
-    mode: str  # "exhaustive" | "neighbourhood" | "fallback"
+    mode: str  # "exhaustive" | "neighbourhood" | "fallback" | "non-finite" (the metric was NaN or inf)
     candidates: list[Candidate] = field(default_factory=list)
     local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)
@@ -274,7 +283,7 @@ class SearchResult:
         return {
             "config": self.config.to_dict() if self.config else None,
             "degradation": self.degradation,
-            "baseline": self.baseline,
+            "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,
             "sized": self.sized,
@@ -458,17 +467,25 @@ class ConfigurationSearch:
         types: Mapping[str, str] | None = None,
         sensitivity: Mapping[str, torch.Tensor] | None = None,
         lockstep: Lockstep | None = None,
+        where: str | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
         (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
         ``lockstep`` (a sharded model) ``snapshot`` and ``sensitivity`` hold this rank's shards
-        and every rank evaluates every candidate together (see :class:`Lockstep`)."""
+        and every rank evaluates every candidate together (see :class:`Lockstep`). ``where``
+        (e.g. ``"step 40"``) names the checkpoint in warnings and errors.
+
+        A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
+        divergence) leaves nothing to compare candidates with: the checkpoint is stored
+        losslessly, after the tensors at fault are named (or refused, see ``QuantConfig.non_finite``)."""
         with _preserved_state(model):
             baseline = self.metric(model)
         if lockstep is not None:
             baseline = lockstep.agree(baseline)
+        if not math.isfinite(baseline):
+            return self._non_finite_baseline(baseline, snapshot, where)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep)
+        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where)
         if self.last is not None and self.last.metric in metrics:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -491,6 +508,21 @@ class ConfigurationSearch:
         plan = found.plan or ctx.plan(found.config)
         return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan, ctx.sized)
 
+    def _non_finite_baseline(
+        self, baseline: float, snapshot: Mapping[str, torch.Tensor], where: str | None
+    ) -> SearchResult:
+        """The result for a checkpoint whose unquantized model scores NaN or inf: stored losslessly."""
+        bad = [
+            repr(n) for n, t in snapshot.items() if is_quantizable(t, self.base) and not bool(torch.isfinite(t).all())
+        ]
+        refuse_or_warn_non_finite(bad, self.base.non_finite, where)  # raises in mode "raise"
+        warnings.warn(
+            f"the {self.metric.name} of the unquantized model is {baseline}{f' at {where}' if where else ''}: "
+            "no configuration can be judged, this checkpoint is stored losslessly",
+            stacklevel=3,
+        )
+        return SearchResult(None, None, baseline, "non-finite")
+
 
 class _Context:
     """The state of one checkpoint's search: plans, measured sizes, evaluated points and the rules
@@ -506,9 +538,10 @@ class _Context:
         baseline: float,
         metrics: Sequence[str],
         lockstep: Lockstep | None = None,
+        where: str | None = None,
     ) -> None:
         self.owner, self.model, self.snapshot = owner, model, snapshot
-        self.lockstep = lockstep
+        self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.metrics = list(metrics)
@@ -540,7 +573,12 @@ class _Context:
                 self.lockstep.plan(config)
                 if self.lockstep is not None
                 else plan_quantization(
-                    self.snapshot, config, types=self.types, sensitivity=self.sensitivity, sketch_cache=self.sketches
+                    self.snapshot,
+                    config,
+                    types=self.types,
+                    sensitivity=self.sensitivity,
+                    sketch_cache=self.sketches,
+                    where=self.where,
                 )
             )
         return self._plans[config]
