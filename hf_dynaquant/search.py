@@ -57,7 +57,6 @@ from .core.quantizer import (
     QuantConfig,
     QuantPlan,
     dequantize,
-    is_quantizable,
     plan_quantization,
     quantize,
     refuse_or_warn_non_finite,
@@ -483,7 +482,7 @@ class ConfigurationSearch:
         if lockstep is not None:
             baseline = lockstep.agree(baseline)
         if not math.isfinite(baseline):
-            return self._non_finite_baseline(baseline, snapshot, where)
+            return self._non_finite_baseline(baseline, snapshot, where, lockstep)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
         ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where)
         if self.last is not None and self.last.metric in metrics:
@@ -509,12 +508,15 @@ class ConfigurationSearch:
         return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan, ctx.sized)
 
     def _non_finite_baseline(
-        self, baseline: float, snapshot: Mapping[str, torch.Tensor], where: str | None
+        self, baseline: float, snapshot: Mapping[str, torch.Tensor], where: str | None, lockstep: Lockstep | None
     ) -> SearchResult:
-        """The result for a checkpoint whose unquantized model scores NaN or inf: stored losslessly."""
-        bad = [
-            repr(n) for n, t in snapshot.items() if is_quantizable(t, self.base) and not bool(torch.isfinite(t).all())
-        ]
+        """The result for a checkpoint whose unquantized model scores NaN or inf: stored losslessly,
+        after the tensors at fault are named (in lockstep: those with NaN or inf on any rank)."""
+        names = [n for n, t in snapshot.items() if t.is_floating_point()]
+        flags = np.array([0.0 if bool(torch.isfinite(snapshot[n]).all()) else 1.0 for n in names])
+        if lockstep is not None and names:
+            flags = lockstep.all_sum(flags)
+        bad = [repr(n) for n, flag in zip(names, flags) if flag > 0]
         refuse_or_warn_non_finite(bad, self.base.non_finite, where)  # raises in mode "raise"
         warnings.warn(
             f"the {self.metric.name} of the unquantized model is {baseline}{f' at {where}' if where else ''}: "

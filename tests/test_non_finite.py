@@ -157,3 +157,18 @@ def test_finite_checkpoints_do_not_warn(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Compressor(model, tmp_path, QuantConfig(min_numel=256), optimizer=opt).compress(1)
+
+
+def test_sharded_plan_leaves_non_finite_tensors_out() -> None:
+    """plan_sharded (one process here; the flags are summed over the ranks) as plan_quantization."""
+    from hf_dynaquant.sharded import plan_sharded
+
+    torch.manual_seed(0)
+    local = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    local["b"][1, 1] = float("inf")
+    shapes = {n: t.shape for n, t in local.items()}
+    with pytest.warns(NonFiniteTensorWarning, match=r"'b' holds NaN or infinite values at step 9"):
+        plan = plan_sharded(local, QuantConfig(), shapes=shapes, where="step 9")
+    assert set(plan.tensors) == {"a"}
+    with pytest.raises(NonFiniteTensorError, match="'b'"):
+        plan_sharded(local, QuantConfig(non_finite="raise"), shapes=shapes)
