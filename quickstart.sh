@@ -2,7 +2,8 @@
 # One command for a fresh machine: set everything up, then run the demo or the tests.
 #
 #   ./quickstart.sh demo     # venv + install + train a small GPT-2 with compressed checkpoints,
-#                            #   kill it, resume from a compressed checkpoint, print sizes (~1 minute)
+#                            #   kill it, resume from a compressed checkpoint, compare the losses
+#                            #   with the plain Trainer's, print sizes (~2 minutes)
 #   ./quickstart.sh demo-model  # venv + install + compress the real all-MiniLM-L6-v2 and print the table
 #   ./quickstart.sh test     # venv + install + the whole test suite (what CI runs)
 #   ./quickstart.sh test -m "not slow"   # the quick suite, for every edit

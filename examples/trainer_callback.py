@@ -4,11 +4,14 @@ Trains a small GPT-2 on the standard library's docstrings (a ``datasets.Dataset`
 ``DynaQuantTrainer``: every checkpoint is DynaQuant-compressed (weights through the searched
 configuration, Adam moments compressed, delta chains between keyframes). The demo starts the
 training in a child process, kills it with SIGKILL once a few checkpoints are on disk, resumes
-from the newest complete compressed checkpoint, and prints losses and sizes. Run:
+from the newest complete compressed checkpoint, then runs the same seeded job with the plain
+``transformers.Trainer`` (no compression, no kill) and prints both runs' losses side by side,
+and the size of every checkpoint. Run:
 
     python examples/trainer_callback.py [--steps 200] [--save-steps 25] [--output-dir DIR]
 
-``--phase train`` / ``--phase resume`` run one half (the kill-and-resume test uses them).
+``--phase train`` / ``--phase resume`` run one half (the kill-and-resume test uses them);
+``--phase plain`` the uncompressed run.
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_dynaquant import DynaQuantCallback, DynaQuantTrainer
 from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint
 from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 
 
-def build(output_dir: Path, steps: int, save_steps: int) -> DynaQuantTrainer:
-    """The same seeded job for the first run and the resumed one."""
+def build(output_dir: Path, steps: int, save_steps: int, compressed: bool = True) -> Trainer:
+    """The same seeded job for the first run, the resumed one and the plain (uncompressed,
+    checkpoint-free) one."""
     train, held = docstring_lm_datasets(block=64, eval_blocks=32)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -53,6 +57,7 @@ def build(output_dir: Path, steps: int, save_steps: int) -> DynaQuantTrainer:
         learning_rate=1e-3,
         warmup_steps=10,
         save_steps=save_steps,
+        save_strategy="steps" if compressed else "no",
         logging_steps=save_steps,
         eval_strategy="no",
         report_to=[],
@@ -60,6 +65,8 @@ def build(output_dir: Path, steps: int, save_steps: int) -> DynaQuantTrainer:
         seed=0,
         disable_tqdm=True,
     )
+    if not compressed:
+        return Trainer(model=model, args=args, train_dataset=train, eval_dataset=held)
     return DynaQuantTrainer(
         model=model,
         args=args,
@@ -70,7 +77,7 @@ def build(output_dir: Path, steps: int, save_steps: int) -> DynaQuantTrainer:
 
 
 def run_phase(output_dir: Path, phase: str, steps: int, save_steps: int) -> dict:
-    trainer = build(output_dir, steps, save_steps)
+    trainer = build(output_dir, steps, save_steps, compressed=phase != "plain")
     resumed_from = None
     if phase == "resume":
         found = last_complete_checkpoint(output_dir)
@@ -83,9 +90,11 @@ def run_phase(output_dir: Path, phase: str, steps: int, save_steps: int) -> dict
         "resumed_from": resumed_from,
         "global_step": trainer.state.global_step,
         "eval_loss": trainer.evaluate()["eval_loss"],
-        "reports": [{k: v for k, v in r.items() if k != "config"} for r in trainer.dynaquant.reports],
+        "train_loss": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e},
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if isinstance(trainer, DynaQuantTrainer):
+        summary["reports"] = [{k: v for k, v in r.items() if k != "config"} for r in trainer.dynaquant.reports]
+    (output_dir / f"summary{'-plain' if phase == 'plain' else ''}.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -117,9 +126,16 @@ def demo(output_dir: Path, steps: int, save_steps: int) -> None:
     found = last_complete_checkpoint(output_dir)
     print(f"killed the training process (SIGKILL); newest complete checkpoint: {found.name if found else None}")
     summary = run_phase(output_dir, "resume", steps, save_steps)
+    print(f"resumed from {summary['resumed_from']} and finished at step {summary['global_step']}")
+    print("the same job with the plain transformers.Trainer (no compression, no kill)...")
+    plain = run_phase(output_dir / "plain", "plain", steps, save_steps)
+    print(f"\n{'step':>6} {'train loss, plain':>18} {'with DynaQuant':>15}")
+    for step, loss in plain["train_loss"].items():
+        print(f"{step:>6} {loss:>18.4f} {summary['train_loss'].get(step, float('nan')):>15.4f}")
+    change = summary["eval_loss"] / plain["eval_loss"] - 1
     print(
-        f"resumed from {summary['resumed_from']} and finished at step {summary['global_step']}, "
-        f"eval loss {summary['eval_loss']:.4f}\n"
+        f"{'eval':>6} {plain['eval_loss']:>18.4f} {summary['eval_loss']:>15.4f}  "
+        f"({change:+.2%}: what compressed checkpoints and a resume from one cost)\n"
     )
     store = checkpoint_store(output_dir)
     print(f"{'checkpoint':>14} {'kind':>9} {'weights':>9} {'optimizer':>10} {'ratio':>7}")
@@ -146,7 +162,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save-steps", type=int, default=25)
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
-    parser.add_argument("--phase", choices=("demo", "train", "resume"), default="demo")
+    parser.add_argument("--phase", choices=("demo", "train", "resume", "plain"), default="demo")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.output_dir or tmp)

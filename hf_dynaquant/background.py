@@ -6,6 +6,9 @@ in flight and memory stays bounded), :meth:`check` re-raises a failed job's exce
 training thread (named after the job, as a :class:`BackgroundCompressionError`), and
 :meth:`wait` blocks until the worker is idle (end of training). Nothing is swallowed: a failure
 is raised exactly once, at the first ``check``/``submit``/``wait`` after it happened.
+
+The worker survives ``fork`` (:mod:`hf_dynaquant.core.pool`): a forked child starts with an
+idle worker of its own; a job the parent had in flight stays the parent's.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
+from .core.pool import ForkSafePool, reset_after_fork
 from .errors import BackgroundCompressionError
 
 __all__ = ["BackgroundWorker"]
@@ -25,11 +29,16 @@ class BackgroundWorker:
     """A single daemon thread running one job at a time (see the module docstring)."""
 
     def __init__(self, name: str = "hf-dynaquant") -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pool = ForkSafePool(name, max_workers=1)
         self._future: Future | None = None
         self._label = ""
         self._lock = threading.Lock()
         self.waited_seconds = 0.0  # time the caller spent blocked on an unfinished job
+        reset_after_fork(self)
+
+    def _after_fork(self) -> None:
+        # in a forked child the parent's job never finishes here (its thread is not copied)
+        self._future, self._label, self._lock = None, "", threading.Lock()
 
     def submit(self, label: str, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the worker once the previous job is done (raising its error first)."""

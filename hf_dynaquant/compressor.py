@@ -36,6 +36,7 @@ from .codecs.base import Codec
 from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec
 from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
+from .dtypes import check_storable
 from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import (
     OPTIMIZER_MODES,
@@ -239,6 +240,7 @@ def _cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
     for name, t in tensors:
+        check_storable(t, name)
         key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen or t.numel() == 0:
             seen[key] = t.detach().to("cpu", copy=True)
@@ -440,10 +442,11 @@ class Compressor:
         if self.optimizer is not None and self.optimizer_state != "drop":
             optimizer = _tree_to_cpu(self.optimizer.state_dict())
         ema = self.ema.take()
-        if not ema and self.config.metric != "sensitivity":  # (with it, the planner warns)
+        # a fixed config with metric "sensitivity" has the planner warn; a search that offers it warns here
+        if not ema and self.search is not None and "sensitivity" in self.search.space.metrics:
             warnings.warn(
-                "no gradients were recorded before this checkpoint: sensitivity falls back to magnitude "
-                "(call on_backward_pass_end() after backward)",
+                "no gradients were recorded before this checkpoint: the search tries the magnitude metric "
+                "only (call on_backward_pass_end() after backward)",
                 stacklevel=3,
             )
         return Snapshot(
@@ -469,7 +472,9 @@ class Compressor:
         """The plan of the fixed configuration for a snapshot (without a threshold). A hook:
         :class:`~hf_dynaquant.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
         weights = {n: snap.state[n] for n in snap.params}
-        return plan_quantization(weights, self.config, types=snap.types, sensitivity=snap.sensitivity())
+        return plan_quantization(
+            weights, self.config, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+        )
 
     def optimizer_reductions(self) -> Reductions | None:
         """How the optimizer encoder combines processes' rows (None: one process holds all). A
@@ -482,7 +487,9 @@ class Compressor:
             raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
         weights = {n: snap.state[n] for n in snap.params}
         with snap.search_model() as model:
-            result = self.search.search(model, weights, types=snap.types, sensitivity=snap.sensitivity())
+            result = self.search.search(
+                model, weights, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+            )
         self.last_search = result
         return result
 
@@ -515,7 +522,12 @@ class Compressor:
         trees = None
         if snap.optimizer is not None:
             encoded = encode_optimizer_state(
-                snap.optimizer, self.optimizer_state, self.moment_quant, self.optimizer_reductions()
+                snap.optimizer,
+                self.optimizer_state,
+                self.moment_quant,
+                self.optimizer_reductions(),
+                non_finite=self.config.non_finite,
+                where=f"step {snap.step}",
             )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}

@@ -29,18 +29,24 @@ def docstring_corpus() -> str:
     for name in names:
         if name.startswith(_SKIP):
             continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+        # importing a module and reading its attributes may warn (deprecated modules and aliases
+        # such as typing.io): they are read, not used, so the user is not told about them
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
                 module = importlib.import_module(name)
-        except Exception:  # some stdlib modules need platform features  # noqa: BLE001
-            continue
-        objects = [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]
-        objects += [
-            getattr(c, a, None) for c in objects if inspect.isclass(c) for a in sorted(vars(c)) if not a.startswith("_")
-        ]
-        for obj in objects:
-            doc = inspect.getdoc(obj) if obj is not None else None
+            except Exception:  # some stdlib modules need platform features  # noqa: BLE001
+                continue
+            objects = [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]
+            objects += [
+                getattr(c, a, None)
+                for c in objects
+                if inspect.isclass(c)
+                for a in sorted(vars(c))
+                if not a.startswith("_")
+            ]
+            docs = [inspect.getdoc(obj) if obj is not None else None for obj in objects]
+        for doc in docs:
             if doc and len(doc) > 40 and doc not in seen:
                 seen.add(doc)
                 parts.append(doc)

@@ -14,7 +14,17 @@ import torch
 
 from .errors import UnsupportedTensorError
 
-__all__ = ["RawTensor", "FloatLayout", "FLOAT_LAYOUTS", "to_raw", "from_raw", "dtype_name", "itemsize", "storage_key"]
+__all__ = [
+    "RawTensor",
+    "FloatLayout",
+    "FLOAT_LAYOUTS",
+    "check_storable",
+    "to_raw",
+    "from_raw",
+    "dtype_name",
+    "itemsize",
+    "storage_key",
+]
 
 # safetensors name -> (torch dtype, item size in bytes)
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -99,12 +109,23 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name][0]
 
 
-def to_raw(tensor: torch.Tensor, name: str = "tensor") -> RawTensor:
-    """Copy a tensor's bits to a flat numpy array (moves it to the CPU, makes it contiguous)."""
+def check_storable(tensor: torch.Tensor, name: str = "tensor") -> None:
+    """Raise :class:`UnsupportedTensorError` naming ``name`` for a tensor whose values cannot be
+    read (on the ``meta`` device) or stored (sparse or other non-strided layouts, complex)."""
+    if tensor.is_meta:
+        raise UnsupportedTensorError(
+            f"tensor {name!r} is on the meta device and has no values to store; materialise the model "
+            "(e.g. load its weights or call to_empty() and initialise it) first"
+        )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise UnsupportedTensorError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be stored")
     if tensor.is_complex():
         raise UnsupportedTensorError(f"tensor {name!r} is complex ({tensor.dtype}); store real and imaginary parts")
+
+
+def to_raw(tensor: torch.Tensor, name: str = "tensor") -> RawTensor:
+    """Copy a tensor's bits to a flat numpy array (moves it to the CPU, makes it contiguous)."""
+    check_storable(tensor, name)
     dname = dtype_name(tensor.dtype)
     size = itemsize(dname)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)

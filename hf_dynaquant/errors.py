@@ -18,6 +18,8 @@ __all__ = [
     "CodecError",
     "UnknownCodecError",
     "UnsupportedTensorError",
+    "NonFiniteTensorError",
+    "NonFiniteTensorWarning",
     "UnsafeInputError",
     "CheckpointError",
     "MissingOptimizerStateError",
@@ -96,6 +98,20 @@ class UnknownCodecError(CodecError):
 
 class UnsupportedTensorError(CodecError):
     """A tensor's dtype or layout cannot be stored."""
+
+
+class NonFiniteTensorError(CodecError, ValueError):
+    """A tensor to quantize holds NaN or infinite values and ``QuantConfig(non_finite="raise")``
+    refuses to store it losslessly instead; the message names the tensors and the step."""
+
+    def __init__(self, message: str, tensors: list[str], where: str | None = None) -> None:
+        super().__init__(message)
+        self.tensors, self.where = tensors, where
+
+
+class NonFiniteTensorWarning(UserWarning):
+    """A tensor holding NaN or infinite values is stored losslessly instead of quantized
+    (``QuantConfig(non_finite="lossless")``, the default); the message names it and the step."""
 
 
 class UnsafeInputError(DynaQuantError):

@@ -8,7 +8,8 @@ Modes (``optimizer_state=``):
   (cosine similarity and relative error of the decoded Adam update, or of the decoded momentum,
   against the original); a tensor that fails at every bin count is stored losslessly. Anything
   the module does not recognise (other optimizers' state, step counters, small tensors) is
-  lossless too.
+  lossless too, and so are moments holding NaN or infinite values (with a warning naming the
+  parameter and the step), unless ``non_finite="raise"`` (``QuantConfig.non_finite``) refuses them.
 * ``"lossless"``: the state dict as it is (lossless codec, XOR delta against the previous
   checkpoint where that pays).
 * ``"drop"``: nothing stored. A restore then has no optimizer state and says so loudly.
@@ -40,7 +41,15 @@ from .core.moments import (
     scale_plan,
     update_scale_to_adam,
 )
-from .core.quantizer import QuantConfig, QuantPlan, TensorPlan, dequantize, plan_quantization, quantize
+from .core.quantizer import (
+    QuantConfig,
+    QuantPlan,
+    TensorPlan,
+    dequantize,
+    plan_quantization,
+    quantize,
+    refuse_or_warn_non_finite,
+)
 from .errors import FormatError
 from .store.tree import flatten_tree
 
@@ -181,11 +190,17 @@ def encode_optimizer_state(
     mode: str = "compress",
     settings: MomentQuant | None = None,
     reductions: Reductions | None = None,
+    *,
+    non_finite: str = "lossless",
+    where: str | None = None,
 ) -> OptimizerEncoding | None:
     """Prepare an optimizer ``state_dict`` for storage in ``mode`` (``None`` for ``"drop"``).
 
     ``reductions`` (default: one process's) make processes that each hold rows of the state
-    take the decisions of the full state (:class:`~hf_dynaquant.sharded.ShardedCompressor`)."""
+    take the decisions of the full state (:class:`~hf_dynaquant.sharded.ShardedCompressor`).
+    Moments holding NaN or infinite values are stored losslessly with a warning, or refused
+    (``non_finite="raise"``, see ``QuantConfig.non_finite``); ``where`` (e.g. ``"step 40"``)
+    goes in the message."""
     if mode not in OPTIMIZER_MODES:
         raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {mode!r}")
     if mode == "drop":
@@ -226,6 +241,17 @@ def encode_optimizer_state(
             candidates[pid] = (ADAM, u, s)
         else:
             candidates[pid] = (SGD, t.detach().to("cpu", torch.float32).reshape(-1), None)
+    # moments holding NaN or inf (in any process's rows) cannot be quantized: kept as they are
+    local_bad = [
+        red.counts(pid) and not all(bool(torch.isfinite(x).all()) for x in c[1:] if x is not None)
+        for pid, c in candidates.items()
+    ]
+    totals = red.total(np.array(local_bad, dtype=np.float64)) if candidates else []
+    bad = [pid for pid, n in zip(list(candidates), totals) if n > 0]
+    names = {ADAM: "Adam moments (exp_avg, exp_avg_sq)", SGD: "momentum_buffer"}
+    refuse_or_warn_non_finite([f"the {names[candidates[pid][0]]} of parameter {pid}" for pid in bad], non_finite, where)
+    for pid in bad:
+        del candidates[pid]
 
     chosen: dict[Any, tuple[TensorPlan, int]] = {}
     pending = dict(candidates)
@@ -260,6 +286,8 @@ def encode_optimizer_state(
     tops = dict(zip(adam, red.maximum(np.array(local_top)))) if adam else {}
 
     report: dict[str, Any] = {"mode": "compress", "settings": settings.to_dict(), "lossless": [], "bins": {}}
+    if bad:
+        report["non_finite"] = bad  # stored losslessly: their moments hold NaN or inf
     plan_by_tensor: dict[int, TensorPlan] = {}
     for pid, (kind, target, scale) in candidates.items():
         if pid not in chosen:

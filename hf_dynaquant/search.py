@@ -56,8 +56,16 @@ import numpy as np
 import torch
 
 from .core.entropy import order0_bits
+from .core.quantizer import (
+    EMBEDDING,
+    QuantConfig,
+    QuantPlan,
+    dequantize,
+    plan_quantization,
+    quantize,
+    refuse_or_warn_non_finite,
+)
 from .core.rng import preserved_rng
-from .core.quantizer import EMBEDDING, QuantConfig, QuantPlan, dequantize, plan_quantization, quantize
 from .errors import InvalidSettingError
 
 __all__ = [
@@ -297,7 +305,7 @@ class SearchResult:
     config: QuantConfig | None  # None: nothing passed; store this checkpoint losslessly
     degradation: float | None
     baseline: float
-    mode: str  # "exhaustive" | "neighbourhood" | "fallback"
+    mode: str  # "exhaustive" | "neighbourhood" | "fallback" | "non-finite" (the metric was NaN or inf)
     candidates: list[Candidate] = field(default_factory=list)
     local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)
@@ -311,7 +319,7 @@ class SearchResult:
         return {
             "config": self.config.to_dict() if self.config else None,
             "degradation": self.degradation,
-            "baseline": self.baseline,
+            "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,
             "sized": self.sized,
@@ -507,17 +515,25 @@ class ConfigurationSearch:
         types: Mapping[str, str] | None = None,
         sensitivity: Mapping[str, torch.Tensor] | None = None,
         lockstep: Lockstep | None = None,
+        where: str | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
         (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
         ``lockstep`` (a sharded model) ``snapshot`` and ``sensitivity`` hold this rank's shards
-        and every rank evaluates every candidate together (see :class:`Lockstep`)."""
+        and every rank evaluates every candidate together (see :class:`Lockstep`). ``where``
+        (e.g. ``"step 40"``) names the checkpoint in warnings and errors.
+
+        A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
+        divergence) leaves nothing to compare candidates with: the checkpoint is stored
+        losslessly, after the tensors at fault are named (or refused, see ``QuantConfig.non_finite``)."""
         with _preserved_state(model, self.owns_rng()):
             baseline = self.metric(model)
         if lockstep is not None:
             baseline = lockstep.agree(baseline)
+        if not math.isfinite(baseline):
+            return self._non_finite_baseline(baseline, snapshot, where, lockstep)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep)
+        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where)
         if self.last is not None and self.last.metric in metrics:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -540,6 +556,24 @@ class ConfigurationSearch:
         plan = found.plan or ctx.plan(found.config)
         return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan, ctx.sized)
 
+    def _non_finite_baseline(
+        self, baseline: float, snapshot: Mapping[str, torch.Tensor], where: str | None, lockstep: Lockstep | None
+    ) -> SearchResult:
+        """The result for a checkpoint whose unquantized model scores NaN or inf: stored losslessly,
+        after the tensors at fault are named (in lockstep: those with NaN or inf on any rank)."""
+        names = [n for n, t in snapshot.items() if t.is_floating_point()]
+        flags = np.array([0.0 if bool(torch.isfinite(snapshot[n]).all()) else 1.0 for n in names])
+        if lockstep is not None and names:
+            flags = lockstep.all_sum(flags)
+        bad = [repr(n) for n, flag in zip(names, flags) if flag > 0]
+        refuse_or_warn_non_finite(bad, self.base.non_finite, where)  # raises in mode "raise"
+        warnings.warn(
+            f"the {self.metric.name} of the unquantized model is {baseline}{f' at {where}' if where else ''}: "
+            "no configuration can be judged, this checkpoint is stored losslessly",
+            stacklevel=3,
+        )
+        return SearchResult(None, None, baseline, "non-finite")
+
 
 class _Context:
     """The state of one checkpoint's search: plans, measured sizes, evaluated points and the rules
@@ -555,9 +589,10 @@ class _Context:
         baseline: float,
         metrics: Sequence[str],
         lockstep: Lockstep | None = None,
+        where: str | None = None,
     ) -> None:
         self.owner, self.model, self.snapshot = owner, model, snapshot
-        self.lockstep = lockstep
+        self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.metrics = list(metrics)
@@ -589,7 +624,12 @@ class _Context:
                 self.lockstep.plan(config)
                 if self.lockstep is not None
                 else plan_quantization(
-                    self.snapshot, config, types=self.types, sensitivity=self.sensitivity, sketch_cache=self.sketches
+                    self.snapshot,
+                    config,
+                    types=self.types,
+                    sensitivity=self.sensitivity,
+                    sketch_cache=self.sketches,
+                    where=self.where,
                 )
             )
         return self._plans[config]

@@ -68,6 +68,7 @@ from .core.quantizer import (
     is_quantizable,
     layer_types,
     plan_quantization,
+    refuse_or_warn_non_finite,
 )
 from .core.ranking import GradientEMA
 from .core.sketch import LogSketch
@@ -265,9 +266,12 @@ def plan_sharded(
     types: Mapping[str, str] | None = None,
     sensitivity: Mapping[str, torch.Tensor] | None = None,
     sketch_cache: dict | None = None,
+    where: str | None = None,
 ) -> QuantPlan:
     """The plan of the full tensors, from this rank's shards ``local`` (called on every rank
     together; ``shapes`` are the full shapes, ``sensitivity`` this rank's shards of it).
+    A tensor with NaN or inf in any rank's shard is left out (stored losslessly) or refused,
+    as ``config.non_finite`` says (``where``, e.g. ``"step 40"``, names the checkpoint).
 
     Thresholds come from the magnitude (and sensitivity) sketches merged over the ranks, the
     codebook of each tensor from the merged sketch of its remaining values: the result equals
@@ -279,6 +283,12 @@ def plan_sharded(
     selected = {
         n: t for n, t in local.items() if is_quantizable(torch.empty(shapes[n], dtype=t.dtype, device="meta"), config)
     }
+    if (non_finite := cache.get("non-finite")) is None:  # tensors with NaN or inf on any rank: lossless
+        flags = all_sum(np.array([0.0 if bool(torch.isfinite(t).all()) else 1.0 for t in selected.values()]))
+        flags = flags if selected else []
+        non_finite = cache["non-finite"] = [n for n, flag in zip(selected, flags) if flag > 0]
+        refuse_or_warn_non_finite(map(repr, non_finite), config.non_finite, where)
+    selected = {n: t for n, t in selected.items() if n not in non_finite}
     kinds = {n: (types or {}).get(n) or infer_layer_type(n, shapes[n]) for n in selected}
     sens = {n: sensitivity[n] for n in selected if sensitivity is not None and n in sensitivity}
     wanted = {(n, "magnitude", config.alpha): (t, True) for n, t in selected.items()}
@@ -396,7 +406,10 @@ class ShardedCompressor(Compressor):
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
         """The fixed configuration's plan, from sketches merged over the ranks (collective)."""
         weights, sens = self._planning(snap)
-        return plan_sharded(weights, self.config, shapes=self._shapes(), types=snap.types, sensitivity=sens)
+        where = f"step {snap.step}"
+        return plan_sharded(
+            weights, self.config, shapes=self._shapes(), types=snap.types, sensitivity=sens, where=where
+        )
 
     def search_snapshot(self, snap: Snapshot) -> SearchResult:
         """The configuration search on the live model, every rank in lockstep (collective)."""
@@ -404,13 +417,17 @@ class ShardedCompressor(Compressor):
             raise ValueError("this ShardedCompressor has no threshold (nothing to search)")
         weights, sens = self._planning(snap)
         cache: dict = {}
-        shapes, types = self._shapes(), snap.types
+        shapes, types, where = self._shapes(), snap.types, f"step {snap.step}"
 
         def plan(config: QuantConfig) -> QuantPlan:
-            return plan_sharded(weights, config, shapes=shapes, types=types, sensitivity=sens, sketch_cache=cache)
+            return plan_sharded(
+                weights, config, shapes=shapes, types=types, sensitivity=sens, sketch_cache=cache, where=where
+            )
 
         lockstep = Lockstep(plan=plan, all_sum=all_sum, ranks=_world()[1])
-        self.last_search = self.search.search(snap.model, weights, types=types, sensitivity=sens, lockstep=lockstep)
+        self.last_search = self.search.search(
+            snap.model, weights, types=types, sensitivity=sens, lockstep=lockstep, where=where
+        )
         return self.last_search
 
     # -- writing ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from hf_dynaquant.core.quantizer import (
 )
 from hf_dynaquant.core.ranking import GradientEMA
 from hf_dynaquant.errors import CodecError
+from hf_dynaquant.search import SearchSpace
 
 
 def toy_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -282,13 +283,29 @@ def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
 
 
-def test_compressor_warns_without_gradients(tmp_path, tiny_net) -> None:
-    comp = Compressor(tiny_net, tmp_path, QuantConfig(min_numel=256))
-    with pytest.warns(UserWarning, match="sensitivity falls back to magnitude"):
-        comp.compress(1)
-    with warnings.catch_warnings():
+def test_compressor_warns_without_gradients_only_when_sensitivity_is_used(tmp_path, tiny_net) -> None:
+    with warnings.catch_warnings():  # the magnitude metric needs no gradients: nothing to warn about
         warnings.simplefilter("error")
+        comp = Compressor(tiny_net, tmp_path / "magnitude", QuantConfig(min_numel=256))
+        comp.compress(1)
         comp.restore(1)
+        searched = Compressor(
+            tiny_net,
+            tmp_path / "search-magnitude",
+            QuantConfig(min_numel=256),
+            threshold=1.0,
+            metric=lambda m: 1.0,
+            search_space=SearchSpace(bins=(4,), prune=(0.0,), protect=(0.005,), metrics=("magnitude",)),
+        )
+        searched.compress(1)
+    comp = Compressor(tiny_net, tmp_path / "sensitivity", QuantConfig(min_numel=256, metric="sensitivity"))
+    with pytest.warns(UserWarning, match="fall back to magnitude"):
+        comp.compress(1)
+    searched = Compressor(
+        tiny_net, tmp_path / "search", QuantConfig(min_numel=256), threshold=1.0, metric=lambda m: 1.0
+    )
+    with pytest.warns(UserWarning, match="no gradients were recorded"):
+        searched.compress(1)
 
 
 def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:

@@ -14,15 +14,14 @@ the delta pays; if not the tensor is stored self-contained.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..core.bitplanes import FloatPlanes, join_bytes, join_float, side_bits, split_bytes, split_float
 from ..core.entropy import decode_stream, encode_stream, encode_symbols, packed_bits
+from ..core.pool import ForkSafePool
 from ..dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
 from ..errors import CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
@@ -31,8 +30,8 @@ __all__ = ["LosslessCodec", "CHUNK"]
 
 CHUNK = 1 << 20  # elements per chunk
 _SAMPLE = 1 << 16  # elements used to decide whether a delta pays
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="dq-lossless")
+_POOL = ForkSafePool("dq-lossless")
+_WORKERS = _POOL.max_workers
 
 
 def _is_split_float(dtype: str) -> bool:

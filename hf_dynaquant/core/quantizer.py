@@ -21,6 +21,12 @@ Decisions where the paper is silent (also in FORMAT.md):
   centre ``i``; at most 256 levels, so a code is one byte.
 * **Rounding** is to the nearest centre, or stochastic (``QuantConfig.rounding``): unbiased,
   for checkpoints that training resumes from, see :mod:`hf_dynaquant.core.rounding`.
+* **NaN and infinite values** cannot be ranked or clustered. A tensor holding any is stored
+  losslessly, bit-exact, so the NaN survives the round trip for whoever debugs the divergence,
+  with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it; with
+  ``QuantConfig(non_finite="raise")`` a :class:`~hf_dynaquant.errors.NonFiniteTensorError`
+  instead. A non-finite *sensitivity* (a NaN or infinite gradient in the EMA window, e.g. a step
+  the fp16 grad scaler skipped) only makes the checkpoint rank by magnitude, with a warning.
 
 All thresholds come from :class:`~hf_dynaquant.core.sketch.LogSketch` quantiles; sketches merge,
 so sharded models get the thresholds of the whole model.
@@ -29,13 +35,14 @@ so sharded models get the thresholds of the whole model.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from ..dtypes import storage_key
+from ..dtypes import check_storable, storage_key
+from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from .bitplanes import _kernels
 from .kmeans import approximate_kmeans
 from .rounding import stochastic_codes, tensor_seed, uniform
@@ -54,12 +61,15 @@ __all__ = [
     "plan_quantization",
     "quantize",
     "dequantize",
+    "NON_FINITE",
+    "refuse_or_warn_non_finite",
 ]
 
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
 EMBEDDING = "Embedding"
 METRICS = ("magnitude", "sensitivity")
 ROUNDINGS = ("nearest", "stochastic")
+NON_FINITE = ("lossless", "raise")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,10 @@ class QuantConfig:
         rounding: ``"nearest"`` centre, or ``"stochastic"`` (unbiased; for a checkpoint that
             training goes on from after a restore, see :mod:`hf_dynaquant.core.rounding`).
         rounding_seed: seed of the stochastic rounding's random numbers.
+        non_finite: a tensor holding NaN or infinite values is stored ``"lossless"`` (bit-exact,
+            with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it), or makes the
+            checkpoint ``"raise"`` a :class:`~hf_dynaquant.errors.NonFiniteTensorError`. The
+            same holds for optimizer moments under ``optimizer_state="compress"``.
     """
 
     bins: int = 16
@@ -92,6 +106,7 @@ class QuantConfig:
     seed: int = 0
     rounding: str = "nearest"
     rounding_seed: int = 0
+    non_finite: str = "lossless"
 
     def __post_init__(self) -> None:
         for name in ("bins", "embedding_bins"):
@@ -106,6 +121,8 @@ class QuantConfig:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.non_finite not in NON_FINITE:
+            raise ValueError(f"non_finite must be one of {NON_FINITE}, got {self.non_finite!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +215,39 @@ class QuantPlan:
     tensors: dict[str, TensorPlan]
 
 
+def refuse_or_warn_non_finite(tensors: Iterable[str], policy: str, where: str | None = None) -> None:
+    """Apply a ``QuantConfig.non_finite`` policy to tensors found holding NaN or infinite values
+    (``tensors``: how to name each, e.g. ``"'fc.weight'"``; ``where``: e.g. ``"step 40"``):
+    raise :class:`NonFiniteTensorError`, or warn that they are stored losslessly."""
+    named = list(tensors)
+    if not named:
+        return
+    at = f" at {where}" if where else ""
+    what = f"{', '.join(named)} {'holds' if len(named) == 1 else 'hold'} NaN or infinite values{at}"
+    if policy == "raise":
+        raise NonFiniteTensorError(
+            f"{what}; QuantConfig(non_finite='raise') refuses to store them (the default, 'lossless', "
+            "keeps them bit-exact)",
+            named,
+            where,
+        )
+    warnings.warn(
+        f"{what}: stored losslessly (bit-exact, so NaN and inf survive the round trip) instead of "
+        "quantized; QuantConfig(non_finite='raise') makes this an error",
+        NonFiniteTensorWarning,
+        stacklevel=3,
+    )
+
+
+def _finite(cache: dict, key: tuple, tensor: Callable[[], torch.Tensor], fresh: list) -> bool:
+    """Whether a tensor holds only finite values, computed once per ``cache`` (the result of a
+    new check is appended to ``fresh`` as ``(key, finite)``)."""
+    if key not in cache:
+        cache[key] = bool(torch.isfinite(tensor()).all())
+        fresh.append((key, cache[key]))
+    return cache[key]
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A flat float32 CPU view or copy (codes are computed on the host; sketches where the tensor lives)."""
     return t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
@@ -210,6 +260,7 @@ def plan_quantization(
     types: Mapping[str, str] | None = None,
     sensitivity: Mapping[str, torch.Tensor] | None = None,
     sketch_cache: dict | None = None,
+    where: str | None = None,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
@@ -219,8 +270,13 @@ def plan_quantization(
     ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
     sketches, which do not depend on the configuration: the configuration search plans many
     candidates for one checkpoint.
+
+    A tensor holding NaN or infinite values is left out of the plan (so stored losslessly) or
+    refused, as ``config.non_finite`` says; ``where`` (e.g. ``"step 40"``) goes in the message,
+    which is given once per ``sketch_cache``. A tensor on the meta device is refused.
     """
     cache = sketch_cache if sketch_cache is not None else {}
+    checked: list[tuple[tuple, bool]] = []  # finiteness checks made by this call (reported once per cache)
 
     def sketch_of(name: str, kind: str, values: Callable[[], torch.Tensor], magnitude: bool) -> LogSketch:
         key = (name, kind, config.alpha)
@@ -241,10 +297,24 @@ def plan_quantization(
             continue
         if key is not None:
             first_name[key] = n
+        check_storable(t, n)
+        if not _finite(cache, (n, "finite"), lambda t=t: t, checked):
+            continue
         names.append(n)
         kinds[n] = kind
         mag_sketches[n] = sketch_of(n, "magnitude", lambda t=t: t, True)
+    refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
+    sens_checked: list[tuple[tuple, bool]] = []
+    sens = {n: s for n, s in sens.items() if _finite(cache, (n, "finite sensitivity"), lambda s=s: s, sens_checked)}
+    if bad_sens := [k[0] for k, ok in sens_checked if not ok]:
+        warnings.warn(
+            f"the sensitivity (|EMA(g) * w|) of {', '.join(map(repr, bad_sens))} holds NaN or infinite values"
+            f"{f' at {where}' if where else ''} (a non-finite gradient in the EMA window): pruning and "
+            "protection rank by magnitude",
+            NonFiniteTensorWarning,
+            stacklevel=2,
+        )
     use_sens = bool(names) and len(sens) == len(names)
     if config.metric == "sensitivity" and names and not use_sens:
         warnings.warn(

@@ -19,21 +19,20 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .bitplanes import _kernels
+from .pool import ForkSafePool
 
 __all__ = ["LogSketch"]
 
 _MIN_INDEXABLE = 1e-30  # smaller magnitudes count as zero (keeps key ranges bounded)
 _EXACT = np.iinfo(np.int32).min  # table entry: "compute the logarithm for this one"
 _PART = 1 << 22  # values per kernel call; parts run on the pool
-_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dq-sketch")
+_POOL = ForkSafePool("dq-sketch")
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,0 +1,89 @@
+"""Thread pools that survive ``fork``.
+
+A ``ThreadPoolExecutor`` does not: its threads do not exist in a forked child, yet the child's
+copy of the executor believes they do (and its locks may be held by them), so the first job a
+child submits waits forever. Forking after an encode is common: DataLoader workers and
+``multiprocessing`` with the ``fork`` start method. Every pool of ours is therefore a
+:class:`ForkSafePool`: the executor is created on first use, and a child forgets its parent's
+(``os.register_at_fork``), so it starts its own on first use too.
+
+Objects holding other per-process state (a :class:`~hf_dynaquant.background.BackgroundWorker`'s
+job in flight) register with :func:`reset_after_fork` the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+__all__ = ["ForkSafePool", "reset_after_fork", "default_workers"]
+
+T = TypeVar("T")
+
+
+class _ForkAware(Protocol):
+    def _after_fork(self) -> None: ...
+
+
+_REGISTERED: weakref.WeakSet[_ForkAware] = weakref.WeakSet()
+
+
+def _reset_all() -> None:
+    for obj in list(_REGISTERED):
+        obj._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
+    os.register_at_fork(after_in_child=_reset_all)
+
+
+def reset_after_fork(obj: _ForkAware) -> None:
+    """Call ``obj._after_fork()`` in every forked child of this process (``obj`` is held weakly)."""
+    _REGISTERED.add(obj)
+
+
+def default_workers() -> int:
+    """Threads for a CPU-bound pool: one per core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class ForkSafePool:
+    """A ``ThreadPoolExecutor`` created on first use and forgotten in a forked child (see the
+    module docstring). ``submit``, ``map`` and ``shutdown`` are the executor's."""
+
+    def __init__(self, name: str, max_workers: int | None = None) -> None:
+        self.name, self.max_workers = name, max_workers or default_workers()
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        reset_after_fork(self)
+
+    def _after_fork(self) -> None:
+        # the parent's threads are gone and a lock one of them held would stay held: start afresh
+        self._executor, self._lock = None, threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        """This process's executor (created now if there is none yet)."""
+        executor = self._executor
+        if executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=self.name)
+                executor = self._executor
+        return executor
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self.executor().submit(fn, *args, **kwargs)
+
+    def map(self, fn: Callable[..., T], *iterables: Iterable[Any]) -> Iterator[T]:
+        return self.executor().map(fn, *iterables)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop this process's threads (a later job starts new ones)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=wait)

@@ -1,0 +1,81 @@
+"""Our thread pools survive ``fork``: a forked child (a DataLoader worker, a multiprocessing
+user) can encode, decode and sketch after the parent has used every pool."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dynaquant.background import BackgroundWorker
+from hf_dynaquant.codecs import get_codec
+from hf_dynaquant.codecs.lossless import CHUNK
+from hf_dynaquant.core.sketch import LogSketch
+from hf_dynaquant.dtypes import to_raw
+
+pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+
+# how long a child may take before it counts as hung (it needs well under a second)
+HANG = 120
+# a background worker made before the fork, kept alive across it as a Trainer callback's is
+WORKERS: list[BackgroundWorker] = []
+
+
+class Blobs:
+    where = "test"
+
+    def __init__(self, blobs: dict[str, bytes]) -> None:
+        self.blobs = blobs
+
+    def __call__(self, name: str) -> np.ndarray:
+        return np.frombuffer(self.blobs[name], dtype=np.uint8)
+
+
+def _lossless_roundtrip(t: torch.Tensor) -> bool:
+    codec = get_codec("lossless")
+    raw = to_raw(t)
+    enc = codec.encode(raw)
+    assert len(enc.blobs) > 1  # several chunks: the pool did the work
+    out = codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs))
+    return bool(np.array_equal(out.bits, raw.bits))
+
+
+def _use_every_pool() -> None:
+    """Encode, decode and sketch enough values that every pool runs jobs, and use a worker."""
+    t = torch.randn(3 * CHUNK)
+    assert _lossless_roundtrip(t)
+    assert LogSketch().add(t).count == t.numel()
+    worker = BackgroundWorker("test-fork")
+    worker.submit("job", lambda: 1)
+    assert worker.wait() == 1
+    WORKERS.append(worker)
+
+
+def _child(queue: multiprocessing.Queue) -> None:
+    # numpy values: torch's own OpenMP threads do not survive fork either (DataLoader workers
+    # set torch.set_num_threads(1) for that); here only our pools are under test
+    t = torch.from_numpy(np.random.default_rng(1).standard_normal(3 * CHUNK, dtype=np.float32))
+    worker = WORKERS[-1]
+    worker.submit("child job", lambda: 2)
+    fresh = BackgroundWorker("test-fork-child")
+    fresh.submit("fresh job", lambda: 3)
+    queue.put((_lossless_roundtrip(t), LogSketch().add(t).count == t.numel(), worker.wait(), fresh.wait()))
+
+
+def test_pools_work_in_a_forked_child() -> None:
+    _use_every_pool()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(queue,))
+    child.start()
+    child.join(HANG)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung, "the forked child hung in an encode, decode, sketch or background job"
+    assert child.exitcode == 0
+    assert queue.get(timeout=10) == (True, True, 2, 3)
+    WORKERS.pop().close()
