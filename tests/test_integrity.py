@@ -22,7 +22,6 @@ from hf_dynaquant import (
 from hf_dynaquant.codecs import Codec, register_codec
 from hf_dynaquant.codecs.lossless import LosslessCodec
 from hf_dynaquant.store import manifest as manifest_mod
-from hf_dynaquant.store import store as store_mod
 
 
 def payload(store: CheckpointStore, eid: str) -> Path:
@@ -103,9 +102,44 @@ def test_unknown_format_version(store) -> None:
     with pytest.raises(UnsupportedFormatVersionError, match="format version 99 is not supported"):
         store.open(eid)
     marker = store.path / "store.json"
-    marker.write_text(json.dumps({"format": manifest_mod.STORE_FORMAT, "format_version": 7}))
-    with pytest.raises(UnsupportedFormatVersionError, match="version 7"):
+    newer = {"format": manifest_mod.STORE_FORMAT, "format_version": 7}
+    marker.write_bytes(manifest_mod.canonical_json({**newer, "checksum": manifest_mod._marker_checksum(newer)}))
+    with pytest.raises(UnsupportedFormatVersionError, match="version 7.*upgrade"):
         CheckpointStore(store.path)
+
+
+@pytest.mark.parametrize("version", [b"0", b"3", b"5", b"9", b"11"])
+def test_damaged_format_version_is_damage_not_a_newer_format(store, version: bytes) -> None:
+    one_entry(store)
+    marker = store.path / "store.json"
+    marker.write_bytes(marker.read_bytes().replace(b'"format_version":1', b'"format_version":' + version))
+    with pytest.raises(CorruptCheckpointError, match="store marker is damaged") as err:
+        CheckpointStore(store.path)
+    assert "upgrade" not in str(err.value) and "read b'" in str(err.value)
+    legacy = b'{"format":"hf_dynaquant.store","format_version":%s}'  # as written before markers had a checksum
+    marker.write_bytes(legacy % version)
+    with pytest.raises(CorruptCheckpointError, match="without a checksum"):
+        CheckpointStore(store.path)
+    marker.write_bytes(legacy % b"1")
+    assert CheckpointStore(store.path).verify() == []  # an intact legacy marker still opens
+
+
+def test_verify_reports_damaged_marker_and_refs(store) -> None:
+    eid = one_entry(store)
+    marker = store.path / "store.json"
+    marker.write_bytes(marker.read_bytes()[:-5])
+    (store.path / "refs" / "bad.json").write_bytes(b'{"entry":"' + eid[:20].encode() + b'zz"}')
+    (store.path / "refs" / "junk.json").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(CorruptCheckpointError, match="store marker is damaged"):
+        CheckpointStore(store.path)  # loading raises
+    opened = CheckpointStore(store.path, strict=False)
+    problems = opened.verify()  # verify reports
+    assert len(problems) == 3, problems
+    assert "store marker" in problems[0]
+    assert "bad.json" in problems[1] and eid[:20] in problems[1] and "not 64 hex digits" in problems[1]
+    assert "junk.json" in problems[2] and "garbage" in problems[2]
+    with pytest.raises(CorruptCheckpointError, match="bad.json: damaged reference"):
+        opened.refs()
 
 
 @register_codec
@@ -148,7 +182,7 @@ store.write({"model": big}, ref="m")
 
 
 @pytest.mark.slow
-def test_killed_writer_leaves_earlier_checkpoint_intact(store, monkeypatch) -> None:
+def test_killed_writer_leaves_earlier_checkpoint_intact(store) -> None:
     eid = one_entry(store)
     before = store.open("m").load_section("model")
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(store.path)], stdout=subprocess.PIPE, text=True)
@@ -162,7 +196,7 @@ def test_killed_writer_leaves_earlier_checkpoint_intact(store, monkeypatch) -> N
     assert store.entries() == [eid] and store.refs() == {"m": eid}  # no partial entry is visible
     after = store.open("m").load_section("model")
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert store.verify() == []
-    monkeypatch.setattr(store_mod, "_STALE_TMP_SECONDS", -1.0)
+    problems = store.verify()
+    assert len(problems) == 1 and "leftover of an interrupted write" in problems[0], problems
     store.gc()
-    assert not list((store.path / "entries").glob(".tmp-*"))
+    assert not list((store.path / "entries").glob(".tmp-*")) and store.verify() == []

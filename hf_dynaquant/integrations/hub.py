@@ -35,6 +35,7 @@ from ..core.quantizer import QuantConfig
 from ..errors import CorruptCheckpointError, DynaQuantError
 from ..folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
 from ..search import QualityMetric, SearchSpace
+from ..store.atomic import atomic_write_bytes
 from .hf_quantizer import QUANT_METHOD, transformers_sections
 
 __all__ = [
@@ -130,8 +131,7 @@ def compress_pretrained(
         source_config = _read_config(src)
         if metric is not None and not isinstance(metric, QualityMetric):
             metric = QualityMetric(metric, higher_is_better=False, name=getattr(metric, "__name__", "metric"))
-        staging = _staging(output_dir)
-        try:
+        with _staging(output_dir) as staging:
             result = compress_folder(
                 src,
                 staging / "snapshot",
@@ -162,8 +162,6 @@ def compress_pretrained(
             base = base_model or source_config.get("_name_or_path") or None
             _write_card(folder, snapshot, base, threshold, template)
             _publish(folder, output_dir, overwrite)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return snapshot
 
 
@@ -193,9 +191,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _output_cosine(src: Path, decoded: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
@@ -425,16 +421,13 @@ def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False
     """Write a snapshot folder back as a plain model folder (float safetensors; config.json
     without ``quantization_config`` and ``transformers_weights``) that any transformers loads."""
     dst = Path(dst)
-    staging = _staging(dst)
-    try:
+    with _staging(dst) as staging:
         decompress_folder(src, staging / "plain", progress=False)
         config = _read_config(staging / "plain")
         config.pop("quantization_config", None)
         config.pop("transformers_weights", None)
         _write_json(staging / "plain" / _CONFIG, config)
         _publish(staging / "plain", dst, overwrite)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return dst
 
 
