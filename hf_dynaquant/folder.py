@@ -127,7 +127,7 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     if dst.exists():
         if not overwrite:
             raise DynaQuantError(
-                f"{dst} already exists; choose another destination or pass overwrite=True (--overwrite)"
+                f"{dst} already exists; choose another destination or pass overwrite=True"
             )
         old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
         dst.rename(old)
@@ -205,7 +205,7 @@ def compress_folder(
                 if result.config is None:
                     raise DynaQuantError(
                         f"{src}: no configuration keeps the output distortion within {threshold}; "
-                        "use the lossless codec or a larger --threshold"
+                        "use codec='lossless' or a larger threshold="
                     )
                 quant = result.config
             quant = quant or QuantConfig()
