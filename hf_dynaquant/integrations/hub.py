@@ -9,7 +9,7 @@
 * :func:`push_to_hub` uploads such a folder (compressing first when given a model or a plain
   folder); :func:`pull` downloads one and checks every checksum.
 * :func:`from_pretrained` loads a snapshot with public APIs only: ``snapshot_download``, decode
-  once into a local cache keyed by the commit (or, for a local folder, by the entry id), then the
+  once into a local cache keyed by the commit and the snapshot's content (checked at every load), then the
   model class's own ``from_pretrained``. ``AutoModel.from_pretrained(repo)`` after
   ``import hf_dynaquant`` gives the same tensors through the quantizer hooks.
 
@@ -19,6 +19,7 @@ Nothing is ever unpickled: weights are safetensors, everything else JSON. ``HF_T
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -398,16 +399,25 @@ def materialize(
 ) -> Path:
     """A plain model folder (float safetensors, config without the quantization entries) for a
     snapshot, decoded once and kept in ``cache_dir`` (default ``$HF_DYNAQUANT_CACHE`` or
-    ``~/.cache/hf_dynaquant/decoded``) under the repo and commit, or the entry id for a local folder."""
+    ``~/.cache/hf_dynaquant/decoded``).
+
+    Every call checks the snapshot first (every blob checksum; a local folder is checked where it
+    is, a repo by :func:`pull`), and the decoded copy is keyed by everything it is made of
+    (:func:`_snapshot_key`), so an edited ``config.json`` or tokenizer is decoded afresh and a
+    damaged payload is a :class:`CorruptCheckpointError`, never an earlier decode."""
     local = Path(repo_id_or_path)
     if local.is_dir():
-        if not _is_snapshot(local):
+        config = _read_config(local)  # a missing or unreadable config.json is named as such
+        if not isinstance(config, dict) or (config.get("quantization_config") or {}).get("quant_method") != QUANT_METHOD:
             raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
-        src, key = local, Path("local") / find_store(local).resolve(MODEL_REF)
+        problems = find_store(local).verify()
+        if problems:
+            raise CorruptCheckpointError(f"{local}: the snapshot is damaged: " + "; ".join(problems))
+        src, prefix = local, Path("local")
     else:
         src = pull(str(repo_id_or_path), revision=revision, token=token, cache_dir=hub_cache_dir, endpoint=endpoint)
-        key = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
-    target = _decode_cache(cache_dir) / key
+        prefix = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
+    target = _decode_cache(cache_dir) / prefix / _snapshot_key(src)
     if not target.is_dir():
         try:
             decode_snapshot(src, target)
@@ -415,6 +425,20 @@ def materialize(
             if not target.is_dir():  # not merely decoded meanwhile by another process
                 raise
     return target
+
+
+def _snapshot_key(folder: Path) -> str:
+    """What a decoded copy of the snapshot ``folder`` is made of, as one hex key: its entry id
+    (a hash of the manifest, which lists every payload blob's SHA-256) and the path and SHA-256
+    of every other file that decoding copies (config, tokenizer, ...)."""
+    key = hashlib.sha256(find_store(folder).resolve(MODEL_REF).encode())
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if rel.parts[0] != STORE_DIR and path.is_file():
+            with open(path, "rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").digest()
+            key.update(rel.as_posix().encode() + b"\0" + digest)
+    return key.hexdigest()[:32]
 
 
 def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
