@@ -129,8 +129,8 @@ def check_store_marker(path: Path) -> None:
             raise CorruptCheckpointError(
                 f"{path}: the store marker is damaged (its checksum does not match); read {data[:200]!r}"
             )
-    elif doc.get("format_version") != FORMAT_VERSION:
-        # markers without a checksum were written by format version 1 only
+    elif set(doc) != {"format", "format_version"} or doc["format_version"] != FORMAT_VERSION:
+        # markers without a checksum were written by format version 1 only, with these two keys
         raise CorruptCheckpointError(
             f"{path}: the store marker is damaged (format_version {doc.get('format_version')!r} in a marker "
             f"without a checksum, which only version {FORMAT_VERSION} wrote); read {data[:200]!r}"

@@ -40,6 +40,7 @@ from ..errors import (
     DynaQuantError,
     EntryNotFoundError,
     MissingBaseError,
+    StoreWriteError,
 )
 from .atomic import (
     TempDir,
@@ -405,7 +406,10 @@ class CheckpointStore:
             raise ValueError(f"invalid reference name {name!r}: use letters, digits, '.', '_' and '-'")
         if manifest_file(self.entries_dir / entry_id) is None:
             raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {self.path}")
-        atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
+        try:
+            atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
+        except OSError as exc:
+            raise StoreWriteError(f"store {self.path} (reference {name!r})", exc) from exc
 
     def delete_ref(self, name: str) -> None:
         """Remove a reference; the entries it kept alive become garbage for :meth:`gc`."""
@@ -551,6 +555,9 @@ class CheckpointStore:
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))
             return_id = writer.finish(base_id, skeletons, dict(metadata or {}))
+        except OSError as exc:
+            writer.abort()
+            raise StoreWriteError(f"store {self.path}", exc, writer.tmp) from exc
         except BaseException:
             writer.abort()
             raise
