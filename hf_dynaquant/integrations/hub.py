@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -408,7 +407,8 @@ def materialize(
     local = Path(repo_id_or_path)
     if local.is_dir():
         config = _read_config(local)  # a missing or unreadable config.json is named as such
-        if not isinstance(config, dict) or (config.get("quantization_config") or {}).get("quant_method") != QUANT_METHOD:
+        quantization = config.get("quantization_config") if isinstance(config, dict) else None
+        if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
             raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
         problems = find_store(local).verify()
         if problems:

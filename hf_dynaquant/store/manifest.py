@@ -123,7 +123,9 @@ def check_store_marker(path: Path) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{path}: the store marker is damaged ({exc}); read {data[:200]!r}") from None
     if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
-        raise CorruptCheckpointError(f"{path}: the store marker is damaged (not an {STORE_FORMAT} document); read {data[:200]!r}")
+        raise CorruptCheckpointError(
+            f"{path}: the store marker is damaged (not an {STORE_FORMAT} document); read {data[:200]!r}"
+        )
     if "checksum" in doc:
         if doc["checksum"] != _marker_checksum(doc):
             raise CorruptCheckpointError(

@@ -55,7 +55,6 @@ from .manifest import (
     ENTRY_FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    STORE_FORMAT,
     canonical_json,
     check_store_marker,
     content_id,
