@@ -11,8 +11,8 @@ and differs from the reference) or ``unchanged`` (it loaded, identical). KIND is
 which reads each outcome with a timeout and kills this process.
 
 ``python fault_worker.py save STORE TAG [BASE_REF]``: trains a small model with AdamW and writes
-a checkpoint (optimizer state compressed) after every step, printing ``saved REF DIGEST`` once
-each is written and read back; it never stops on its own.
+a checkpoint (optimizer state compressed) after every step, printing ``writing REF`` before
+and ``saved REF DIGEST`` once it is written and read back; it never stops on its own.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def save_forever(store_path: Path, tag: str, base_ref: str | None) -> None:
         comp.before_gradient_flush()
         opt.zero_grad()
         ref = f"{tag}-{step}"
+        print(f"writing {ref}", flush=True)
         entry = comp.compress(step)
         comp.store.set_ref(ref, entry)
         print(f"saved {ref} {digest(read_checkpoint(comp.store, ref)[:2])}", flush=True)
