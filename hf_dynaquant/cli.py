@@ -38,25 +38,30 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
-_QUANT_FLAGS = {"bins": "--bins", "prune": "--prune", "protect": "--protect", "metric": "--metric"}
-_EXTRA_QUANT_FLAGS = {"embedding_bins": "--embedding-bins"}
+# The QuantConfig fields `compress` sets, by flag; a --threshold search chooses all but embedding_bins.
+_QUANT_FLAGS = {
+    "bins": "--bins",
+    "embedding_bins": "--embedding-bins",
+    "prune": "--prune",
+    "protect": "--protect",
+    "metric": "--metric",
+}
+_SEARCHED = ("bins", "prune", "protect", "metric")
 
 
 def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    quant = None
-    given = [flag for dest, flag in {**_QUANT_FLAGS, **_EXTRA_QUANT_FLAGS}.items() if getattr(args, dest) is not None]
+    given = {dest: getattr(args, dest) for dest in _QUANT_FLAGS if getattr(args, dest) is not None}
     if args.codec != "dynaquant" and (given or args.threshold is not None):
-        flags = " and ".join(given + (["--threshold"] if args.threshold is not None else []))
+        flags = [_QUANT_FLAGS[dest] for dest in given] + (["--threshold"] if args.threshold is not None else [])
         raise InvalidSettingError(
-            f"{flags} only apply to the dynaquant codec (--codec {args.codec} would ignore them): add --codec dynaquant"
+            f"{' and '.join(flags)} only apply to the dynaquant codec (--codec {args.codec} would ignore them): "
+            "add --codec dynaquant"
         )
-    searched = [flag for dest, flag in _QUANT_FLAGS.items() if getattr(args, dest) is not None]
+    searched = [_QUANT_FLAGS[dest] for dest in given if dest in _SEARCHED]
     if args.threshold is not None and searched:
         raise InvalidSettingError(f"--threshold searches {' and '.join(searched)} itself: give one or the other")
-    if args.codec == "dynaquant":
-        fixed = {dest: getattr(args, dest) for dest in {**_QUANT_FLAGS, **_EXTRA_QUANT_FLAGS}}
-        quant = QuantConfig(**{k: v for k, v in fixed.items() if v is not None})
+    quant = QuantConfig(**given) if args.codec == "dynaquant" else None
     res = compress_folder(
         args.src,
         args.dst,

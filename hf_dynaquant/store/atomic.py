@@ -42,6 +42,8 @@ __all__ = [
     "fsync_file",
     "owner_is_dead",
     "remove_dead_leftovers",
+    "size_on_disk",
+    "target_name",
     "temp_name",
 ]
 
@@ -54,10 +56,15 @@ _LEGACY = re.compile(r"^\.tmp-[0-9a-f]{8,32}(?:-(?P<name>.+))?$")
 STALE_SECONDS = 3600.0
 
 
+def _owned_name(name: str) -> str:
+    """A fresh temporary item's name, with this process as its owner, for what becomes ``name``."""
+    return f".tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}" + (f"-{name}" if name else "")
+
+
 def temp_name(path: Path) -> Path:
     """A unique temporary sibling of ``path`` (same directory, so rename is atomic), named with
     this process as its owner."""
-    return path.with_name(f".tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{path.name}")
+    return path.with_name(_owned_name(path.name))
 
 
 def target_name(item: Path) -> str | None:
@@ -118,19 +125,15 @@ def _lock_new(path: Path, *, directory: bool) -> int:
     return fd
 
 
-def _create_owned(make_path: Iterator[Path], *, directory: bool) -> tuple[Path, int]:
-    for path in make_path:
+def _create_owned(parent: Path, name: str, *, directory: bool) -> tuple[Path, int]:
+    """A new temporary item in ``parent`` for ``name``, locked: ``(path, lock fd)``."""
+    while True:
+        path = parent / _owned_name(name)
         try:
             return path, _lock_new(path, directory=directory)
-        except FileNotFoundError:
-            if not path.parent.is_dir():
+        except FileNotFoundError:  # a cleaner took it in the instant before our lock: a new name
+            if not parent.is_dir():
                 raise
-    raise AssertionError("unreachable")
-
-
-def _fresh_names(parent: Path, name: str) -> Iterator[Path]:
-    while True:
-        yield temp_name(parent / name) if name else parent / f".tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 class TempDir:
@@ -142,7 +145,7 @@ class TempDir:
     """
 
     def __init__(self, parent: Path, name: str = "") -> None:
-        self.path, self._fd = _create_owned(_fresh_names(Path(parent), name), directory=True)
+        self.path, self._fd = _create_owned(Path(parent), name, directory=True)
 
     def publish(self, dst: Path) -> None:
         """Rename the folder to ``dst`` (which must not exist), dropping the lock file first."""
@@ -168,7 +171,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by someone else
+    except PermissionError:  # it exists, owned by another user
         return True
     return True
 
@@ -187,15 +190,8 @@ def _dead_lock(item: Path) -> Iterator[bool]:
         yield False
         return
     if fd < 0:  # no lock to test: the instant after mkdir, mid-publish, or an older version's item
-        if owned and owned.group("host") == _HOST:
-            yield not _pid_alive(int(owned.group("pid")))
-            return
-        try:
-            age = time.time() - item.lstat().st_mtime
-        except FileNotFoundError:
-            yield False
-            return
-        yield age > STALE_SECONDS
+        same_host = owned is not None and owned.group("host") == _HOST
+        yield not _pid_alive(int(owned.group("pid"))) if same_host else _old(item)
         return
     try:
         try:
@@ -203,13 +199,14 @@ def _dead_lock(item: Path) -> Iterator[bool]:
         except BlockingIOError:
             yield False  # a live writer holds it
             return
-        yield _same_file(fd, lock) and (owned is not None or item.is_dir() or _old(item))
+        yield _same_file(fd, lock) and (owned is not None or _old(item))
     finally:
         os.close(fd)
 
 
 def _old(item: Path) -> bool:
-    """An older version's temporary *file* was never locked: only age tells it is dead."""
+    """Whether ``item`` is older than :data:`STALE_SECONDS`: what tells an unlocked item (an
+    older version's, or one from another host) is dead."""
     try:
         return time.time() - item.lstat().st_mtime > STALE_SECONDS
     except FileNotFoundError:
@@ -263,7 +260,7 @@ def size_on_disk(item: Path) -> int:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     path = Path(path)
-    tmp, fd = _create_owned(_fresh_names(path.parent, path.name), directory=False)
+    tmp, fd = _create_owned(path.parent, path.name, directory=False)
     try:
         with open(fd, "wb", closefd=False) as fh:
             fh.write(data)

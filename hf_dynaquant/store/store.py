@@ -58,11 +58,11 @@ from .manifest import (
     canonical_json,
     check_store_marker,
     content_id,
-    store_marker,
     manifest_file,
     pack_manifest,
     parse_manifest,
     read_manifest_bytes,
+    store_marker,
 )
 from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_blob
 from .tree import flatten_tree, unflatten_tree
@@ -105,7 +105,11 @@ class _EntryWriter:
         remove_dead_leftovers(store.entries_dir)  # a killed earlier write's; never a live writer's
         self.dir = TempDir(store.entries_dir)
         self.tmp = self.dir.path
-        self.payload = StreamingWriter(self.tmp / PAYLOAD, header_size_estimate(blob_keys_estimate))
+        try:
+            self.payload = StreamingWriter(self.tmp / PAYLOAD, header_size_estimate(blob_keys_estimate))
+        except BaseException:
+            self.dir.discard()
+            raise
         self.sections: dict[str, dict[str, Any]] = {}
         self.extras: dict[str, Any] = {}
         self.uses_base = False
@@ -522,7 +526,14 @@ class CheckpointStore:
             for n, numel in _numels(group).items()
             for i in range(codec_for(s, n).max_blobs(numel))
         ] + [f"extras/{n}" for n in extras]
-        writer = _EntryWriter(self, keys)
+        try:
+            writer = _EntryWriter(self, keys)
+        except BaseException as exc:
+            if base_reader is not None:
+                base_reader.close()
+            if isinstance(exc, OSError):
+                raise StoreWriteError(f"store {self.path}", exc) from exc
+            raise
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
