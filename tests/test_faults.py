@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from fault_worker import digest  # tests/ is on sys.path (rootdir conftest)
 
 from hf_dynaquant import CheckpointStore, Compressor, QuantConfig
 from hf_dynaquant.compressor import read_checkpoint
@@ -37,9 +38,8 @@ from hf_dynaquant.store.manifest import MANIFEST
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 TRIAL_TIMEOUT = 60.0  # seconds without an answer before a trial counts as a hang
-_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parents[1]), str(WORKER.parent)])}
-sys.path.insert(0, str(WORKER.parent))
-from fault_worker import digest  # noqa: E402
+_PATH = [str(WORKER.parents[1]), str(WORKER.parent), os.environ.get("PYTHONPATH", "")]
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in _PATH if p)}
 
 
 # -- the fuzz harness ------------------------------------------------------------------------------
