@@ -126,9 +126,7 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
     if dst.exists():
         if not overwrite:
-            raise DynaQuantError(
-                f"{dst} already exists; choose another destination or pass overwrite=True"
-            )
+            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True")
         old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
         dst.rename(old)
         tmp.rename(dst)

@@ -648,10 +648,11 @@ class CheckpointStore:
                 self.set_ref(name, new_id)
         return new_id
 
-    def verify(self, ref_or_id: str | None = None, *, deep: bool = False) -> list[str]:
+    def verify(self, ref_or_id: str | None = None, *, deep: bool = False, leftovers: bool = True) -> list[str]:
         """Check the store marker, references, manifests, blob checksums and chain links, and
-        look for leftovers of killed writes; with ``deep``, also decode every tensor. Returns a
-        list of problems (empty when all is well); damage is reported, never raised."""
+        (with ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode
+        every tensor. Returns a list of problems (empty when all is well); damage is reported,
+        never raised."""
         problems: list[str] = []
         try:
             check_store_marker(self.path / "store.json")
@@ -681,7 +682,7 @@ class CheckpointStore:
         for name, target in refs.items():
             if not (self.entries_dir / target).is_dir():
                 problems.append(f"reference {name!r} points at missing entry {target[:16]}")
-        for item in self.leftovers():
+        for item in self.leftovers() if leftovers else []:
             problems.append(
                 f"leftover of an interrupted write: {item} ({size_on_disk(item) / 1e3:.0f} KB, its writer is "
                 "gone); gc or the next write removes it"
