@@ -60,7 +60,7 @@ def search_pretrained(
     except (OSError, ValueError) as exc:
         raise DynaQuantError(
             f"{folder}: cannot load the model to evaluate configurations ({exc}); "
-            "give --bins/--prune/--protect instead of --threshold"
+            "give a fixed configuration (bins=, prune=, protect=) instead of threshold="
         ) from None
     if metric is None and data is not None:
         metric = output_distortion(model, data)

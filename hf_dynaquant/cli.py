@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from .codecs import codec_names
 from .core.quantizer import QuantConfig
-from .errors import DynaQuantError
+from .errors import DynaQuantError, InvalidSettingError
 from .folder import MODEL_REF, compress_folder, decompress_folder, find_store
 
 _DESCRIPTION = """\
@@ -35,19 +38,30 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
+# The QuantConfig fields `compress` sets, by flag; a --threshold search chooses all but embedding_bins.
+_QUANT_FLAGS = {
+    "bins": "--bins",
+    "embedding_bins": "--embedding-bins",
+    "prune": "--prune",
+    "protect": "--protect",
+    "metric": "--metric",
+}
+_SEARCHED = ("bins", "prune", "protect", "metric")
+
+
 def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    quant = None
-    if args.threshold is not None and args.codec != "dynaquant":
-        raise DynaQuantError("--threshold searches a dynaquant configuration: add --codec dynaquant")
-    if args.codec == "dynaquant":
-        quant = QuantConfig(
-            bins=args.bins,
-            prune=args.prune,
-            protect=args.protect,
-            metric=args.metric,
-            embedding_bins=args.embedding_bins,
+    given = {dest: getattr(args, dest) for dest in _QUANT_FLAGS if getattr(args, dest) is not None}
+    if args.codec != "dynaquant" and (given or args.threshold is not None):
+        flags = [_QUANT_FLAGS[dest] for dest in given] + (["--threshold"] if args.threshold is not None else [])
+        raise InvalidSettingError(
+            f"{' and '.join(flags)} only apply to the dynaquant codec (--codec {args.codec} would ignore them): "
+            "add --codec dynaquant"
         )
+    searched = [_QUANT_FLAGS[dest] for dest in given if dest in _SEARCHED]
+    if args.threshold is not None and searched:
+        raise InvalidSettingError(f"--threshold searches {' and '.join(searched)} itself: give one or the other")
+    quant = QuantConfig(**given) if args.codec == "dynaquant" else None
     res = compress_folder(
         args.src,
         args.dst,
@@ -159,7 +173,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    store = find_store(args.path)
+    store = find_store(args.path, strict=False)  # a damaged store.json is reported below, not raised
     problems = store.verify(deep=args.deep)
     if problems:
         for p in problems:
@@ -231,31 +245,30 @@ def build_parser() -> argparse.ArgumentParser:
     q = p.add_argument_group("dynaquant options (with --codec dynaquant)")
     defaults = QuantConfig()
     q.add_argument(
-        "--bins", type=int, default=defaults.bins, help="quantization levels per tensor (2-254; default %(default)s)"
+        "--bins",
+        type=_quant_value("bins", int),
+        help=f"quantization levels per tensor (2-254; default {defaults.bins})",
     )
     q.add_argument(
         "--embedding-bins",
-        type=int,
-        default=defaults.embedding_bins,
-        help="levels for embedding tensors, which are never pruned (default %(default)s)",
+        type=_quant_value("embedding_bins", int),
+        help=f"levels for embedding tensors, which are never pruned (default {defaults.embedding_bins})",
     )
     q.add_argument(
         "--prune",
-        type=float,
-        default=defaults.prune,
-        help="fraction of each layer type's weights set to zero (default %(default)s)",
+        type=_quant_value("prune", float),
+        help=f"fraction of each layer type's weights set to zero (default {defaults.prune})",
     )
     q.add_argument(
         "--protect",
-        type=float,
-        default=defaults.protect,
-        help="fraction of weights kept in bfloat16 (default %(default)s)",
+        type=_quant_value("protect", float),
+        help=f"fraction of weights kept in bfloat16 (default {defaults.protect})",
     )
     q.add_argument(
         "--metric",
         choices=["magnitude", "sensitivity"],
-        default=defaults.metric,
-        help="pruning metric; sensitivity needs gradients, so for a saved model it means magnitude",
+        help=f"pruning metric (default {defaults.metric}); sensitivity needs gradients, so for a saved model "
+        "it means magnitude",
     )
     q.add_argument(
         "--threshold",
@@ -268,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_compress)
+    p.set_defaults(func=_cmd_compress, subparser=p)
 
     p = sub.add_parser(
         "decompress",
@@ -281,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", default=MODEL_REF, help="which entry to decompress (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_decompress)
+    p.set_defaults(func=_cmd_decompress, subparser=p)
 
     p = sub.add_parser(
         "inspect",
@@ -290,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="compressed folder or store directory")
     p.add_argument("--ref", default=MODEL_REF, help="entry to show (reference name or id; default: %(default)s)")
-    p.set_defaults(func=_cmd_inspect)
+    p.set_defaults(func=_cmd_inspect, subparser=p)
 
     p = sub.add_parser(
         "verify",
@@ -300,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="compressed folder or store directory")
     p.add_argument("--deep", action="store_true", help="also decode every tensor")
-    p.set_defaults(func=_cmd_verify)
+    p.set_defaults(func=_cmd_verify, subparser=p)
 
     p = sub.add_parser(
         "push",
@@ -319,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threshold", type=float, default=None, help="for a plain folder: output distortion allowed (default 0.4)"
     )
-    p.set_defaults(func=_cmd_push)
+    p.set_defaults(func=_cmd_push, subparser=p)
 
     p = sub.add_parser(
         "pull",
@@ -333,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decompress", action="store_true", help="write plain safetensors to DST")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (with --decompress)")
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
-    p.set_defaults(func=_cmd_pull)
+    p.set_defaults(func=_cmd_pull, subparser=p)
 
     p = sub.add_parser(
         "demo",
@@ -343,18 +356,65 @@ def build_parser() -> argparse.ArgumentParser:
         "it loads back bit-exact with transformers.",
     )
     p.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_demo, subparser=p)
     return parser
 
 
+def _quant_value(field: str, kind: type) -> Callable[[str], Any]:
+    """An argparse type for a QuantConfig field: parsed, and checked by QuantConfig itself, so
+    a bad value is reported against its flag (``argument --bins: must be between ...``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+            QuantConfig(**{field: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{field} ")) from None
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _cli_spelling(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the Python spelling of arguments (``overwrite=True``, ``threshold=``,
+    ``codec='lossless'``) turned into this command's flags (``--overwrite``, ``--threshold``,
+    ``--codec lossless``)."""
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if not flags:
+            continue
+        flag, dest = flags[0], re.escape(action.dest)
+        message = re.sub(rf"\b{dest}=True\b", flag, message)
+        message = re.sub(rf"\b{dest}='([^']*)'", rf"{flag} \1", message)
+        message = re.sub(rf"\b{dest}=(?=[\s,;:)]|$)", flag, message)
+        message = re.sub(rf"\b{dest}=([0-9][\w.]*)", rf"{flag} \1", message)
+    return message
+
+
+def _os_error(exc: OSError) -> str:
+    """One line for a failed file operation: the path(s), then the system's reason."""
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    reason = exc.strerror or str(exc)
+    code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    return f"{paths or 'a file operation'}: {reason}" + (f" ({code})" if code else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     if getattr(args, "decompress", False) and args.dst is None:
-        build_parser().error("pull --decompress needs DST")
+        parser.error("pull --decompress needs DST")
     try:
         return int(args.func(args))
-    except (DynaQuantError, FileNotFoundError, ValueError) as exc:
-        print(f"hf-dynaquant {args.command}: error: {exc}", file=sys.stderr)
+    except (DynaQuantError, ValueError) as exc:
+        print(f"hf-dynaquant {args.command}: error: {_cli_spelling(str(exc), args.subparser)}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # disk full, permission denied, missing path: the path and the reason, no traceback
+        print(f"hf-dynaquant {args.command}: error: {_os_error(exc)}", file=sys.stderr)
         return 1
 
 

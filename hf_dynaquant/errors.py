@@ -6,6 +6,8 @@ Catch :class:`DynaQuantError` to handle them all.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "DynaQuantError",
     "FormatError",
@@ -25,6 +27,7 @@ __all__ = [
     "MissingOptimizerStateError",
     "IncompleteCheckpointError",
     "NoValidCheckpointError",
+    "StoreWriteError",
     "BackgroundCompressionError",
     "InvalidSettingError",
     "UnsupportedSetupError",
@@ -136,6 +139,24 @@ class NoValidCheckpointError(IncompleteCheckpointError, ValueError):
     """``resume_from_checkpoint=True`` found no complete checkpoint in the output directory. A
     ``ValueError`` worded as ``transformers.Trainer``'s own ("No valid checkpoint found in output
     directory ..."), so code that catches the Trainer's error catches ours."""
+
+
+class StoreWriteError(CheckpointError, OSError):
+    """Writing a checkpoint failed in the file system (disk full, permission denied, ...). The
+    message names the store and the file; ``errno`` is the system's. Nothing of the failed
+    write is visible, and every earlier checkpoint is intact. Also an ``OSError``."""
+
+    def __init__(self, where: str, exc: OSError, path: object = None) -> None:
+        name = errno.errorcode.get(exc.errno or 0, "")
+        super().__init__(
+            exc.errno,
+            f"{where}: cannot write {exc.filename or path or 'a file'}: {exc.strerror or exc}"
+            + (f" ({name})" if name else "")
+            + "; nothing of this checkpoint was kept and earlier ones are intact",
+        )
+
+    def __str__(self) -> str:  # OSError would prefix "[Errno N]"
+        return str(self.strerror)
 
 
 class BackgroundCompressionError(CheckpointError):

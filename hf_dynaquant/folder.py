@@ -9,6 +9,7 @@ Weights stored as pickle (``pytorch_model*.bin``) are refused: we never unpickle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -30,7 +31,7 @@ from .core.quantizer import QuantConfig, plan_quantization
 from .dtypes import itemsize
 from .errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
 from .store import CheckpointStore
-from .store.atomic import fsync_dir
+from .store.atomic import TempDir, fsync_dir, remove_dead_leftovers
 from .store.safetensors_io import StreamingWriter, header_size_estimate
 
 __all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
@@ -125,9 +126,7 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
     if dst.exists():
         if not overwrite:
-            raise DynaQuantError(
-                f"{dst} already exists; choose another destination or pass overwrite=True (--overwrite)"
-            )
+            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True")
         old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
         dst.rename(old)
         tmp.rename(dst)
@@ -137,11 +136,20 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
     fsync_dir(dst.parent)
 
 
-def _staging(dst: Path) -> Path:
+@contextlib.contextmanager
+def _staging(dst: Path) -> Iterator[Path]:
+    """An empty folder to build ``dst`` in, inside a temporary folder beside ``dst`` that this
+    process owns (``.tmp-<host>-<pid>-<token>-<dst name>``, see :mod:`.store.atomic`) and that is
+    deleted on leaving, published or not. Leftovers of killed earlier runs for the same
+    destination are deleted first; a live run's are left alone."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{dst.name}")
-    tmp.mkdir()
-    return tmp
+    remove_dead_leftovers(dst.parent, dst.name)
+    owner = TempDir(dst.parent, dst.name)
+    try:
+        (owner.path / dst.name).mkdir()
+        yield owner.path / dst.name
+    finally:
+        owner.discard()
 
 
 def compress_folder(
@@ -177,8 +185,7 @@ def compress_folder(
         root, (weights, others) = src, _weight_files(src)
         if not weights:
             raise DynaQuantError(f"{src}: no .safetensors weight files found")
-    tmp = _staging(dst)
-    try:
+    with _staging(dst) as tmp:
         for rel in others:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, tmp / rel)
@@ -196,7 +203,7 @@ def compress_folder(
                 if result.config is None:
                     raise DynaQuantError(
                         f"{src}: no configuration keeps the output distortion within {threshold}; "
-                        "use the lossless codec or a larger --threshold"
+                        "use codec='lossless' or a larger threshold="
                     )
                 quant = result.config
             quant = quant or QuantConfig()
@@ -206,18 +213,16 @@ def compress_folder(
         entry = store.write(sources, codecs=codecs, ref=MODEL_REF, progress=progress, metadata=metadata)
         info = store.info(entry)
         _publish(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return CompressResult(dst, entry, info.raw_nbytes, info.nbytes)
 
 
-def find_store(path: str | Path) -> CheckpointStore:
-    """The store of a compressed folder, or ``path`` itself when it is a store."""
+def find_store(path: str | Path, *, strict: bool = True) -> CheckpointStore:
+    """The store of a compressed folder, or ``path`` itself when it is a store (``strict=False``:
+    even with a damaged ``store.json``, for :meth:`~CheckpointStore.verify` to report)."""
     path = Path(path)
     for candidate in (path / STORE_DIR, path):
         if CheckpointStore.is_store(candidate):
-            return CheckpointStore(candidate, create=False)
+            return CheckpointStore(candidate, create=False, strict=strict)
     raise DynaQuantError(f"{path} is neither a compressed folder (no {STORE_DIR}/store.json) nor a store")
 
 
@@ -232,8 +237,7 @@ def decompress_folder(
     """Write a compressed folder back as a plain Hugging Face folder that ``from_pretrained`` loads."""
     src, dst = Path(src), Path(dst)
     store = find_store(src)
-    tmp = _staging(dst)
-    try:
+    with _staging(dst) as tmp:
         if store.path != src:
             for p in sorted(src.rglob("*")):
                 rel = p.relative_to(src)
@@ -247,9 +251,6 @@ def decompress_folder(
                 for section, info in files.items():
                     _write_safetensors(entry, section, tmp / section, info.get("metadata") or None, bar)
         _publish(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 

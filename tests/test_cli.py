@@ -124,8 +124,8 @@ def test_cli_dynaquant_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
         b = AutoModel.from_pretrained(str(restored))(**batch).last_hidden_state.mean(1)
     assert torch.nn.functional.cosine_similarity(a, b).min() > 0.9  # a fixed configuration; the search tunes it
 
-    assert main(["compress", str(minilm_dir), str(tmp_path / "bad"), "--codec", "dynaquant", "--bins", "1"]) == 1
-    assert "bins must be between 2 and 254" in capsys.readouterr().err
+    assert main(["compress", str(minilm_dir), str(tmp_path / "bad"), "--codec", "dynaquant", "--bins", "1"]) == 2
+    assert "argument --bins: must be between 2 and 254" in capsys.readouterr().err
 
 
 def tiny_bert_folder(minilm_dir: Path, dst: Path) -> Path:
@@ -157,3 +157,68 @@ def test_cli_threshold_searches_the_configuration(minilm_dir: Path, tmp_path: Pa
     assert "search: exhaustive" in table and "chosen bins=" in table
     assert main(["compress", str(src), str(tmp_path / "x"), "--threshold", "0.05"]) == 1
     assert "add --codec dynaquant" in capsys.readouterr().err
+
+
+def test_quant_options_need_the_dynaquant_codec(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(100, 10)}, str(src))
+    for option in (["--bins", "8"], ["--prune", "0.1"], ["--protect", "0.01"], ["--metric", "magnitude"]):
+        assert main(["compress", str(src), str(tmp_path / "out"), "--quiet", *option]) == 1
+        err = capsys.readouterr().err
+        assert option[0] in err and "add --codec dynaquant" in err and "Traceback" not in err
+        assert not (tmp_path / "out").exists()  # refused before anything was written
+    both = ["--codec", "dynaquant", "--threshold", "0.1", "--bins", "8"]
+    assert main(["compress", str(src), str(tmp_path / "out"), "--quiet", *both]) == 1
+    assert "--threshold searches --bins" in capsys.readouterr().err
+    assert main(["compress", str(src), str(tmp_path / "out"), "--codec", "dynaquant", "--prune", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --prune: must be a fraction in [0, 1), got 1.5" in err and "prune=" not in err
+
+
+def test_errors_name_the_cli_spelling_in_the_cli_and_the_python_one_in_python(tmp_path: Path, capsys) -> None:
+    from hf_dynaquant import DynaQuantError
+    from hf_dynaquant.folder import compress_folder
+
+    src = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(100, 10)}, str(src))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DynaQuantError, match="pass overwrite=True$"):
+        compress_folder(src, tmp_path / "out", progress=False)
+    assert main(["compress", str(src), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("pass --overwrite") and "overwrite=" not in err
+
+
+def test_os_errors_are_one_line_naming_the_path(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(100, 10)}, str(src))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert main(["compress", str(src), str(blocker / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: {blocker}: File exists (EEXIST)" in err  # the path, the system's reason, its code
+    # in a fresh process, as a user runs it: the same single line and a non-zero exit
+    exe = Path(sys.executable).parent / "hf-dynaquant"
+    run = subprocess.run([exe, "compress", str(src), str(blocker / "out"), "--quiet"], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and str(blocker) in run.stderr
+
+
+def test_cli_verify_reports_a_damaged_store_marker(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(100, 10)}, str(src))
+    assert main(["compress", str(src), str(tmp_path / "out"), "--quiet"]) == 0
+    marker = tmp_path / "out" / "dynaquant" / "store.json"
+    marker.write_bytes(marker.read_bytes().replace(b'"format_version":1', b'"format_version":3'))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL store marker") and "damaged" in out and "upgrade" not in out

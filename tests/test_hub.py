@@ -131,7 +131,7 @@ def test_push_pull_and_both_loading_paths(hub: HubServer, snapshot, tmp_path: Pa
     local = AutoModel.from_pretrained(snapshot.path)
     assert _same(a, b) and _same(b, local)
     assert not hasattr(b.config, "quantization_config") and not hasattr(b.config, "transformers_weights")
-    decoded = Path(os.environ["HF_DYNAQUANT_CACHE"]) / "alice--minilm-dq" / info.oid
+    (decoded,) = (Path(os.environ["HF_DYNAQUANT_CACHE"]) / "alice--minilm-dq" / info.oid).iterdir()
     assert (decoded / "model.safetensors").is_file()
     mtime = (decoded / "model.safetensors").stat().st_mtime_ns
     hf_dynaquant.from_pretrained(AutoModel, "alice/minilm-dq")
@@ -266,3 +266,37 @@ def test_default_search_reaches_the_ratio_bar(minilm_dir: Path, tmp_path: Path) 
     snap = hf_dynaquant.compress_pretrained(minilm_dir, tmp_path / "s", progress=False)
     assert (minilm_dir / "model.safetensors").stat().st_size / snap.stored_nbytes >= 12
     assert snap.cosine > 0.75
+
+
+# -- the decode cache is keyed and checked on everything it serves --------------------------------
+
+
+def test_local_snapshot_edits_and_damage_are_never_served_from_the_cache(
+    snapshot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    monkeypatch.setenv("HF_DYNAQUANT_CACHE", str(tmp_path / "decoded"))
+    local = tmp_path / "snap"
+    shutil.copytree(snapshot.path, local)
+    first = hf_dynaquant.from_pretrained(AutoModel, local)
+    assert first.config.layer_norm_eps == 1e-12
+
+    config = json.loads((local / "config.json").read_text())
+    config["layer_norm_eps"] = 1e-5  # an edited config.json: the next load sees it
+    (local / "config.json").write_text(json.dumps(config))
+    second = hf_dynaquant.from_pretrained(AutoModel, local)
+    assert second.config.layer_norm_eps == 1e-5 and _same(first, second)
+    assert len(list((tmp_path / "decoded" / "local").iterdir())) == 2  # one decode per content
+
+    (local / "config.json").write_text('{"quantization_config": {"quant_method": "dyna')  # damaged
+    with pytest.raises(CorruptCheckpointError, match="config.json: not valid JSON"):
+        hf_dynaquant.from_pretrained(AutoModel, local)
+    (local / "config.json").write_text(json.dumps(config))
+
+    payload = local / _payload(snapshot)
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0x10  # a damaged payload: a clear error, not the model decoded earlier
+    payload.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="snapshot is damaged.*checksum mismatch"):
+        hf_dynaquant.from_pretrained(AutoModel, local)

@@ -9,7 +9,7 @@
 * :func:`push_to_hub` uploads such a folder (compressing first when given a model or a plain
   folder); :func:`pull` downloads one and checks every checksum.
 * :func:`from_pretrained` loads a snapshot with public APIs only: ``snapshot_download``, decode
-  once into a local cache keyed by the commit (or, for a local folder, by the entry id), then the
+  once into a local cache keyed by the commit and the snapshot's content (checked at every load), then the
   model class's own ``from_pretrained``. ``AutoModel.from_pretrained(repo)`` after
   ``import hf_dynaquant`` gives the same tensors through the quantizer hooks.
 
@@ -19,9 +19,9 @@ Nothing is ever unpickled: weights are safetensors, everything else JSON. ``HF_T
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +35,7 @@ from ..core.quantizer import QuantConfig
 from ..errors import CorruptCheckpointError, DynaQuantError
 from ..folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
 from ..search import QualityMetric, SearchSpace
+from ..store.atomic import atomic_write_bytes
 from .hf_quantizer import QUANT_METHOD, transformers_sections
 
 __all__ = [
@@ -130,8 +131,7 @@ def compress_pretrained(
         source_config = _read_config(src)
         if metric is not None and not isinstance(metric, QualityMetric):
             metric = QualityMetric(metric, higher_is_better=False, name=getattr(metric, "__name__", "metric"))
-        staging = _staging(output_dir)
-        try:
+        with _staging(output_dir) as staging:
             result = compress_folder(
                 src,
                 staging / "snapshot",
@@ -162,8 +162,6 @@ def compress_pretrained(
             base = base_model or source_config.get("_name_or_path") or None
             _write_card(folder, snapshot, base, threshold, template)
             _publish(folder, output_dir, overwrite)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return snapshot
 
 
@@ -193,9 +191,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _output_cosine(src: Path, decoded: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
@@ -402,16 +398,26 @@ def materialize(
 ) -> Path:
     """A plain model folder (float safetensors, config without the quantization entries) for a
     snapshot, decoded once and kept in ``cache_dir`` (default ``$HF_DYNAQUANT_CACHE`` or
-    ``~/.cache/hf_dynaquant/decoded``) under the repo and commit, or the entry id for a local folder."""
+    ``~/.cache/hf_dynaquant/decoded``).
+
+    Every call checks the snapshot first (every blob checksum; a local folder is checked where it
+    is, a repo by :func:`pull`), and the decoded copy is keyed by everything it is made of
+    (:func:`_snapshot_key`), so an edited ``config.json`` or tokenizer is decoded afresh and a
+    damaged payload is a :class:`CorruptCheckpointError`, never an earlier decode."""
     local = Path(repo_id_or_path)
     if local.is_dir():
-        if not _is_snapshot(local):
+        config = _read_config(local)  # a missing or unreadable config.json is named as such
+        quantization = config.get("quantization_config") if isinstance(config, dict) else None
+        if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
             raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
-        src, key = local, Path("local") / find_store(local).resolve(MODEL_REF)
+        problems = find_store(local).verify(leftovers=False)  # damage only: a dead writer's files harm no read
+        if problems:
+            raise CorruptCheckpointError(f"{local}: the snapshot is damaged: " + "; ".join(problems))
+        src, prefix = local, Path("local")
     else:
         src = pull(str(repo_id_or_path), revision=revision, token=token, cache_dir=hub_cache_dir, endpoint=endpoint)
-        key = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
-    target = _decode_cache(cache_dir) / key
+        prefix = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
+    target = _decode_cache(cache_dir) / prefix / _snapshot_key(src)
     if not target.is_dir():
         try:
             decode_snapshot(src, target)
@@ -421,20 +427,31 @@ def materialize(
     return target
 
 
+def _snapshot_key(folder: Path) -> str:
+    """What a decoded copy of the snapshot ``folder`` is made of, as one hex key: its entry id
+    (a hash of the manifest, which lists every payload blob's SHA-256) and the path and SHA-256
+    of every other file that decoding copies (config, tokenizer, ...)."""
+    key = hashlib.sha256(find_store(folder).resolve(MODEL_REF).encode())
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if rel.parts[0] != STORE_DIR and path.is_file():
+            with open(path, "rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").digest()
+            key.update(rel.as_posix().encode() + b"\0" + digest)
+    return key.hexdigest()[:32]
+
+
 def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
     """Write a snapshot folder back as a plain model folder (float safetensors; config.json
     without ``quantization_config`` and ``transformers_weights``) that any transformers loads."""
     dst = Path(dst)
-    staging = _staging(dst)
-    try:
+    with _staging(dst) as staging:
         decompress_folder(src, staging / "plain", progress=False)
         config = _read_config(staging / "plain")
         config.pop("quantization_config", None)
         config.pop("transformers_weights", None)
         _write_json(staging / "plain" / _CONFIG, config)
         _publish(staging / "plain", dst, overwrite)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return dst
 
 

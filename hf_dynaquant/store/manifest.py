@@ -32,6 +32,7 @@ __all__ = [
     "read_manifest_bytes",
     "parse_manifest",
     "check_store_marker",
+    "store_marker",
 ]
 
 FORMAT_VERSION = 1
@@ -100,10 +101,40 @@ def parse_manifest(data: bytes, path: Path, expected_id: str | None) -> dict[str
     return doc
 
 
+def _marker_checksum(doc: dict[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    return "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()[:16]
+
+
+def store_marker() -> bytes:
+    """The bytes of a new store's ``store.json``: format, version, and a checksum of both, so
+    that a damaged version number is told apart from a newer one."""
+    doc = {"format": STORE_FORMAT, "format_version": FORMAT_VERSION}
+    return canonical_json({**doc, "checksum": _marker_checksum(doc)})
+
+
 def check_store_marker(path: Path) -> None:
-    """Validate a store's ``store.json``."""
+    """Validate a store's ``store.json``: damage raises :class:`CorruptCheckpointError`, a
+    newer format (intact checksum) :class:`UnsupportedFormatVersionError`."""
+    data = b""
     try:
-        doc = json.loads(path.read_bytes())
+        data = path.read_bytes()
+        doc = json.loads(data)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{path}: unreadable store marker ({exc})") from None
+        raise CorruptCheckpointError(f"{path}: the store marker is damaged ({exc}); read {data[:200]!r}") from None
+    if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
+        raise CorruptCheckpointError(
+            f"{path}: the store marker is damaged (not an {STORE_FORMAT} document); read {data[:200]!r}"
+        )
+    if "checksum" in doc:
+        if doc["checksum"] != _marker_checksum(doc):
+            raise CorruptCheckpointError(
+                f"{path}: the store marker is damaged (its checksum does not match); read {data[:200]!r}"
+            )
+    elif set(doc) != {"format", "format_version"} or doc["format_version"] != FORMAT_VERSION:
+        # markers without a checksum were written by format version 1 only, with these two keys
+        raise CorruptCheckpointError(
+            f"{path}: the store marker is damaged (format_version {doc.get('format_version')!r} in a marker "
+            f"without a checksum, which only version {FORMAT_VERSION} wrote); read {data[:200]!r}"
+        )
     _check_version(doc, STORE_FORMAT, path)

@@ -22,8 +22,6 @@ import hashlib
 import json
 import re
 import shutil
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +40,21 @@ from ..errors import (
     DynaQuantError,
     EntryNotFoundError,
     MissingBaseError,
+    StoreWriteError,
 )
-from .atomic import atomic_write_bytes, fsync_dir, fsync_file
+from .atomic import (
+    TempDir,
+    atomic_write_bytes,
+    dead_leftovers,
+    fsync_dir,
+    fsync_file,
+    remove_dead_leftovers,
+    size_on_disk,
+)
 from .manifest import (
     ENTRY_FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    STORE_FORMAT,
     canonical_json,
     check_store_marker,
     content_id,
@@ -56,6 +62,7 @@ from .manifest import (
     pack_manifest,
     parse_manifest,
     read_manifest_bytes,
+    store_marker,
 )
 from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_blob
 from .tree import flatten_tree, unflatten_tree
@@ -65,7 +72,6 @@ __all__ = ["CheckpointStore", "EntryReader", "EntryInfo"]
 PAYLOAD = "payload.safetensors"
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _ID = re.compile(r"^[0-9a-f]{64}$")
-_STALE_TMP_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,15 @@ class _EntryWriter:
 
     def __init__(self, store: CheckpointStore, blob_keys_estimate: list[str]) -> None:
         self.store = store
-        self.tmp = store.entries_dir / f".tmp-{uuid.uuid4().hex}"
-        self.tmp.mkdir(parents=True)
-        self.payload = StreamingWriter(self.tmp / PAYLOAD, header_size_estimate(blob_keys_estimate))
+        store.entries_dir.mkdir(parents=True, exist_ok=True)
+        remove_dead_leftovers(store.entries_dir)  # a killed earlier write's; never a live writer's
+        self.dir = TempDir(store.entries_dir)
+        self.tmp = self.dir.path
+        try:
+            self.payload = StreamingWriter(self.tmp / PAYLOAD, header_size_estimate(blob_keys_estimate))
+        except BaseException:
+            self.dir.discard()
+            raise
         self.sections: dict[str, dict[str, Any]] = {}
         self.extras: dict[str, Any] = {}
         self.uses_base = False
@@ -158,15 +170,15 @@ class _EntryWriter:
         fsync_dir(self.tmp)
         final = self.store.entries_dir / entry_id
         if final.exists():  # identical content already stored
-            shutil.rmtree(self.tmp)
+            self.dir.discard()
         else:
-            self.tmp.rename(final)
+            self.dir.publish(final)
             fsync_dir(self.store.entries_dir)
         return entry_id
 
     def abort(self) -> None:
         self.payload.abort()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.dir.discard()
 
 
 class _Blobs:
@@ -342,17 +354,20 @@ class CheckpointStore:
     >>> state = store.open("step-100").load_section("model")
     """
 
-    def __init__(self, path: str | Path, *, create: bool = True) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True, strict: bool = True) -> None:
+        """Open the store at ``path`` (created when missing and ``create``). A damaged or newer
+        ``store.json`` raises, unless ``strict=False`` (for :meth:`verify`, which reports it)."""
         self.path = Path(path)
         self.entries_dir = self.path / "entries"
         self.refs_dir = self.path / "refs"
         marker = self.path / "store.json"
         if marker.exists():
-            check_store_marker(marker)
+            if strict:
+                check_store_marker(marker)
         elif create:
             self.entries_dir.mkdir(parents=True, exist_ok=True)
             self.refs_dir.mkdir(exist_ok=True)
-            atomic_write_bytes(marker, canonical_json({"format": STORE_FORMAT, "format_version": FORMAT_VERSION}))
+            atomic_write_bytes(marker, store_marker())
         else:
             raise EntryNotFoundError(f"{self.path} is not an hf_dynaquant store (no store.json)")
         self.entries_dir.mkdir(exist_ok=True)
@@ -364,16 +379,29 @@ class CheckpointStore:
 
     # -- references ------------------------------------------------------------------------
     def refs(self) -> dict[str, str]:
-        """``{ref name: entry id}``."""
-        out = {}
+        """``{ref name: entry id}``. A damaged reference file raises :class:`CorruptCheckpointError`
+        (:meth:`verify` reports it instead)."""
+        refs, problems = self._read_refs()
+        if problems:
+            raise CorruptCheckpointError(problems[0])
+        return refs
+
+    def _read_refs(self) -> tuple[dict[str, str], list[str]]:
+        """The readable references, and a problem line for each damaged one."""
+        refs, problems = {}, []
         for p in sorted(self.refs_dir.glob("*.json")):
             if p.name.startswith(".tmp-"):
                 continue
+            data = b""
             try:
-                out[p.stem] = json.loads(p.read_bytes())["entry"]
+                data = p.read_bytes()
+                entry = json.loads(data)["entry"]
+                if not isinstance(entry, str) or not _ID.match(entry):
+                    raise ValueError(f"entry id {entry!r} is not 64 hex digits")
+                refs[p.stem] = entry
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(f"{p}: unreadable reference ({exc})") from None
-        return out
+                problems.append(f"{p}: damaged reference ({exc}); read {data[:200]!r}")
+        return refs, problems
 
     def set_ref(self, name: str, entry_id: str) -> None:
         """Point reference ``name`` at an entry (atomically replacing any previous target)."""
@@ -381,7 +409,10 @@ class CheckpointStore:
             raise ValueError(f"invalid reference name {name!r}: use letters, digits, '.', '_' and '-'")
         if manifest_file(self.entries_dir / entry_id) is None:
             raise EntryNotFoundError(f"no entry {entry_id[:16]} in store {self.path}")
-        atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
+        try:
+            atomic_write_bytes(self.refs_dir / f"{name}.json", canonical_json({"entry": entry_id}))
+        except OSError as exc:
+            raise StoreWriteError(f"store {self.path} (reference {name!r})", exc) from exc
 
     def delete_ref(self, name: str) -> None:
         """Remove a reference; the entries it kept alive become garbage for :meth:`gc`."""
@@ -495,7 +526,14 @@ class CheckpointStore:
             for n, numel in _numels(group).items()
             for i in range(codec_for(s, n).max_blobs(numel))
         ] + [f"extras/{n}" for n in extras]
-        writer = _EntryWriter(self, keys)
+        try:
+            writer = _EntryWriter(self, keys)
+        except BaseException as exc:
+            if base_reader is not None:
+                base_reader.close()
+            if isinstance(exc, OSError):
+                raise StoreWriteError(f"store {self.path}", exc) from exc
+            raise
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
@@ -527,6 +565,9 @@ class CheckpointStore:
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))
             return_id = writer.finish(base_id, skeletons, dict(metadata or {}))
+        except OSError as exc:
+            writer.abort()
+            raise StoreWriteError(f"store {self.path}", exc, writer.tmp) from exc
         except BaseException:
             writer.abort()
             raise
@@ -555,17 +596,20 @@ class CheckpointStore:
             except DynaQuantError:
                 return
 
+    def leftovers(self) -> list[Path]:
+        """Temporary files and folders of writes whose writer died (a save killed mid-write).
+        A live writer's are never listed (see :mod:`.atomic` for how ownership is told)."""
+        return dead_leftovers(self.entries_dir) + dead_leftovers(self.refs_dir) + dead_leftovers(self.path)
+
     def gc(self) -> list[str]:
-        """Delete entries no reference reaches, and temporary leftovers of crashed writes.
-        Returns the ids removed."""
+        """Delete entries no reference reaches, and the leftovers of dead writers (never a live
+        writer's temporary files). Returns the ids removed."""
         alive = self.reachable()
         removed = [e for e in self.entries() if e not in alive]
         for eid in removed:
             shutil.rmtree(self.entries_dir / eid)
-        now = time.time()
-        for tmp in list(self.entries_dir.glob(".tmp-*")) + list(self.refs_dir.glob(".tmp-*")):
-            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        for folder in (self.entries_dir, self.refs_dir, self.path):
+            remove_dead_leftovers(folder)
         fsync_dir(self.entries_dir)
         return removed
 
@@ -604,11 +648,22 @@ class CheckpointStore:
                 self.set_ref(name, new_id)
         return new_id
 
-    def verify(self, ref_or_id: str | None = None, *, deep: bool = False) -> list[str]:
-        """Check manifests, blob checksums and chain links; with ``deep``, also decode every
-        tensor. Returns a list of problems (empty when all is well)."""
-        targets = list(self._chain_lenient(self.resolve(ref_or_id))) if ref_or_id else self.entries()
+    def verify(self, ref_or_id: str | None = None, *, deep: bool = False, leftovers: bool = True) -> list[str]:
+        """Check the store marker, references, manifests, blob checksums and chain links, and
+        (with ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode
+        every tensor. Returns a list of problems (empty when all is well); damage is reported,
+        never raised."""
         problems: list[str] = []
+        try:
+            check_store_marker(self.path / "store.json")
+        except DynaQuantError as exc:
+            problems.append(f"store marker: {exc}")
+        refs, ref_problems = self._read_refs()
+        problems += ref_problems
+        try:
+            targets = list(self._chain_lenient(self.resolve(ref_or_id))) if ref_or_id else self.entries()
+        except DynaQuantError as exc:
+            return problems + [str(exc)]
         for eid in targets:
             try:
                 with EntryReader(self, eid) as r:
@@ -624,9 +679,14 @@ class CheckpointStore:
                         r.extra(name)
             except DynaQuantError as exc:
                 problems.append(f"entry {eid[:16]}: {exc}")
-        for name, target in self.refs().items():
+        for name, target in refs.items():
             if not (self.entries_dir / target).is_dir():
                 problems.append(f"reference {name!r} points at missing entry {target[:16]}")
+        for item in self.leftovers() if leftovers else []:
+            problems.append(
+                f"leftover of an interrupted write: {item} ({size_on_disk(item) / 1e3:.0f} KB, its writer is "
+                "gone); gc or the next write removes it"
+            )
         return problems
 
 
