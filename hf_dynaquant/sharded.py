@@ -46,6 +46,7 @@ Other layouts (HSDP, tensor parallelism) are refused with
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +78,7 @@ from .errors import (
     CorruptCheckpointError,
     EntryNotFoundError,
     MissingShardError,
+    NonFiniteTensorWarning,
     UnsupportedSetupError,
 )
 from .optimizer_state import Reductions, decode_optimizer_state
@@ -291,6 +293,19 @@ def plan_sharded(
     selected = {n: t for n, t in selected.items() if n not in non_finite}
     kinds = {n: (types or {}).get(n) or infer_layer_type(n, shapes[n]) for n in selected}
     sens = {n: sensitivity[n] for n in selected if sensitivity is not None and n in sensitivity}
+    if (sens_ok := cache.get("finite sensitivity")) is None:  # NaN/inf sensitivity on any rank: magnitude everywhere
+        bad = [n for n, t in sens.items() if not bool(torch.isfinite(t).all())]
+        sens_ok = cache["finite sensitivity"] = all_sum(np.array([float(bool(bad))]))[0] == 0
+        if not sens_ok:
+            warnings.warn(
+                f"the sensitivity (|EMA(g) * w|) {f'of {bad!r} ' if bad else 'on another rank '}holds NaN or infinite "
+                f"values{f' at {where}' if where else ''} (a non-finite gradient in the EMA window): pruning and "
+                "protection rank by magnitude",
+                NonFiniteTensorWarning,
+                stacklevel=2,
+            )
+    if not sens_ok:
+        sens, config = {}, replace(config, metric="magnitude")  # (warned above: no second warning)
     wanted = {(n, "magnitude", config.alpha): (t, True) for n, t in selected.items()}
     wanted.update({(n, "sensitivity", config.alpha): (s, False) for n, s in sens.items()})
     todo = {key: LogSketch(config.alpha).add(v, magnitude=m) for key, (v, m) in wanted.items() if key not in cache}

@@ -172,3 +172,22 @@ def test_sharded_plan_leaves_non_finite_tensors_out() -> None:
     assert set(plan.tensors) == {"a"}
     with pytest.raises(NonFiniteTensorError, match="'b'"):
         plan_sharded(local, QuantConfig(non_finite="raise"), shapes=shapes)
+
+
+def test_sharded_plan_ranks_by_magnitude_when_sensitivity_is_not_finite() -> None:
+    """A NaN in a shard's sensitivity (summed over the ranks, so every rank agrees) makes that
+    checkpoint rank by magnitude, with a warning naming the tensor, instead of a bare error."""
+    from hf_dynaquant.sharded import plan_sharded
+
+    torch.manual_seed(0)
+    local = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    sens = {n: t.abs() for n, t in local.items()}
+    sens["b"][0, 0] = float("nan")
+    shapes = {n: t.shape for n, t in local.items()}
+    config = QuantConfig(metric="sensitivity", prune=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_sharded(local, config, shapes=shapes, sensitivity=sens, where="step 3")
+    assert [str(w.message)[:40] for w in caught] == [str(caught[0].message)[:40]]  # one warning, ours
+    assert caught[0].category is NonFiniteTensorWarning and "'b'" in str(caught[0].message)
+    assert "at step 3" in str(caught[0].message) and set(plan.tensors) == {"a", "b"}
