@@ -45,7 +45,7 @@ from ..store.safetensors_io import open_safetensors, read_blob
 __all__ = ["QUANT_METHOD", "TESTED_TRANSFORMERS", "DynaQuantConfig", "DynaQuantHfQuantizer", "transformers_sections"]
 
 QUANT_METHOD = "dynaquant"
-TESTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.24")
+TESTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.25")
 
 
 def transformers_sections(sections: list[str]) -> list[str]:
