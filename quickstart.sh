@@ -8,6 +8,7 @@
 #   ./quickstart.sh test     # venv + install + the whole test suite (what CI runs)
 #   ./quickstart.sh test -m "not slow"   # the quick suite, for every edit
 #
+# The libraries whose internals we ride on are installed at the versions CI tests (constraints.txt).
 # torch 2.13.0 is installed first: on these machines it is a local CPU build, while any other
 # torch requirement would pull gigabytes of CUDA wheels.
 set -euo pipefail
@@ -24,15 +25,15 @@ fi
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 case "$what" in
   demo)
-    "$VENV/bin/python" -m pip install -q -e ".[demo]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[demo]"
     exec "$VENV/bin/python" examples/trainer_callback.py "$@"
     ;;
   demo-model)
-    "$VENV/bin/python" -m pip install -q -e ".[demo]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[demo]"
     exec "$VENV/bin/hf-dynaquant" demo "$@"
     ;;
   test)
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[test]"
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)
