@@ -87,7 +87,9 @@ class MissingPretrainedError(DynaQuantError):
     (size or SHA-256 differ). The message names the source (folder or Hub repo and revision),
     the file, the entry or setting at fault, and how to fix it."""
 
-    def __init__(self, where: str, source: str, problem: str, file: str | None = None, revision: str | None = None) -> None:
+    def __init__(
+        self, where: str, source: str, problem: str, file: str | None = None, revision: str | None = None
+    ) -> None:
         at = f"{source} (revision {revision})" if revision else source
         what = f"file {file!r} of " if file else ""
         if os.path.isabs(source):

@@ -207,7 +207,8 @@ class PretrainedWeights:
         (or ``config._name_or_path``) as a local folder, else as a Hub repo in the local cache
         at ``config._commit_hash`` where transformers set it (4.x; 5.x records no commit, so the
         cache's ``main`` is used and its commit recorded). A config copied from a pre-trained
-        model names that model too: harmless, the residual is then merely not smaller. None, with the reason logged, when the model names no
+        model names that model too: harmless, the residual is then merely not smaller. None,
+        with the reason logged, when the model names no
         source (built from a config), the source is not here, holds only pickle files, or no
         tensor matches."""
         config = getattr(model, "config", None)
@@ -331,13 +332,19 @@ def _weight_files(folder: Path, source: str, revision: str | None, where: str) -
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise MissingPretrainedError(where, source, f"have an unreadable {INDEX_FILE} ({exc})", file=INDEX_FILE, revision=revision) from exc
+            problem = f"have an unreadable {INDEX_FILE} ({exc})"
+            raise MissingPretrainedError(where, source, problem, file=INDEX_FILE, revision=revision) from exc
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
-            raise MissingPretrainedError(where, source, "lack a shard their index names", file=missing[0], revision=revision)
+            problem = "lack a shard their index names"
+            raise MissingPretrainedError(where, source, problem, file=missing[0], revision=revision)
         return files
     pickled = any((folder / name).exists() for name in PICKLE_FILES)
-    problem = "hold only pickle weights (pytorch_model.bin), which are never loaded" if pickled else "hold no model.safetensors"
+    problem = (
+        "hold only pickle weights (pytorch_model.bin), which are never loaded"
+        if pickled
+        else "hold no model.safetensors"
+    )
     raise MissingPretrainedError(where, source, problem, revision=revision)
 
 
@@ -416,7 +423,11 @@ def resolve_pretrained(
             folder, _, _ = _locate(recorded, revision, where)
         except MissingPretrainedError:
             origin = descriptor.get("decoded_from")
-            hint = f" (decoded from the DynaQuant snapshot {origin}: load it again with hf_dynaquant.from_pretrained)" if origin else ""
+            hint = (
+                f" (decoded from the DynaQuant snapshot {origin}: load it again with hf_dynaquant.from_pretrained)"
+                if origin
+                else ""
+            )
             raise MissingPretrainedError(where, recorded, "are not here" + hint, revision=revision) from None
     shown = override or recorded
     for file, (sha, size) in files.items():
@@ -425,10 +436,15 @@ def resolve_pretrained(
             raise MissingPretrainedError(where, shown, "is missing", file=file, revision=revision)
         if os.path.getsize(path) != size:
             raise MissingPretrainedError(
-                where, shown, f"has {os.path.getsize(path)} bytes, not the {size} recorded", file=file, revision=revision
+                where,
+                shown,
+                f"has {os.path.getsize(path)} bytes, not the {size} recorded",
+                file=file,
+                revision=revision,
             )
         if file_sha256(path) != sha:
-            raise MissingPretrainedError(where, shown, "differs from the recorded one (SHA-256)", file=file, revision=revision)
+            problem = "differs from the recorded one (SHA-256)"
+            raise MissingPretrainedError(where, shown, problem, file=file, revision=revision)
     with _lock:
         cached = _RESOLVED.get(key)
         if cached is not None and cached.folder == folder and all(
