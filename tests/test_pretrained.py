@@ -242,3 +242,17 @@ def test_dynaquant_snapshot_reference_is_its_decoded_weights(
         assert all(torch.equal(weights.tensor(n), state[n]) for n in weights.names())
         pooler = weights.tensor("bert.pooler.dense.weight")
         assert not torch.equal(pooler, original.tensor("pooler.dense.weight"))  # decoded, not the original
+
+
+def test_integration_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pretrained`` is a setting of the Trainer callback and the Accelerate plugin ("auto" by
+    default, None turns it off, a path names the weights), with its environment variable."""
+    assert hf_dynaquant.DynaQuantCallback().pretrained == "auto"
+    assert hf_dynaquant.DynaQuantCallback(pretrained=None).pretrained is None
+    Plugin = hf_dynaquant.DynaQuantPlugin
+    assert Plugin(threshold=None).pretrained == "auto"
+    monkeypatch.setenv("ACCELERATE_DYNAQUANT_PRETRAINED", "off")
+    assert Plugin(threshold=None).pretrained is None
+    monkeypatch.setenv("ACCELERATE_DYNAQUANT_PRETRAINED", "/models/base")
+    assert Plugin(threshold=None).pretrained == "/models/base"
+    assert Plugin(threshold=None, pretrained=None).pretrained is None  # an argument wins
