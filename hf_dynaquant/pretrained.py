@@ -48,7 +48,7 @@ from safetensors import safe_open
 
 from .errors import FormatError, MissingPretrainedError
 
-__all__ = ["PretrainedWeights", "resolve_pretrained", "file_sha256", "DESCRIPTOR_VERSION"]
+__all__ = ["PretrainedWeights", "resolve_pretrained", "describe_pretrained", "file_sha256", "DESCRIPTOR_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -387,6 +387,17 @@ def _match(
         if hit is not None:
             out[name] = hit
     return out
+
+
+def describe_pretrained(descriptor: Any) -> str:
+    """One line for people (``hf-dynaquant inspect``): source, revision, files, tensor count."""
+    try:
+        at = f" @ {descriptor['revision']}" if descriptor.get("revision") else ""
+        origin = f", decoded from {descriptor['decoded_from']}" if descriptor.get("decoded_from") else ""
+        files = ", ".join(sorted(descriptor["files"]))
+        return f"{descriptor['source']}{at} ({files}; {len(descriptor['tensors'])} tensors{origin})"
+    except (KeyError, TypeError, AttributeError):
+        return f"malformed descriptor {str(descriptor)[:80]!r}"
 
 
 # -- finding them again ------------------------------------------------------------------------

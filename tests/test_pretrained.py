@@ -256,3 +256,26 @@ def test_integration_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACCELERATE_DYNAQUANT_PRETRAINED", "/models/base")
     assert Plugin(threshold=None).pretrained == "/models/base"
     assert Plugin(threshold=None, pretrained=None).pretrained is None  # an argument wins
+
+
+def test_cli_inspect_and_verify_name_the_pretrained_weights(tmp_path: Path, minilm_dir: Path, capsys) -> None:
+    """``inspect`` shows an entry's pre-trained source; ``verify`` reports it missing."""
+    from hf_dynaquant import CheckpointStore
+    from hf_dynaquant.cli import main
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    with safe_open(str(minilm_dir / "model.safetensors"), framework="pt") as fh:
+        save_file({"pooler.dense.weight": fh.get_tensor("pooler.dense.weight")}, folder / "model.safetensors")
+    weights = PretrainedWeights.from_source(folder, {"bert.pooler.dense.weight": (384, 384)})
+    store = CheckpointStore(tmp_path / "store")
+    eid = store.write({"model": {"w": torch.ones(3)}}, metadata={"pretrained": weights.descriptor}, ref="main")
+    assert main(["inspect", str(store.path), "--ref", "main"]) == 0
+    out = capsys.readouterr().out
+    assert f"residuals against pre-trained weights {folder.resolve()} (model.safetensors; 1 tensors)" in out
+    assert main(["verify", str(store.path)]) == 0
+    capsys.readouterr()
+    (folder / "model.safetensors").unlink()
+    assert main(["verify", str(store.path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL entry {eid[:16]}: file 'model.safetensors' of the pre-trained weights {folder.resolve()}" in out
