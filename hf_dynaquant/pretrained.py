@@ -292,11 +292,11 @@ def _hub_cache() -> str:
 
 def _cached_repo(repo_id: str, revision: str | None) -> Path | None:
     """The snapshot folder of ``repo_id`` at ``revision`` (a commit, a branch, or main) in the
-    local Hugging Face cache when it holds safetensors weights (or only pickle ones, to say so),
-    else None. Never touches the network."""
+    local Hugging Face cache when it holds weights (or only pickle ones, or a config: a DynaQuant
+    snapshot, or to say what is missing), else None. Never touches the network."""
     from huggingface_hub import try_to_load_from_cache
 
-    for name in (SINGLE_FILE, INDEX_FILE, *PICKLE_FILES):
+    for name in (SINGLE_FILE, INDEX_FILE, *PICKLE_FILES, "config.json"):
         try:
             found = try_to_load_from_cache(repo_id, name, cache_dir=_hub_cache(), revision=revision)
         except ValueError:  # HFValidationError: not a repo id
@@ -311,7 +311,8 @@ def _locate(source: str, revision: str | None, where: str) -> tuple[Path, str, s
     the cached repo's snapshot folder (revision: its commit)."""
     path = Path(source).expanduser()
     if path.is_dir():
-        return path, str(path.resolve()), None
+        path = path.resolve()
+        return path, str(path), None
     snapshot = _cached_repo(source, revision)
     if snapshot is None:
         raise MissingPretrainedError(
@@ -428,7 +429,7 @@ def resolve_pretrained(
     override = None if source is None else str(source)
     key = _descriptor_key(descriptor, override)
     if override is not None:
-        folder, _, _ = _locate(override, None, where)
+        folder, _, _ = _locate(override, revision, where)
     else:
         try:
             folder, _, _ = _locate(recorded, revision, where)

@@ -71,13 +71,16 @@ def test_from_model_maps_every_encoder_tensor_of_a_head_model(classifier, minilm
         weights.tensor("classifier.weight")
 
 
-def test_base_model_and_explicit_source(classifier, minilm_dir: Path) -> None:
+def test_base_model_and_explicit_source(classifier, minilm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = BertModel.from_pretrained(minilm_dir)
     weights = PretrainedWeights.from_model(base)
     assert weights is not None and set(weights.names()) == set(_names(base))
     # explicit source, prefix inferred from the names (the head model's "bert.")
     explicit = PretrainedWeights.from_source(minilm_dir, _names(classifier))
     assert explicit.names() == PretrainedWeights.from_model(classifier).names()
+    monkeypatch.chdir(minilm_dir.parent)  # a relative folder is recorded as an absolute path
+    relative = PretrainedWeights.from_source(minilm_dir.name, _names(base))
+    assert relative.descriptor["source"] == str(minilm_dir.resolve())
     with pytest.raises(MissingPretrainedError, match="nobody/nothing.*neither a local folder nor a repo"):
         PretrainedWeights.from_source("nobody/nothing", _names(base))
 
