@@ -116,6 +116,10 @@ def _optional_int(raw: str) -> int | None:
     return None if raw.strip().lower() in ("none", "off") else int(raw)
 
 
+def _optional_str(raw: str) -> str | None:
+    return None if raw.strip().lower() in ("none", "off") else raw
+
+
 @dataclass
 class DynaQuantPlugin:
     """Settings of DynaQuant checkpoints in an Accelerate loop (see the module docstring).
@@ -179,6 +183,16 @@ class DynaQuantPlugin:
         metadata={
             "help": "Where the compressed entries go (outside the rotated folders). Default: <project_dir>/"
             "dynaquant, or dynaquant beside the checkpoint folders. Env: ACCELERATE_DYNAQUANT_STORE_DIR."
+        },
+    )
+    pretrained: Any = field(
+        default_factory=lambda: _env("PRETRAINED", _optional_str, "auto"),
+        metadata={
+            "help": "The pre-trained weights a fine-tune's checkpoints may be coded as residuals against "
+            "(hf_dynaquant.pretrained): 'auto' (default) takes the folder, or the Hub repo in the local Hugging "
+            "Face cache, that from_pretrained loaded the model from (safetensors only, never downloaded; nothing "
+            "for a model built from a config); a folder path or cached repo id names them; None turns residuals "
+            "against them off. They must stay available, unchanged, to restore. Env: ACCELERATE_DYNAQUANT_PRETRAINED."
         },
     )
     config: QuantConfig | None = field(

@@ -104,6 +104,12 @@ class DynaQuantCallback(TrainerCallback):
         delta_coding: ``ans`` (default), ``regroup`` (the paper's), ``rle`` or ``entropy``.
         progress: show a progress bar while a checkpoint is written (default: for checkpoints
             of more than 256 MB, where an encode takes long enough to watch).
+        pretrained: the pre-trained weights a fine-tune's checkpoints may be coded as residuals
+            against (:mod:`hf_dynaquant.pretrained`): ``"auto"`` (default) takes the folder, or
+            the Hub repo in the local Hugging Face cache, that ``from_pretrained`` loaded the
+            model from (safetensors only, never downloaded; nothing for a model built from a
+            config); a folder path or cached repo id names them explicitly; ``None`` turns
+            residuals against them off. They must stay available, unchanged, to restore.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class DynaQuantCallback(TrainerCallback):
         background: bool = True,
         delta_coding: str = DEFAULT_DELTA_CODING,
         progress: bool | None = None,
+        pretrained: Any = "auto",
     ) -> None:
         if eval_batches < 1:
             raise ValueError(f"eval_batches must be at least 1, got {eval_batches}")
@@ -130,7 +137,7 @@ class DynaQuantCallback(TrainerCallback):
         self.higher_is_better, self.eval_data, self.eval_batches = higher_is_better, eval_data, eval_batches
         self.search_space, self.optimizer_state, self.moment_quant = search_space, optimizer_state, moment_quant
         self.keyframe_every, self.ema_steps, self.background = keyframe_every, ema_steps, background
-        self.delta_coding, self.progress = delta_coding, progress
+        self.delta_coding, self.progress, self.pretrained = delta_coding, progress, pretrained
         Compressor._validate(optimizer_state, keyframe_every)
         self.trainer: DynaQuantTrainer | None = None  # set by DynaQuantTrainer
         self.compressor: Compressor | None = None
