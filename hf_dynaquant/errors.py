@@ -7,6 +7,7 @@ Catch :class:`DynaQuantError` to handle them all.
 from __future__ import annotations
 
 import errno
+import os
 
 __all__ = [
     "DynaQuantError",
@@ -15,6 +16,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ChecksumMismatchError",
     "MissingBaseError",
+    "MissingPretrainedError",
     "MissingShardError",
     "EntryNotFoundError",
     "CodecError",
@@ -77,6 +79,29 @@ class MissingBaseError(FormatError):
             "missing: the chain is broken and this checkpoint cannot be restored"
         )
         self.entry, self.base, self.store = entry, base, store
+
+
+class MissingPretrainedError(DynaQuantError):
+    """The pre-trained weights a fine-tune's checkpoints are coded against (residuals, see
+    :mod:`hf_dynaquant.pretrained`) cannot be found, or are not the files that were recorded
+    (size or SHA-256 differ). The message names the source (folder or Hub repo and revision),
+    the file, the entry or setting at fault, and how to fix it."""
+
+    def __init__(self, where: str, source: str, problem: str, file: str | None = None, revision: str | None = None) -> None:
+        at = f"{source} (revision {revision})" if revision else source
+        what = f"file {file!r} of " if file else ""
+        if os.path.isabs(source):
+            back = f"put the folder {source} back as it was"
+        else:
+            back = (
+                f"put the Hub repo {source} at revision {revision or 'main'} back in the local Hugging Face "
+                f"cache (hf download {source}" + (f" --revision {revision}" if revision else "") + ")"
+            )
+        super().__init__(
+            f"{where}: {what}the pre-trained weights {at} {problem}; {back}, or pass pretrained=PATH "
+            "naming a folder that holds the same files"
+        )
+        self.where, self.source, self.file, self.revision = where, source, file, revision
 
 
 class MissingShardError(FormatError):
