@@ -249,3 +249,85 @@ def test_sharded_refuses_residual_coding():
 
     with pytest.raises(UnsupportedSetupError, match="residual"):
         ShardedCompressor(_mlp(), "unused", QuantConfig(residual="previous"))
+
+
+# -- pre-trained weights -----------------------------------------------------------------------
+
+
+def _gpt2(folder):
+    """A small GPT-2 saved with save_pretrained and loaded back with from_pretrained (so it knows
+    its folder), and the weights it started from."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _drift(model, 0.002, 1)  # "fine-tuned a little"
+    return model, start
+
+
+def test_pretrained_residual_round_trip_and_missing_weights(tmp_path):
+    from hf_dynaquant.errors import MissingPretrainedError
+
+    model, start = _gpt2(tmp_path / "base")
+    config = QuantConfig(bins=4, prune=0.2, protect=0.0, residual="pretrained")
+    comp = Compressor(model, tmp_path / "s", config)  # pretrained="auto": the folder from_pretrained read
+    assert comp.pretrained is not None
+    comp.compress(1)
+    _drift(model, 0.002, 2)
+    comp.compress(2)  # a delta entry: code delta on top of the pre-trained residual
+    store = comp.store
+    name = "transformer.h.0.attn.c_attn.weight"
+    with store.open("step-2") as entry:
+        assert entry.metadata["quant_config"]["residual"] == "pretrained"
+        assert entry.metadata["pretrained"]["source"] == str((tmp_path / "base").resolve())
+        assert entry.record("model", name)["params"]["residual"] == "pretrained"
+    state, _, _ = read_checkpoint(store, "step-2")
+    exact = model.state_dict()[name]
+    assert float((state[name] - exact).abs().mean()) < 0.002  # the drift is coded, not the weights
+    direct = _direct_error(exact)
+    assert float((state[name] - exact).abs().mean()) < direct / 4  # (weights std 0.02, drift 0.003)
+    assert store.verify(deep=True) == []
+    new = store.compact("step-2")  # stays exact, still against the pre-trained weights
+    compacted, _, _ = read_checkpoint(store, new)
+    assert all(torch.equal(compacted[n], state[n]) for n in state)
+    # a changed pre-trained file: a clear error naming the source and the entry
+    weights = tmp_path / "base" / "model.safetensors"
+    weights.rename(tmp_path / "moved.safetensors")
+    import hf_dynaquant.pretrained as pretrained_module
+
+    pretrained_module._RESOLVED.clear()  # (a new process: nothing resolved yet)
+    with pytest.raises(MissingPretrainedError, match=r"entry [0-9a-f]{16}.*base"):
+        read_checkpoint(store, "step-2")
+    assert any("pre-trained" in p for p in store.verify(deep=True))
+    (tmp_path / "moved.safetensors").rename(weights)
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    pretrained_module._RESOLVED.clear()
+    with pytest.raises(MissingPretrainedError, match="SHA-256"):
+        read_checkpoint(store, "step-1")
+
+
+def _direct_error(w: torch.Tensor) -> float:
+    tp = plan_quantization({"w": w}, QuantConfig(bins=4, prune=0.2, protect=0.0)).tensors["w"]
+    codes, prot = quantize(w, tp)
+    return float(np.abs(decoded_values(codes, tp.centres, prot) - w.reshape(-1).numpy()).mean())
+
+
+def test_continue_chain_keeps_the_pretrained_weights_of_the_entry(tmp_path):
+    model, _ = _gpt2(tmp_path / "base")
+    comp = Compressor(model, tmp_path / "s", QuantConfig(bins=4, residual="pretrained"))
+    comp.compress(1)
+    # a new process whose model names no source: the chain keeps the entry's pre-trained weights
+    resumed = Compressor(model, comp.store, QuantConfig(bins=4, residual="pretrained"), pretrained=None)
+    assert resumed.pretrained is None
+    resumed.pretrained = None
+    resumed.continue_chain("step-1")
+    assert resumed.pretrained is not None
+    resumed.compress(2)
+    with comp.store.open("step-2") as entry:
+        assert entry.metadata["pretrained"] == comp.pretrained.descriptor
+    assert comp.store.verify(deep=True) == []
