@@ -541,9 +541,8 @@ class Compressor:
             assert self.last_entry is not None
             with self._writable().open(self.last_entry) as entry:
                 stored = set(entry.names(MODEL)) if MODEL in entry.sections else set()
-                self._previous = {
-                    n: entry.tensor(MODEL, n).float() for n, t in weights.items() if n in stored and t.is_floating_point()
-                }
+                floats = [n for n, t in weights.items() if n in stored and t.is_floating_point()]
+                self._previous = {n: entry.tensor(MODEL, n).float() for n in floats}
         return self._previous
 
     def _keep_previous(self, snap: Snapshot, states: Mapping[tuple[str, str], Any]) -> None:

@@ -842,7 +842,8 @@ class _Context:
         if (chosen := self._cache[self.config(centre, metric, emb, residual)]).passed:
             return chosen
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
-        near = [self.config(p, metric, emb, residual) for p in itertools.product(*ranges) if p != centre]  # never bolder
+        points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
+        near = [self.config(p, metric, emb, residual) for p in points]
         near = [c for _, c in sorted(zip(self.size(near), near), key=lambda x: x[0])]
         world = self.world
         for start in range(0, len(near), world):

@@ -83,7 +83,8 @@ def test_closed_loop_error_does_not_grow_open_loop_does(tmp_path):
     decoded = exact[0][name].clone()  # (from an exact start, so only the accumulation shows)
     open_loop = [0.0]
     for prev, cur in zip(exact, exact[1:]):
-        tp = plan_quantization({name: cur[name]}, replace_config("previous"), reference={name: prev[name]}).tensors[name]
+        plan = plan_quantization({name: cur[name]}, replace_config("previous"), reference={name: prev[name]})
+        tp = plan.tensors[name]
         codes, prot = quantize(cur[name], tp)
         decoded = decoded + torch.from_numpy(dequantize(codes, tp.centres, prot)).view(decoded.shape)
         open_loop.append(float((decoded - cur[name]).abs().mean()))

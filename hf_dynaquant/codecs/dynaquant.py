@@ -215,7 +215,9 @@ class DynaQuantCodec(Codec):
         where = blobs.where
         residual = params.get("residual", "none")
         if residual != "none" and (reference is None or reference.size != n):
-            raise CorruptCheckpointError(f"{where}: a {residual!r} residual but its reference values are missing or differ in size")
+            raise CorruptCheckpointError(
+                f"{where}: a {residual!r} residual, but its reference values are missing or differ in size"
+            )
         if params["mode"] == "delta":
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
