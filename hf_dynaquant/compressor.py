@@ -534,6 +534,15 @@ class Compressor:
             out["pretrained"] = {n: self.pretrained.tensor(n) for n in weights if n in have}
         return {kind: Reference(values, snap.sensitivity(values)) for kind, values in out.items() if values}
 
+    def _base_codes(self) -> dict[str, Any] | None:
+        """The codes of the entry the next checkpoint will be a delta on (known when this process
+        wrote it), so the search sizes candidates as stored; not when the search is spread over
+        several processes, which do not all keep them."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self._next_is_keyframe() or distributed:
+            return None
+        return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
+
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The last entry's decoded values of ``weights``' tensors (read back from the store when
         this process did not write it)."""
@@ -598,6 +607,7 @@ class Compressor:
                 sensitivity=snap.sensitivity(),
                 where=f"step {snap.step}",
                 references=self.references(snap),
+                base_codes=self._base_codes(),
             )
         self.last_search = result
         return result

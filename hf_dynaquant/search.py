@@ -386,24 +386,40 @@ def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
     return to_local() if to_local is not None else live
 
 
-def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
-    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value."""
-    return order0_bits(codes) + 16 * protected.size
+def _code_bits(codes: np.ndarray, protected: np.ndarray, base: np.ndarray | None = None) -> float:
+    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value.
+    With the base entry's codes of the tensor (``base``), the smaller of that and the entropy of
+    the codes given the base codes: what the code delta (the regrouped cyclic delta, one model
+    per base code) stores when it pays, as the codec chooses."""
+    bits = order0_bits(codes)
+    if base is not None and base.size == codes.size:
+        joint = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1)
+        given = np.bincount(base, minlength=1)
+        pairs = np.nonzero(joint)[0]
+        count = joint[pairs]
+        bits = min(bits, float(-(count * np.log2(count / given[pairs // 256])).sum()))
+    return bits + 16 * protected.size
 
 
-def _code_totals(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> np.ndarray:
+def _code_totals(
+    snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, base_codes: Mapping[str, np.ndarray] | None = None
+) -> np.ndarray:
     """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards)."""
     totals = np.zeros(2)
     for name, tp in plan.tensors.items():
         codes, protected = quantize(snapshot[name], tp)
-        totals += (_code_bits(codes, protected), codes.size)
+        totals += (_code_bits(codes, protected, (base_codes or {}).get(name)), codes.size)
     return totals
 
 
-def measured_bits(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> float:
+def measured_bits(
+    snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, *, base_codes: Mapping[str, np.ndarray] | None = None
+) -> float:
     """Bits per quantized value of ``plan`` on ``snapshot`` (the ``bits`` of :func:`evaluate_plan`),
-    without touching the model: what the search orders its candidates by."""
-    bits, total = _code_totals(snapshot, plan)
+    without touching the model: what the search orders its candidates by. ``base_codes`` (the
+    base entry's codes by tensor name, when the checkpoint will be a delta on it) counts a
+    tensor's code delta where that is smaller."""
+    bits, total = _code_totals(snapshot, plan, base_codes)
     return bits / max(total, 1.0)
 
 
@@ -414,12 +430,13 @@ def evaluate_plan(
     metric: QualityMetric,
     *,
     preserve_rng: bool = True,
+    base_codes: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[float, float]:
     """``(metric value, measured bits per value)`` of the model with the plan's tensors
     quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards, and with
     ``preserve_rng`` every process-wide RNG state (pass ``False`` off the training thread, see
-    :mod:`hf_dynaquant.core.rng`)."""
-    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng)
+    :mod:`hf_dynaquant.core.rng`); ``base_codes``: see :func:`measured_bits`."""
+    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng, base_codes)
     return value, bits / max(total, 1.0)
 
 
@@ -429,6 +446,7 @@ def _evaluate(
     plan: QuantPlan,
     metric: QualityMetric,
     preserve_rng: bool,
+    base_codes: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[float, np.ndarray]:
     """:func:`evaluate_plan` with the code sizes as ``[bits, quantized values]`` (see
     :func:`_code_totals`), which sum over the shards of a sharded model."""
@@ -438,7 +456,7 @@ def _evaluate(
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
-                totals += (_code_bits(codes, protected), codes.size)
+                totals += (_code_bits(codes, protected, (base_codes or {}).get(name)), codes.size)
                 live = _live_tensor(model, name)
                 values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(live.shape)
                 swapped.append((live, snapshot[name]))
@@ -548,6 +566,7 @@ class ConfigurationSearch:
         lockstep: Lockstep | None = None,
         where: str | None = None,
         references: Mapping[str, Reference] | None = None,
+        base_codes: Mapping[str, np.ndarray] | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
         (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
@@ -556,6 +575,9 @@ class ConfigurationSearch:
         (e.g. ``"step 40"``) names the checkpoint in warnings and errors. ``references`` offers
         residual coding: ``{kind: Reference}`` for the kinds available at this checkpoint (those
         of ``space.residuals``; ``"none"`` needs none). Not in lockstep (sharded models code directly).
+        ``base_codes``: the codes of the entry this checkpoint will be a delta on, by tensor name;
+        sizes then count each tensor's code delta where it is smaller (see :func:`measured_bits`),
+        so that direct coding, whose codes change little between checkpoints, is sized as stored.
 
         A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
         divergence) leaves nothing to compare candidates with: the checkpoint is stored
@@ -573,6 +595,7 @@ class ConfigurationSearch:
         residuals = [r for r in self.space.residuals if r == "none" or r in references] or ["none"]
         ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where, references)
         ctx.residuals = residuals
+        ctx.base_codes = dict(base_codes or {})
         if self.last is not None and self.last.metric in metrics and self.last.residual in residuals:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -634,6 +657,7 @@ class _Context:
         self.owner, self.model, self.snapshot = owner, model, snapshot
         self.references = dict(references or {})
         self.residuals = ["none", *self.references]  # offered residual kinds (the search narrows them)
+        self.base_codes: dict[str, np.ndarray] = {}  # the base entry's codes, for sizes as stored
         self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
@@ -685,7 +709,7 @@ class _Context:
         (spread over the ranks like evaluations)."""
         todo = [c for c in dict.fromkeys(configs) if c not in self._bits]
         rank, world = self.rank, self.world
-        totals = [_code_totals(self.snapshot, self.plan(c)) for c in todo[rank::world]]
+        totals = [_code_totals(self.snapshot, self.plan(c), self.base_codes) for c in todo[rank::world]]
         if self.lockstep is not None and totals:
             totals = list(self.lockstep.all_sum(np.stack(totals)))  # every rank sized every candidate
         mine = [(c, float(t[0] / max(t[1], 1.0))) for c, t in zip(todo[rank::world], totals)]
@@ -702,7 +726,8 @@ class _Context:
             mine = []
             if rank < len(batch):
                 plan = self.plan(batch[rank])
-                value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric, self.owner.owns_rng())
+                metric, rng = self.owner.metric, self.owner.owns_rng()
+                value, totals = _evaluate(self.model, self.snapshot, plan, metric, rng, self.base_codes)
                 if self.lockstep is not None:
                     value, totals = self.lockstep.agree(value), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))

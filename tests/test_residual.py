@@ -327,3 +327,18 @@ def test_continue_chain_keeps_the_pretrained_weights_of_the_entry(tmp_path):
     with comp.store.open("step-2") as entry:
         assert entry.metadata["pretrained"] == comp.pretrained.descriptor
     assert comp.store.verify(deep=True) == []
+
+
+def test_sizes_count_the_code_delta_on_the_base_entry():
+    """Direct codes change little between checkpoints and are stored as a code delta: the search
+    sizes them so, or it would prefer residuals that store larger."""
+    from hf_dynaquant.search import measured_bits
+
+    model = _mlp()
+    snap = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    plan = plan_quantization(snap, QuantConfig(bins=8, min_numel=1024))
+    base = {n: quantize(snap[n], tp)[0] for n, tp in plan.tensors.items()}
+    alone = measured_bits(snap, plan)
+    assert measured_bits(snap, plan, base_codes=base) < alone / 20  # same codes: a near-empty delta
+    unrelated = {n: np.roll(c, 1) for n, c in base.items()}
+    assert measured_bits(snap, plan, base_codes=unrelated) == pytest.approx(alone, rel=0.02)  # never larger
