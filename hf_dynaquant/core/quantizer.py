@@ -312,7 +312,8 @@ def plan_quantization(
     checked: list[tuple[tuple, bool]] = []  # finiteness checks made by this call (reported once per cache)
 
     def sketch_of(name: str, kind: str, values: Callable[[], torch.Tensor], magnitude: bool) -> LogSketch:
-        key = (name, kind, config.alpha, config.residual if name in refs else "none")
+        # a residual's sketches apart; a direct tensor's keyed as callers that fill the cache expect
+        key = (name, kind, config.alpha) + ((config.residual,) if name in refs else ())
         if key not in cache:
             cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
         return cache[key]
