@@ -45,7 +45,7 @@ from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec, QuantState
 from .core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
 from .dtypes import check_storable, from_raw, storage_key
-from .errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
+from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import (
     OPTIMIZER_MODES,
     MomentQuant,
@@ -399,6 +399,7 @@ class Compressor:
         if self.search is not None:
             return kind in self.search.space.residuals
         return self.config.residual == kind
+
     @classmethod
     def from_settings(
         cls,

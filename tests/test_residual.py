@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynaquant import CheckpointStore, Compressor, QuantConfig
+from hf_dynaquant import Compressor, QuantConfig
 from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import PRUNED, decoded_values, dequantize, plan_quantization, quantize
 from hf_dynaquant.errors import ChecksumMismatchError, MissingBaseError, UnsupportedSetupError
