@@ -15,6 +15,14 @@
 The configuration is given explicitly here (the search that adapts it comes separately).
 Gradients are recorded only during the ``ema_steps`` optimizer steps before each scheduled
 checkpoint (with ``checkpoint_every``), or always when the schedule is unknown.
+
+Residual coding (``QuantConfig.residual``, or the search's ``SearchSpace.residuals``): the
+compressor keeps the last checkpoint's *decoded* weights (what a restore will have, never the
+exact previous weights: closed loop, so quantization errors do not add up along the chain) to
+code ``"previous"`` residuals against, and the pre-trained weights (``pretrained=``) for
+``"pretrained"`` residuals. A keyframe has no previous checkpoint: it offers ``"none"`` and
+``"pretrained"`` only; a fixed ``QuantConfig(residual="previous")`` falls back to direct coding
+there (and ``"pretrained"`` without pre-trained weights likewise).
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ from typing import Any
 import torch
 
 from .codecs.base import Codec
-from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec
-from .core.quantizer import QuantConfig, QuantPlan, layer_types, plan_quantization
+from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec, QuantState
+from .core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
 from .core.ranking import GradientEMA, sensitivity
-from .dtypes import check_storable
+from .dtypes import check_storable, from_raw, storage_key
 from .errors import CheckpointError, MissingOptimizerStateError
 from .optimizer_state import (
     OPTIMIZER_MODES,
@@ -45,7 +53,7 @@ from .optimizer_state import (
     decode_optimizer_state,
     encode_optimizer_state,
 )
-from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, mean_loss
+from .search import ConfigurationSearch, QualityMetric, Reference, SearchResult, SearchSpace, mean_loss
 from .store import CheckpointStore
 from .store.tree import flatten_tree
 
@@ -142,13 +150,19 @@ class Snapshot:
         """Bytes of the snapshot's tensors (weights and optimizer state)."""
         return sum(t.numel() * t.element_size() for t in self.state.values()) + _raw_optimizer_bytes(self.optimizer)
 
-    def sensitivity(self) -> dict[str, torch.Tensor] | None:
-        """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded)."""
-        out = {
-            name: sensitivity(self.state[name], self.gradient_ema[p].view(self.state[name].shape))
-            for name, p in self.params.items()
-            if p in self.gradient_ema
-        }
+    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+        """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
+        with ``reference``, ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape
+        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``)."""
+        out = {}
+        for name, p in self.params.items():
+            if p not in self.gradient_ema:
+                continue
+            w = self.state[name]
+            ref = (reference or {}).get(name)
+            if ref is not None and ref.shape == w.shape:
+                w = w.float() - ref.float()
+            out[name] = sensitivity(w, self.gradient_ema[p].view(w.shape))
         return out or None
 
     @contextmanager
@@ -304,7 +318,13 @@ class Compressor:
         metric: a :class:`~hf_dynaquant.search.QualityMetric`, or a callable ``model -> float``
             (lower is better unless ``higher_is_better``); default: mean loss on ``eval_data``.
         eval_data: evaluation batches (a DataLoader or a list) for the default metric.
-        search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default).
+        search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default,
+            and the residual kinds).
+        pretrained: the pre-trained weights ``"pretrained"`` residuals are coded against:
+            ``"auto"`` (those the model was loaded from with ``from_pretrained``: its folder, or
+            its Hub snapshot in the local cache; none otherwise), ``None`` (off), a folder or Hub
+            repo id, or a :class:`~hf_dynaquant.pretrained.PretrainedWeights`. Entries coded
+            against them record them (metadata ``"pretrained"``); a restore needs them again.
     """
 
     def __init__(
@@ -326,6 +346,7 @@ class Compressor:
         higher_is_better: bool = False,
         eval_data: Iterable[Any] | None = None,
         search_space: SearchSpace | None = None,
+        pretrained: Any = "auto",
     ) -> None:
         self._validate(optimizer_state, keyframe_every)
         self.search: ConfigurationSearch | None = None
@@ -353,6 +374,31 @@ class Compressor:
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
         self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
+        self.pretrained = self._pretrained_weights(pretrained)
+        # the last checkpoint's decoded quantizable weights (float32), for "previous" residuals;
+        # None: not known in this process (read back from the store when needed)
+        self._previous: dict[str, torch.Tensor] | None = None
+
+    def _pretrained_weights(self, setting: Any) -> Any:
+        """The :class:`~hf_dynaquant.pretrained.PretrainedWeights` of a ``pretrained=`` setting
+        (``None`` when off, or when ``"auto"`` finds none)."""
+        if setting is None or not self._residual_wanted("pretrained"):
+            return None
+        from .pretrained import PretrainedWeights
+
+        if isinstance(setting, PretrainedWeights):
+            return setting
+        if setting == "auto":
+            return PretrainedWeights.from_model(self.model)
+        shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        return PretrainedWeights.from_source(setting, shapes)
+
+    def _residual_wanted(self, kind: str) -> bool:
+        """Whether checkpoints may code residuals of ``kind``: the fixed configuration's, or one
+        the search offers."""
+        if self.search is not None:
+            return kind in self.search.space.residuals
+        return self.config.residual == kind
 
     @classmethod
     def from_settings(
@@ -369,7 +415,8 @@ class Compressor:
         """A compressor from an integration's settings object (``DynaQuantCallback``,
         ``DynaQuantPlugin``): its attributes named like this class's keyword arguments.
         ``default_metric`` is the integration's own metric where the settings give none."""
-        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES}
+        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES if name != "pretrained"}
+        settings_kwargs["pretrained"] = getattr(settings, "pretrained", "auto")
         if settings_kwargs["metric"] is None:
             settings_kwargs["metric"] = default_metric
         return cls(
@@ -416,7 +463,10 @@ class Compressor:
         store = self._writable()
         self.last_entry = store.resolve(ref_or_id)
         self._chain_length = len(store.chain(self.last_entry))
-        self._states = {}
+        self._states, self._previous = {}, None
+        with store.open(self.last_entry) as entry:
+            if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
+                self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
         self.resumed_from(self.last_entry)
 
     def resumed_from(self, entry: str) -> None:
@@ -468,12 +518,76 @@ class Compressor:
             self._skeleton = ModelSkeleton(self.model)
         return self._skeleton
 
+    def _next_is_keyframe(self) -> bool:
+        return self.last_entry is None or self._chain_length >= self.keyframe_every
+
+    def references(self, snap: Snapshot) -> dict[str, Reference]:
+        """The residual references available to the next checkpoint, by kind: ``"previous"``
+        (the last checkpoint's decoded weights; not at a keyframe, nor when the search is spread
+        over several processes, which do not all keep them) and ``"pretrained"``."""
+        weights = {n: snap.state[n] for n in snap.params}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self._residual_wanted("previous") and not self._next_is_keyframe() and not distributed:
+            out["previous"] = self._previous_values(weights)
+        if self._residual_wanted("pretrained") and self.pretrained is not None:
+            have = set(self.pretrained.names())
+            out["pretrained"] = {n: self.pretrained.tensor(n) for n in weights if n in have}
+        return {kind: Reference(values, snap.sensitivity(values)) for kind, values in out.items() if values}
+
+    def _base_codes(self) -> dict[str, Any] | None:
+        """The codes of the entry the next checkpoint will be a delta on (known when this process
+        wrote it), so the search sizes candidates as stored; not when the search is spread over
+        several processes, which do not all keep them."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self._next_is_keyframe() or distributed:
+            return None
+        return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
+
+    def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The last entry's decoded values of ``weights``' tensors (read back from the store when
+        this process did not write it)."""
+        if self._previous is None:
+            assert self.last_entry is not None
+            with self._writable().open(self.last_entry) as entry:
+                stored = set(entry.names(MODEL)) if MODEL in entry.sections else set()
+                floats = [n for n, t in weights.items() if n in stored and t.is_floating_point()]
+                self._previous = {n: entry.tensor(MODEL, n).float() for n in floats}
+        return self._previous
+
+    def _keep_previous(self, snap: Snapshot, states: Mapping[tuple[str, str], Any]) -> None:
+        """Keep the decoded values of the checkpoint just written, for the next ``"previous"``
+        residuals: a quantized tensor's from its codes, any other its exact values (stored losslessly)."""
+        if not self._residual_wanted("previous"):
+            return
+        codec, out, first = DynaQuantCodec(), {}, {}
+        for name in snap.params:
+            t = snap.state[name]
+            if not is_quantizable(t, self.config):
+                continue
+            key = storage_key(t)
+            if key is not None and key in first:  # a tied weight: stored (and decoded) under its first name
+                out[name] = out[first[key]]
+                continue
+            first[key] = name
+            state = states.get((MODEL, name))
+            out[name] = from_raw(codec.to_raw(state)).float() if isinstance(state, QuantState) else t.float()
+        self._previous = out
+
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
-        """The plan of the fixed configuration for a snapshot (without a threshold). A hook:
+        """The plan of the fixed configuration for a snapshot (without a threshold); a residual
+        configuration codes against its reference where available, directly elsewhere. A hook:
         :class:`~hf_dynaquant.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
         weights = {n: snap.state[n] for n in snap.params}
+        ref = self.references(snap).get(self.config.residual)
+        config = self.config if ref is not None else replace(self.config, residual="none")
         return plan_quantization(
-            weights, self.config, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+            weights,
+            config,
+            types=snap.types,
+            sensitivity=ref.sensitivity if ref is not None else snap.sensitivity(),
+            where=f"step {snap.step}",
+            reference=ref.values if ref is not None else None,
         )
 
     def optimizer_reductions(self) -> Reductions | None:
@@ -488,7 +602,13 @@ class Compressor:
         weights = {n: snap.state[n] for n in snap.params}
         with snap.search_model() as model:
             result = self.search.search(
-                model, weights, types=snap.types, sensitivity=snap.sensitivity(), where=f"step {snap.step}"
+                model,
+                weights,
+                types=snap.types,
+                sensitivity=snap.sensitivity(),
+                where=f"step {snap.step}",
+                references=self.references(snap),
+                base_codes=self._base_codes(),
             )
         self.last_search = result
         return result
@@ -505,13 +625,13 @@ class Compressor:
         and store a snapshot; the reference is ``ref`` or ``step-<step>``."""
         started = time.perf_counter()
         store = self._writable()
-        keyframe = self.last_entry is None or self._chain_length >= self.keyframe_every
+        keyframe = self._next_is_keyframe()
         base = None if keyframe else self.last_entry
         meta = dict(snap.metadata)
         search = None
         if self.search is None:
             plan: QuantPlan | None = self.plan_snapshot(snap)
-            meta["quant_config"] = self.config.to_dict()
+            meta["quant_config"] = plan.config.to_dict()
         else:
             result = searched if searched is not None else self.search_snapshot(snap)
             search = meta["search"] = result.to_dict()
@@ -519,6 +639,8 @@ class Compressor:
                 meta["quant_config"] = result.config.to_dict()
             plan = result.plan
         plans = {f"{MODEL}/{n}": tp for n, tp in (plan.tensors.items() if plan is not None else ())}
+        if any(tp.residual == "pretrained" for tp in plans.values()):
+            meta["pretrained"] = self.pretrained.descriptor
         trees = None
         if snap.optimizer is not None:
             encoded = encode_optimizer_state(
@@ -551,6 +673,7 @@ class Compressor:
             keep_states=states,
         )
         self._states = states
+        self._keep_previous(snap, states)
         self.last_entry = entry
         self._chain_length = 1 if keyframe else self._chain_length + 1
         info = store.info(entry)
@@ -618,6 +741,7 @@ _SETTING_NAMES = (
     "metric",
     "higher_is_better",
     "search_space",
+    "pretrained",
 )
 
 

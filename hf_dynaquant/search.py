@@ -19,10 +19,19 @@ configuration that keeps to it, at every checkpoint, cheaply:
   column (same pruning level and metric), which condemns the column in one evaluation when it
   fails clearly too. Without pruning the pruning metric changes nothing: such configurations
   are planned and evaluated once.
+* **Residual coding** (``QuantConfig.residual``) is one more axis: a candidate codes the weights
+  themselves (``"none"``) or their residual against a reference the decoder has (``"previous"``:
+  the last checkpoint's decoded weights; ``"pretrained"``: the weights a fine-tune started from),
+  each offered where the caller hands :meth:`ConfigurationSearch.search` its :class:`Reference`.
+  Every residual kind's columns share the one size-ordered queue, so the choice is by measured size
+  at passing quality.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   metrics) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
-  smallest measured size first; the first that passes ends the round. If none passes, the exhaustive
-  search runs again (counted as a fallback).
+  smallest measured size first; the first that passes ends the round. Round 1 also tries the
+  last point under the other available residual kinds, and takes one that passes with fewer
+  measured bits (or passes where the last residual fails). If none passes, the exhaustive search
+  runs again (counted as a fallback); so does it when the last residual is not available (a
+  keyframe has no previous checkpoint to code against).
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
   each rank (and sizes are measured the same way); results are all-gathered, so every rank picks
   the same configuration.
@@ -59,8 +68,9 @@ from .core.entropy import order0_bits
 from .core.quantizer import (
     EMBEDDING,
     QuantConfig,
+    RESIDUALS,
     QuantPlan,
-    dequantize,
+    decoded_values,
     plan_quantization,
     quantize,
     refuse_or_warn_non_finite,
@@ -73,6 +83,7 @@ __all__ = [
     "QualityMetric",
     "SearchSpace",
     "SearchResult",
+    "Reference",
     "ConfigurationSearch",
     "evaluate_plan",
     "measured_bits",
@@ -255,12 +266,19 @@ class SearchSpace:
     protect: tuple[float, ...] = (0.0005, 0.005, 0.01)
     metrics: tuple[str, ...] = ("magnitude", "sensitivity")
     embedding_bins: tuple[int, ...] = (16, 32)
+    residuals: tuple[str, ...] = ("pretrained", "previous", "none")  # each offered where available
+
+    def __post_init__(self) -> None:
+        if bad := [r for r in self.residuals if r not in RESIDUALS]:
+            raise InvalidSettingError(f"SearchSpace.residuals: unknown {bad}; choose from {RESIDUALS}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return len(self.bins), len(self.prune), len(self.protect)
 
-    def config(self, point: tuple[int, int, int], metric: str, base: QuantConfig, embedding_bins: int) -> QuantConfig:
+    def config(
+        self, point: tuple[int, int, int], metric: str, base: QuantConfig, embedding_bins: int, residual: str = "none"
+    ) -> QuantConfig:
         return replace(
             base,
             bins=self.bins[point[0]],
@@ -268,10 +286,21 @@ class SearchSpace:
             protect=self.protect[point[2]],
             metric=metric,
             embedding_bins=embedding_bins,
+            residual=residual,
         )
 
     def point_of(self, config: QuantConfig) -> tuple[int, int, int]:
         return self.bins.index(config.bins), self.prune.index(config.prune), self.protect.index(config.protect)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What residual candidates of one kind (``"previous"`` or ``"pretrained"``) code against:
+    reference values by tensor name (a tensor without one is coded directly), and the
+    sensitivity of the residual, ``|EMA(g) * (w - ref)|`` (``None`` without gradients)."""
+
+    values: Mapping[str, torch.Tensor]
+    sensitivity: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -292,6 +321,7 @@ class Candidate:
             "protect": c.protect,
             "metric": c.metric,
             "embedding_bins": c.embedding_bins,
+            "residual": c.residual,
             "degradation": self.degradation,
             "bits": self.bits,
             "passed": self.passed,
@@ -318,6 +348,7 @@ class SearchResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict() if self.config else None,
+            "residual": self.config.residual if self.config else None,
             "degradation": self.degradation,
             "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
@@ -355,24 +386,40 @@ def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
     return to_local() if to_local is not None else live
 
 
-def _code_bits(codes: np.ndarray, protected: np.ndarray) -> float:
-    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value."""
-    return order0_bits(codes) + 16 * protected.size
+def _code_bits(codes: np.ndarray, protected: np.ndarray, base: np.ndarray | None = None) -> float:
+    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value.
+    With the base entry's codes of the tensor (``base``), the smaller of that and the entropy of
+    the codes given the base codes: what the code delta (the regrouped cyclic delta, one model
+    per base code) stores when it pays, as the codec chooses."""
+    bits = order0_bits(codes)
+    if base is not None and base.size == codes.size:
+        joint = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1)
+        given = np.bincount(base, minlength=1)
+        pairs = np.nonzero(joint)[0]
+        count = joint[pairs]
+        bits = min(bits, float(-(count * np.log2(count / given[pairs // 256])).sum()))
+    return bits + 16 * protected.size
 
 
-def _code_totals(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> np.ndarray:
+def _code_totals(
+    snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, base_codes: Mapping[str, np.ndarray] | None = None
+) -> np.ndarray:
     """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards)."""
     totals = np.zeros(2)
     for name, tp in plan.tensors.items():
         codes, protected = quantize(snapshot[name], tp)
-        totals += (_code_bits(codes, protected), codes.size)
+        totals += (_code_bits(codes, protected, (base_codes or {}).get(name)), codes.size)
     return totals
 
 
-def measured_bits(snapshot: Mapping[str, torch.Tensor], plan: QuantPlan) -> float:
+def measured_bits(
+    snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, *, base_codes: Mapping[str, np.ndarray] | None = None
+) -> float:
     """Bits per quantized value of ``plan`` on ``snapshot`` (the ``bits`` of :func:`evaluate_plan`),
-    without touching the model: what the search orders its candidates by."""
-    bits, total = _code_totals(snapshot, plan)
+    without touching the model: what the search orders its candidates by. ``base_codes`` (the
+    base entry's codes by tensor name, when the checkpoint will be a delta on it) counts a
+    tensor's code delta where that is smaller."""
+    bits, total = _code_totals(snapshot, plan, base_codes)
     return bits / max(total, 1.0)
 
 
@@ -383,12 +430,13 @@ def evaluate_plan(
     metric: QualityMetric,
     *,
     preserve_rng: bool = True,
+    base_codes: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[float, float]:
     """``(metric value, measured bits per value)`` of the model with the plan's tensors
     quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards, and with
     ``preserve_rng`` every process-wide RNG state (pass ``False`` off the training thread, see
-    :mod:`hf_dynaquant.core.rng`)."""
-    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng)
+    :mod:`hf_dynaquant.core.rng`); ``base_codes``: see :func:`measured_bits`."""
+    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng, base_codes)
     return value, bits / max(total, 1.0)
 
 
@@ -398,6 +446,7 @@ def _evaluate(
     plan: QuantPlan,
     metric: QualityMetric,
     preserve_rng: bool,
+    base_codes: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[float, np.ndarray]:
     """:func:`evaluate_plan` with the code sizes as ``[bits, quantized values]`` (see
     :func:`_code_totals`), which sum over the shards of a sharded model."""
@@ -407,9 +456,9 @@ def _evaluate(
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
-                totals += (_code_bits(codes, protected), codes.size)
+                totals += (_code_bits(codes, protected, (base_codes or {}).get(name)), codes.size)
                 live = _live_tensor(model, name)
-                values = torch.from_numpy(dequantize(codes, tp.centres, protected)).view(live.shape)
+                values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(live.shape)
                 swapped.append((live, snapshot[name]))
                 live.copy_(values.to(live.dtype))
             value = metric(model)
@@ -516,12 +565,19 @@ class ConfigurationSearch:
         sensitivity: Mapping[str, torch.Tensor] | None = None,
         lockstep: Lockstep | None = None,
         where: str | None = None,
+        references: Mapping[str, Reference] | None = None,
+        base_codes: Mapping[str, np.ndarray] | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
         (names as in ``model.state_dict()``; only the tensors to quantize are needed). With
         ``lockstep`` (a sharded model) ``snapshot`` and ``sensitivity`` hold this rank's shards
         and every rank evaluates every candidate together (see :class:`Lockstep`). ``where``
-        (e.g. ``"step 40"``) names the checkpoint in warnings and errors.
+        (e.g. ``"step 40"``) names the checkpoint in warnings and errors. ``references`` offers
+        residual coding: ``{kind: Reference}`` for the kinds available at this checkpoint (those
+        of ``space.residuals``; ``"none"`` needs none). Not in lockstep (sharded models code directly).
+        ``base_codes``: the codes of the entry this checkpoint will be a delta on, by tensor name;
+        sizes then count each tensor's code delta where it is smaller (see :func:`measured_bits`),
+        so that direct coding, whose codes change little between checkpoints, is sized as stored.
 
         A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
         divergence) leaves nothing to compare candidates with: the checkpoint is stored
@@ -533,8 +589,14 @@ class ConfigurationSearch:
         if not math.isfinite(baseline):
             return self._non_finite_baseline(baseline, snapshot, where, lockstep)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where)
-        if self.last is not None and self.last.metric in metrics:
+        references = dict(references or {})
+        if lockstep is not None and references:
+            raise InvalidSettingError("residual coding is not available for sharded models (lockstep): direct only")
+        residuals = [r for r in self.space.residuals if r == "none" or r in references] or ["none"]
+        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where, references)
+        ctx.residuals = residuals
+        ctx.base_codes = dict(base_codes or {})
+        if self.last is not None and self.last.metric in metrics and self.last.residual in residuals:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
             if found is None:
@@ -590,8 +652,12 @@ class _Context:
         metrics: Sequence[str],
         lockstep: Lockstep | None = None,
         where: str | None = None,
+        references: Mapping[str, Reference] | None = None,
     ) -> None:
         self.owner, self.model, self.snapshot = owner, model, snapshot
+        self.references = dict(references or {})
+        self.residuals = ["none", *self.references]  # offered residual kinds (the search narrows them)
+        self.base_codes: dict[str, np.ndarray] = {}  # the base entry's codes, for sizes as stored
         self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
@@ -611,15 +677,18 @@ class _Context:
     def _embedding_default(self) -> int:
         return self.owner.space.embedding_bins[-1]
 
-    def config(self, point: tuple[int, int, int], metric: str, embedding_bins: int | None = None) -> QuantConfig:
+    def config(
+        self, point: tuple[int, int, int], metric: str, embedding_bins: int | None = None, residual: str = "none"
+    ) -> QuantConfig:
         """The configuration at ``point``; without pruning the pruning metric changes nothing, so
         such points all take the first metric (one plan, one evaluation)."""
         space = self.owner.space
         metric = self.metrics[0] if space.prune[point[1]] == 0 and self.metrics else metric
-        return space.config(point, metric, self.owner.base, embedding_bins or self._embedding_default())
+        return space.config(point, metric, self.owner.base, embedding_bins or self._embedding_default(), residual)
 
     def plan(self, config: QuantConfig) -> QuantPlan:
         if config not in self._plans:
+            ref = self.references.get(config.residual)
             self._plans[config] = (
                 self.lockstep.plan(config)
                 if self.lockstep is not None
@@ -627,9 +696,10 @@ class _Context:
                     self.snapshot,
                     config,
                     types=self.types,
-                    sensitivity=self.sensitivity,
+                    sensitivity=ref.sensitivity if ref is not None and self.sensitivity else self.sensitivity,
                     sketch_cache=self.sketches,
                     where=self.where,
+                    reference=ref.values if ref is not None else None,
                 )
             )
         return self._plans[config]
@@ -639,7 +709,7 @@ class _Context:
         (spread over the ranks like evaluations)."""
         todo = [c for c in dict.fromkeys(configs) if c not in self._bits]
         rank, world = self.rank, self.world
-        totals = [_code_totals(self.snapshot, self.plan(c)) for c in todo[rank::world]]
+        totals = [_code_totals(self.snapshot, self.plan(c), self.base_codes) for c in todo[rank::world]]
         if self.lockstep is not None and totals:
             totals = list(self.lockstep.all_sum(np.stack(totals)))  # every rank sized every candidate
         mine = [(c, float(t[0] / max(t[1], 1.0))) for c, t in zip(todo[rank::world], totals)]
@@ -656,7 +726,8 @@ class _Context:
             mine = []
             if rank < len(batch):
                 plan = self.plan(batch[rank])
-                value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric, self.owner.owns_rng())
+                metric, rng = self.owner.metric, self.owner.owns_rng()
+                value, totals = _evaluate(self.model, self.snapshot, plan, metric, rng, self.base_codes)
                 if self.lockstep is not None:
                     value, totals = self.lockstep.agree(value), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))
@@ -694,32 +765,39 @@ class _Context:
         space = self.owner.space
         return (
             (b.prune == 0 or a.metric == b.metric)
+            and a.residual == b.residual
             and a.embedding_bins <= b.embedding_bins
             and all(x <= y for x, y in zip(space.point_of(a), space.point_of(b)))
         )
 
     def exhaustive(self, metrics: Sequence[str]) -> Candidate | None:
-        """The passing configuration of fewest measured bits, both pruning metrics in one queue.
+        """The passing configuration of fewest measured bits, every (pruning, metric, residual)
+        column in one queue.
 
-        The queue walks the cube from the most compressive corner of each (pruning, metric)
-        column: a point leaves it in order of measured size, and its successors (one more step of
-        bins; at the fewest bins, one more step of protection) join, sized, as it leaves. Size
-        rises along both, so every point still to come is at least as large as the one leaving,
-        and the first that passes is the answer. A point at or below a clear failure (see
-        :meth:`condemned`) is skipped when its turn comes."""
+        The queue walks the cube from the most compressive corner of each column: a point leaves
+        it in order of measured size, and its successors (one more step of bins; at the fewest
+        bins, one more step of protection) join, sized, as it leaves. Size rises along both, so
+        every point still to come is at least as large as the one leaving, and the first that
+        passes is the answer. A point at or below a clear failure (see :meth:`condemned`) is
+        skipped when its turn comes."""
         space, world = self.owner.space, self.world
         n_bins, n_prune, n_protect = space.shape
-        queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, metric index)
+        columns = [(m, r) for r in self.residuals for m in metrics]
+        queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, column index)
         seen: set[QuantConfig] = set()
 
-        def push(points: list[tuple[int, int, int]], m: int) -> None:
+        def at(point: tuple[int, int, int], column: int) -> QuantConfig:
+            metric, residual = columns[column]
+            return self.config(point, metric, residual=residual)
+
+        def push(points: list[tuple[int, int, int]], column: int) -> None:
             fresh = []
             for point in points:
-                if (config := self.config(point, metrics[m])) not in seen:  # without pruning, both metrics meet
+                if (config := at(point, column)) not in seen:  # without pruning, both metrics meet
                     seen.add(config)
                     fresh.append((point, config))
             for (point, _), bits in zip(fresh, self.size([c for _, c in fresh])):
-                heapq.heappush(queue, (bits, point, m))
+                heapq.heappush(queue, (bits, point, column))
 
         def successors(point: tuple[int, int, int]) -> list[tuple[int, int, int]]:
             """One more step of bins; at the fewest bins, also one more step of protection (a tree
@@ -731,47 +809,66 @@ class _Context:
             return out
 
         def column_top(config: QuantConfig) -> QuantConfig:
-            return self.config((n_bins - 1, space.prune.index(config.prune), n_protect - 1), config.metric)
+            point = (n_bins - 1, space.prune.index(config.prune), n_protect - 1)
+            return self.config(point, config.metric, residual=config.residual)
 
-        # the highest-quality configuration first: when it fails clearly, nothing is left to try
-        tops = [self.config((n_bins - 1, n_prune - 1, n_protect - 1), m) for m in metrics]
+        # the highest-quality configurations first: when they all fail clearly, nothing is left to try
+        tops = [at((n_bins - 1, n_prune - 1, n_protect - 1), c) for c in range(len(columns))]
         self.evaluate(tops)
         if all(self.condemned(c) for c in tops):
             return None
-        for m in range(len(metrics)):
-            push([(0, p, 0) for p in range(n_prune)], m)
+        for column in range(len(columns)):
+            push([(0, p, 0) for p in range(n_prune)], column)
         while queue:
             batch: list[QuantConfig] = []
             while queue and len(batch) < world:
-                _, point, m = heapq.heappop(queue)
-                push(successors(point), m)
-                if not self.condemned(config := self.config(point, metrics[m])):
+                _, point, column = heapq.heappop(queue)
+                push(successors(point), column)
+                if not self.condemned(config := at(point, column)):
                     batch.append(config)
             cands = self.evaluate(batch)
             if passed := next((c for c in cands if c.passed), None):
                 return passed
-            # a failure far past the margin hints that its whole column (pruning level and metric)
-            # fails: the column's top decides in one evaluation, and condemns the column if it fails clearly
+            # a failure far past the margin hints that its whole column (pruning level, metric and
+            # residual) fails: the column's top decides in one evaluation, and condemns the column
+            # if it fails clearly
             self.evaluate([column_top(c.config) for c in cands if c.degradation > _FAR * self.margin()])
         return None
 
     def neighbourhood(self, last: QuantConfig, metrics: Sequence[str]) -> Candidate | None:
+        """Round 1: the last point under its metric and residual, under the other metrics, and
+        under the other available residuals; another residual is taken when it passes with fewer
+        measured bits (or where the last one fails), another metric when it passes clearly better.
+        Then the points at most ``epsilon`` steps less aggressive, smallest first."""
         space, eps = self.owner.space, self.owner.epsilon
         try:
             centre = space.point_of(last)
         except ValueError:
             return None
-        emb = last.embedding_bins
+        emb, residual = last.embedding_bins, last.residual
         others = [m for m in metrics if m != last.metric]
-        # round 1: the same configuration under both metrics; switch only if clearly better
-        first = self.evaluate([self.config(centre, last.metric, emb)] + [self.config(centre, m, emb) for m in others])
+        alternatives = [r for r in self.residuals if r != residual]
+        same = self.config(centre, last.metric, emb, residual)
+        first = self.evaluate(
+            [same]
+            + [self.config(centre, m, emb, residual) for m in others]
+            + [self.config(centre, last.metric, emb, r) for r in alternatives]
+        )
+        switch = [
+            c
+            for c in first[1 + len(others) :]
+            if c.passed and (c.bits < self._cache[same].bits or not self._cache[same].passed)
+        ]
+        if switch:
+            return min(switch, key=lambda c: c.bits)
         metric = last.metric
-        if len(first) > 1 and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
+        if others and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
             metric = others[0]
-        if self._cache[self.config(centre, metric, emb)].passed:
-            return self._cache[self.config(centre, metric, emb)]
+        if (chosen := self._cache[self.config(centre, metric, emb, residual)]).passed:
+            return chosen
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
-        near = [self.config(p, metric, emb) for p in itertools.product(*ranges) if p != centre]  # never bolder
+        points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
+        near = [self.config(p, metric, emb, residual) for p in points]
         near = [c for _, c in sorted(zip(self.size(near), near), key=lambda x: x[0])]
         world = self.world
         for start in range(0, len(near), world):

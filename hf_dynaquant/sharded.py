@@ -41,7 +41,9 @@ ranks (FSDP2's default); tested on CPUs with gloo (under NCCL the small collecti
 current GPU, untested here); the store must be on a filesystem every rank sees. In a model without
 DTensor parameters nothing is sharded and nothing is quantized (use ``Compressor`` there).
 Other layouts (HSDP, tensor parallelism) are refused with
-:class:`~hf_dynaquant.errors.UnsupportedSetupError`.
+:class:`~hf_dynaquant.errors.UnsupportedSetupError`. Residual coding is not available here yet:
+sharded checkpoints code the weights directly (``QuantConfig(residual=...)`` or an explicit
+``pretrained=`` is refused; the search offers direct coding only).
 """
 
 from __future__ import annotations
@@ -369,11 +371,20 @@ class ShardedCompressor(Compressor):
     """
 
     def __init__(self, model: torch.nn.Module, store: CheckpointStore | str | Path, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("config", args[0] if args else None)
+        if (config is not None and config.residual != "none") or kwargs.get("pretrained", "auto") not in ("auto", None):
+            raise UnsupportedSetupError(
+                "ShardedCompressor codes the weights directly: residual coding (QuantConfig.residual, pretrained=) "
+                "is not available for sharded models"
+            )
         super().__init__(model, None, *args, **kwargs)
         self.store = open_shared_store(store)
         self.ema = _LocalGradientEMA(model.named_parameters(), beta=self.ema.beta)
         self.layout: ShardLayout | None = None
         self._optimizer_sharded: dict[str, list[str]] = {}
+
+    def _residual_wanted(self, kind: str) -> bool:
+        return False  # direct coding only (see the module docstring)
 
     # -- snapshot ---------------------------------------------------------------------------
     def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:

@@ -9,6 +9,10 @@ that checks each blob's checksum when it is read.
 For byte-exact codecs the state is the decoded :class:`RawTensor` itself; lossy codecs may use
 a richer state (for example quantization codes) and turn it into a tensor in
 :meth:`Codec.to_raw`.
+
+A codec that codes a *residual* says so in :meth:`Codec.reference_kind`: decoding then also gets
+the reference values (flat float32) the store found for it: the base entry's decoded tensor
+(``"previous"``) or the entry's pre-trained weights (``"pretrained"``).
 """
 
 from __future__ import annotations
@@ -58,9 +62,22 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(
-        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        params: dict[str, Any],
+        blobs: BlobSource,
+        base: Any = None,
+        *,
+        reference: np.ndarray | None = None,
     ) -> Any:
-        """Decode a tensor's state from its blobs (and the base state when it used one)."""
+        """Decode a tensor's state from its blobs (and the base state when it used one; the
+        reference values when :meth:`reference_kind` names one)."""
+
+    def reference_kind(self, params: dict[str, Any]) -> str | None:
+        """The reference a stored tensor's decode adds its values to: ``None``, ``"previous"``
+        (the base entry's decoded tensor) or ``"pretrained"`` (the entry's pre-trained weights)."""
+        return None
 
     def to_raw(self, state: Any) -> RawTensor:
         """Turn a decoded state into the tensor; identity for byte-exact codecs."""

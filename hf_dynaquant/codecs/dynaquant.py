@@ -13,7 +13,14 @@ Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_co
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
 under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others),
 ``protected`` (the lossless params of the protected values, with their count ``n``),
-``layer_type``.
+``layer_type``, ``residual`` (``previous`` | ``pretrained``; absent: the codes are of the
+weights themselves).
+
+A residual tensor decodes to ``reference + dequantized codes`` in float32
+(:func:`~hf_dynaquant.core.quantizer.decoded_values`), then cast to its dtype; the store hands
+:meth:`DynaQuantCodec.decode` the reference: the base entry's decoded tensor (``previous``, which
+makes the tensor use the base even as a code keyframe) or the entry's pre-trained weights
+(``pretrained``). The cyclic code delta (``mode`` ``delta``) applies to the codes either way.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from ..core.delta import (
     varint_encode,
 )
 from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
-from ..core.quantizer import FIRST_CENTRE, TensorPlan, dequantize, quantize
+from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
@@ -59,6 +66,8 @@ class QuantState:
     protected: np.ndarray  # uint16 bf16 bits, in element order
     dtype: str
     shape: tuple[int, ...]
+    residual: str = "none"  # the kind of reference the codes are a residual against
+    reference: np.ndarray | None = None  # its flat float32 values (None: direct coding)
 
 
 def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> tuple[str, bytes, int]:
@@ -133,13 +142,28 @@ class DynaQuantCodec(Codec):
                 "hf_dynaquant.Compressor or compress_state_dict rather than the bare codec"
             )
         codes, protected = quantize(from_raw(tensor), self.plan)
+        plan = self.plan
         state = QuantState(
-            codes, FIRST_CENTRE + len(self.plan.centres), self.plan.centres, protected, tensor.dtype, tensor.shape
+            codes,
+            FIRST_CENTRE + len(plan.centres),
+            plan.centres,
+            protected,
+            tensor.dtype,
+            tensor.shape,
+            plan.residual,
+            plan.reference,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
     def keyframe(self, state: QuantState) -> Encoded:
+        """The codes self-contained; a ``previous`` residual still needs its base's values, so it
+        cannot be one (:meth:`CheckpointStore.compact` stores such a tensor losslessly)."""
+        if state.residual == "previous":
+            raise CodecError("a residual against the previous checkpoint cannot be re-encoded without its base")
         return self._encode_state(state, None, {})
+
+    def reference_kind(self, params: dict[str, Any]) -> str | None:
+        return params.get("residual")
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
         # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
@@ -155,6 +179,8 @@ class DynaQuantCodec(Codec):
             "centres": _shortest(state.centres),
             **extra,
         }
+        if state.residual != "none":
+            params["residual"] = state.residual
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
             stream_coding, delta, size = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
@@ -172,13 +198,26 @@ class DynaQuantCodec(Codec):
             prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
             blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
             params["protected"].update(prot.params)
-        return Encoded(blobs, params, uses_base=params["mode"] == "delta", state=state)
+        uses_base = params["mode"] == "delta" or state.residual == "previous"
+        return Encoded(blobs, params, uses_base=uses_base, state=state)
 
     def decode(
-        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        params: dict[str, Any],
+        blobs: BlobSource,
+        base: Any = None,
+        *,
+        reference: np.ndarray | None = None,
     ) -> QuantState:
         n = int(np.prod(shape, dtype=np.int64))
         where = blobs.where
+        residual = params.get("residual", "none")
+        if residual != "none" and (reference is None or reference.size != n):
+            raise CorruptCheckpointError(
+                f"{where}: a {residual!r} residual, but its reference values are missing or differ in size"
+            )
         if params["mode"] == "delta":
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
@@ -195,11 +234,20 @@ class DynaQuantCodec(Codec):
         centres = np.asarray(params["centres"], dtype=np.float32)
         if codes.size and int(codes.max()) >= FIRST_CENTRE + centres.size:
             raise CorruptCheckpointError(f"{where}: a code exceeds the {centres.size} stored centres")
-        return QuantState(codes, int(params["levels"]), centres, protected, dtype, tuple(shape))
+        return QuantState(
+            codes,
+            int(params["levels"]),
+            centres,
+            protected,
+            dtype,
+            tuple(shape),
+            residual,
+            reference if residual != "none" else None,
+        )
 
     def to_raw(self, state: QuantState) -> RawTensor:
         try:
-            values = dequantize(state.codes, state.centres, state.protected)
+            values = decoded_values(state.codes, state.centres, state.protected, state.reference)
         except ValueError as exc:
             raise CorruptCheckpointError(str(exc)) from None
         tensor = torch.from_numpy(values).to(torch_dtype(state.dtype)).reshape(state.shape)

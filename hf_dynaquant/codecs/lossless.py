@@ -148,7 +148,14 @@ class LosslessCodec(Codec):
         return Encoded(blobs, params, uses_base=use_base, state=tensor)
 
     def decode(
-        self, dtype: str, shape: tuple[int, ...], params: dict[str, Any], blobs: BlobSource, base: Any = None
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        params: dict[str, Any],
+        blobs: BlobSource,
+        base: Any = None,
+        *,
+        reference: np.ndarray | None = None,
     ) -> RawTensor:
         infos, where = params["chunks"], blobs.where
         n = int(np.prod(shape, dtype=np.int64))

@@ -21,6 +21,15 @@ Decisions where the paper is silent (also in FORMAT.md):
   centre ``i``; at most 256 levels, so a code is one byte.
 * **Rounding** is to the nearest centre, or stochastic (``QuantConfig.rounding``): unbiased,
   for checkpoints that training resumes from, see :mod:`hf_dynaquant.core.rounding`.
+* **Residual coding** (``QuantConfig.residual``): instead of the weights, code ``w - ref``
+  against reference values the decoder already has: the previous checkpoint's *decoded* weights
+  (``"previous"``: closed loop, so quantization errors never accumulate along a chain) or the
+  pre-trained weights a fine-tune started from (``"pretrained"``). A tensor with a reference of its
+  shape is planned on its residual (sketches, thresholds, K-means); ``TensorPlan.reference`` holds
+  the reference; the decoded value is ``ref + dequantized code`` in float32
+  (:func:`decoded_values`), so a pruned residual keeps the reference value. Sensitivity of a
+  residual is ``|EMA(g) * r|`` (zeroing it moves the weight by ``r``, the loss by about ``g * r``),
+  its magnitude ``|r|``. Tensors without a reference are coded directly.
 * **NaN and infinite values** cannot be ranked or clustered. A tensor holding any is stored
   losslessly, bit-exact, so the NaN survives the round trip for whoever debugs the divergence,
   with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it; with
@@ -61,6 +70,8 @@ __all__ = [
     "plan_quantization",
     "quantize",
     "dequantize",
+    "decoded_values",
+    "RESIDUALS",
     "NON_FINITE",
     "refuse_or_warn_non_finite",
 ]
@@ -70,6 +81,7 @@ EMBEDDING = "Embedding"
 METRICS = ("magnitude", "sensitivity")
 ROUNDINGS = ("nearest", "stochastic")
 NON_FINITE = ("lossless", "raise")
+RESIDUALS = ("none", "previous", "pretrained")
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,10 @@ class QuantConfig:
             with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it), or makes the
             checkpoint ``"raise"`` a :class:`~hf_dynaquant.errors.NonFiniteTensorError`. The
             same holds for optimizer moments under ``optimizer_state="compress"``.
+        residual: what the codes are taken of: ``"none"`` (the weights), ``"previous"`` (the
+            residual against the previous checkpoint's decoded weights) or ``"pretrained"`` (against
+            the pre-trained weights); see the module docstring. Tensors without a reference of
+            their shape are coded directly.
     """
 
     bins: int = 16
@@ -107,6 +123,7 @@ class QuantConfig:
     rounding: str = "nearest"
     rounding_seed: int = 0
     non_finite: str = "lossless"
+    residual: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("bins", "embedding_bins"):
@@ -123,6 +140,8 @@ class QuantConfig:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.non_finite not in NON_FINITE:
             raise ValueError(f"non_finite must be one of {NON_FINITE}, got {self.non_finite!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,6 +182,13 @@ class TensorPlan:
     sensitivity: torch.Tensor | None = field(default=None, repr=False)
     dither_seed: int | None = None  # stochastic rounding's seed for this tensor (None: nearest)
     dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
+    residual: str = "none"  # "none", or the kind of reference the codes are a residual against
+    reference: np.ndarray | None = field(default=None, repr=False)  # flat float32 reference values
+
+    def target(self, w: torch.Tensor) -> np.ndarray:
+        """The flat float32 values the codes quantize: the weights, or their residual."""
+        flat = _flat(w).numpy()
+        return flat if self.reference is None else flat - self.reference
 
     def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """``(codes, protected count)`` of flat float32 weights; without centres every value
@@ -261,6 +287,7 @@ def plan_quantization(
     sensitivity: Mapping[str, torch.Tensor] | None = None,
     sketch_cache: dict | None = None,
     where: str | None = None,
+    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
@@ -274,12 +301,19 @@ def plan_quantization(
     A tensor holding NaN or infinite values is left out of the plan (so stored losslessly) or
     refused, as ``config.non_finite`` says; ``where`` (e.g. ``"step 40"``) goes in the message,
     which is given once per ``sketch_cache``. A tensor on the meta device is refused.
+
+    ``reference`` (used when ``config.residual`` is not ``"none"``) maps names to the values the
+    residual is taken against (the kind ``config.residual`` names); a quantizable tensor with a
+    reference of its shape is planned on ``w - ref``, and ``sensitivity`` should then hold
+    ``|EMA(g) * (w - ref)|`` for it. A reference holding NaN or inf is not used.
     """
     cache = sketch_cache if sketch_cache is not None else {}
+    refs = _references(tensors, reference, config.residual, cache)
     checked: list[tuple[tuple, bool]] = []  # finiteness checks made by this call (reported once per cache)
 
     def sketch_of(name: str, kind: str, values: Callable[[], torch.Tensor], magnitude: bool) -> LogSketch:
-        key = (name, kind, config.alpha)
+        # a residual's sketches apart; a direct tensor's keyed as callers that fill the cache expect
+        key = (name, kind, config.alpha) + ((config.residual,) if name in refs else ())
         if key not in cache:
             cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
         return cache[key]
@@ -302,7 +336,7 @@ def plan_quantization(
             continue
         names.append(n)
         kinds[n] = kind
-        mag_sketches[n] = sketch_of(n, "magnitude", lambda t=t: t, True)
+        mag_sketches[n] = sketch_of(n, "magnitude", lambda n=n, t=t: _residual(t, refs.get(n)), True)
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     sens_checked: list[tuple[tuple, bool]] = []
@@ -355,10 +389,20 @@ def plan_quantization(
 
     plans = {}
     for n in names:
+        ref = refs.get(n)
         plan = TensorPlan(
-            kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], metric, sens.get(n), dither(n)
+            kinds[n],
+            np.zeros(0, np.float32),
+            tau_mag,
+            tau_sens,
+            prune_tau[kinds[n]],
+            metric,
+            sens.get(n),
+            dither(n),
+            residual=config.residual if ref is not None else "none",
+            reference=None if ref is None else _flat(ref).numpy(),
         )
-        w = _flat(tensors[n]).numpy()
+        w = plan.target(tensors[n])
         codes, _ = plan.codes(w, np.zeros(0, np.float32))
         rest = w[codes == FIRST_CENTRE]
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
@@ -368,9 +412,31 @@ def plan_quantization(
     return QuantPlan(config, plans)
 
 
+def _references(
+    tensors: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None, residual: str, cache: dict
+) -> dict[str, torch.Tensor]:
+    """The usable references of a residual configuration: of the tensor's shape and finite."""
+    if residual == "none" or not reference:
+        return {}
+    out = {}
+    for n, ref in reference.items():
+        if n in tensors and tuple(ref.shape) == tuple(tensors[n].shape):
+            if _finite(cache, (n, "finite reference", residual), lambda ref=ref: ref, []):
+                out[n] = ref
+    return out
+
+
+def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """``w - ref`` in float32 (``w`` itself without a reference), as :meth:`TensorPlan.target`."""
+    if ref is None:
+        return w
+    return (_flat(w) - _flat(ref)).view(w.shape)
+
+
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan."""
-    flat = _flat(w).numpy()
+    """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
+    residual when the plan has a reference)."""
+    flat = plan.target(w)
     codes, _ = plan.codes(flat)
     kept = torch.from_numpy(flat[codes == PROTECTED]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return codes, kept
@@ -384,4 +450,18 @@ def dequantize(codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarra
     if int(prot.sum()) != protected_bf16.size:
         raise ValueError(f"{protected_bf16.size} protected values stored, {int(prot.sum())} codes need one")
     out[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
+    return out
+
+
+def decoded_values(
+    codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
+) -> np.ndarray:
+    """The flat float32 values a tensor decodes to: :func:`dequantize`, plus the reference of a
+    residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
+    the codec's encode and its decode share, so a restore gives exactly what the search judged."""
+    out = dequantize(codes, centres, protected_bf16)
+    if reference is not None:
+        if reference.size != out.size:
+            raise ValueError(f"the reference holds {reference.size} values, the codes {out.size}")
+        out += reference
     return out

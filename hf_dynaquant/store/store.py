@@ -36,6 +36,7 @@ from ..core.entropy import decode_stream, encode_stream
 from ..dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..errors import (
     ChecksumMismatchError,
+    CodecError,
     CorruptCheckpointError,
     DynaQuantError,
     EntryNotFoundError,
@@ -209,6 +210,7 @@ class EntryReader:
         self.manifest = parse_manifest(read_manifest_bytes(found), found, entry_id)
         self._handles: dict[int, Any] = {}
         self._base: EntryReader | None = None
+        self._pretrained: Any = None  # the PretrainedWeights of metadata["pretrained"], resolved once
 
     # -- structure -------------------------------------------------------------------------
     @property
@@ -280,19 +282,52 @@ class EntryReader:
             self._base = self.store.open(self.base)
         return self._base
 
+    def pretrained(self) -> Any:
+        """The :class:`~hf_dynaquant.pretrained.PretrainedWeights` this entry's ``pretrained``
+        residuals are coded against (resolved and checked once per entry);
+        :class:`~hf_dynaquant.errors.MissingPretrainedError` when they cannot be found."""
+        if self._pretrained is None:
+            descriptor = self.metadata.get("pretrained")
+            if descriptor is None:
+                raise CorruptCheckpointError(
+                    f"{self.manifest_path}: a tensor is a residual against pre-trained weights, but the entry's "
+                    "metadata names none"
+                )
+            from ..pretrained import resolve_pretrained
+
+            self._pretrained = resolve_pretrained(descriptor, f"entry {self.id[:16]} in store {self.store.path}")
+        return self._pretrained
+
     def state(self, section: str, name: str) -> Any:
-        """The codec state of a tensor, replaying the chain back to its keyframe."""
+        """The codec state of a tensor, replaying the chain back to its keyframe (and adding the
+        reference values a residual is decoded with, see :meth:`Codec.reference_kind`)."""
         rec = self.record(section, name)
         if "alias_of" in rec:
             return self.state(section, rec["alias_of"])
         codec = get_codec(rec["codec"])
         base = self.base_reader().state(section, name) if rec["uses_base"] else None
-        return codec.decode(rec["dtype"], tuple(rec["shape"]), rec["params"], _Blobs(self, section, name, rec), base)
+        kind = codec.reference_kind(rec["params"])
+        reference = None
+        if kind == "previous":
+            if base is None:
+                raise CorruptCheckpointError(
+                    f"{self.manifest_path}: tensor {name!r} is a residual against its base, but uses none"
+                )
+            reference = from_raw(self.base_reader()._codec(section, name).to_raw(base)).reshape(-1).float().numpy()
+        elif kind == "pretrained":
+            reference = self.pretrained().tensor(name).reshape(-1).to(torch.float32).numpy()
+        elif kind is not None:
+            raise CorruptCheckpointError(f"{self.manifest_path}: tensor {name!r} names an unknown reference {kind!r}")
+        blobs = _Blobs(self, section, name, rec)
+        return codec.decode(rec["dtype"], tuple(rec["shape"]), rec["params"], blobs, base, reference=reference)
 
     def raw(self, section: str, name: str) -> RawTensor:
+        return self._codec(section, name).to_raw(self.state(section, name))
+
+    def _codec(self, section: str, name: str) -> Codec:
+        """The codec of a tensor (of its target, for an alias)."""
         rec = self.record(section, name)
-        codec = get_codec(self.record(section, rec.get("alias_of", name))["codec"])
-        return codec.to_raw(self.state(section, name))
+        return get_codec(self.record(section, rec.get("alias_of", name))["codec"])
 
     def tensor(self, section: str, name: str) -> torch.Tensor:
         """One tensor, decoded (CPU)."""
@@ -559,6 +594,10 @@ class CheckpointStore:
                         else:
                             base_state = _base_state(base_reader, section, name, raw)
                         encoded = codec.encode(raw, base_state)
+                        if encoded.uses_base and base_reader is None:
+                            raise CodecError(
+                                f"tensor {section}/{name} was coded against a base entry, but the write names none"
+                            )
                         writer.add_encoded(section, name, raw, codec, encoded)
                         if keep_states is not None and codec.stable_state:
                             keep_states[(section, name)] = encoded.state
@@ -616,6 +655,11 @@ class CheckpointStore:
     def compact(self, ref_or_id: str) -> str:
         """Rewrite an entry as a self-contained keyframe with the same content.
 
+        Code deltas become code keyframes. A tensor coded as a residual against its base's decoded
+        values (``residual: previous``) has no exact self-contained code, so its decoded values are
+        stored losslessly (bit-exact, larger). Residuals against pre-trained weights keep them (the
+        metadata naming them is kept).
+
         References that pointed at the old entry are moved to the new one; the old chain becomes
         garbage for :meth:`gc` unless something else still uses it. Returns the new id.
         """
@@ -636,7 +680,13 @@ class CheckpointStore:
                     else:
                         codec = get_codec(rec["codec"])
                         state = old.state(section, name)
-                        writer.add_encoded(section, name, codec.to_raw(state), codec, codec.keyframe(state))
+                        raw = codec.to_raw(state)
+                        if codec.reference_kind(rec["params"]) == "previous":
+                            # its reference (the base's decoded values) goes with the chain: exact only losslessly
+                            codec = get_codec("lossless")
+                            writer.add_encoded(section, name, raw, codec, codec.encode(raw))
+                        else:
+                            writer.add_encoded(section, name, raw, codec, codec.keyframe(state))
                 for name in old.extras:
                     writer.add_extra(name, old.extra(name))
                 new_id = writer.finish(None, old.manifest["trees"], old.metadata)

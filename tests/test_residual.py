@@ -1,0 +1,344 @@
+"""Residual coding (issue 15, item 1): codes of ``w - ref`` against the previous checkpoint's
+decoded weights or the pre-trained weights, closed loop, through the quantizer, codec, store,
+compressor and search."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dynaquant import Compressor, QuantConfig
+from hf_dynaquant.compressor import read_checkpoint
+from hf_dynaquant.core.quantizer import PRUNED, decoded_values, dequantize, plan_quantization, quantize
+from hf_dynaquant.errors import ChecksumMismatchError, MissingBaseError, UnsupportedSetupError
+from hf_dynaquant.search import ConfigurationSearch, Reference, SearchSpace, mean_loss
+
+FIXED = QuantConfig(bins=4, prune=0.0, protect=0.0)
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+
+
+def _drift(model: torch.nn.Module, scale: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def test_residual_plan_decodes_to_reference_plus_centres():
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(128, 96, generator=gen)
+    w = ref + 0.01 * torch.randn(128, 96, generator=gen)
+    config = QuantConfig(bins=4, prune=0.3, protect=0.01, residual="previous")
+    plan = plan_quantization({"w": w}, config, reference={"w": ref}).tensors["w"]
+    assert plan.residual == "previous" and np.array_equal(plan.reference, ref.reshape(-1).numpy())
+    codes, protected = quantize(w, plan)
+    values = decoded_values(codes, plan.centres, protected, plan.reference)
+    assert np.array_equal(values, ref.reshape(-1).numpy() + dequantize(codes, plan.centres, protected))
+    pruned = codes == PRUNED
+    assert 0.25 < pruned.mean() < 0.35
+    assert np.array_equal(values[pruned], ref.reshape(-1).numpy()[pruned])  # a pruned residual keeps the reference
+    # the residual's codebook spans the residual, so 4 bins are ~100x finer than on the weights
+    direct = plan_quantization({"w": w}, QuantConfig(bins=4, prune=0.3, protect=0.01)).tensors["w"]
+    d_codes, d_prot = quantize(w, direct)
+    err_res = np.abs(values - w.reshape(-1).numpy()).mean()
+    err_dir = np.abs(dequantize(d_codes, direct.centres, d_prot) - w.reshape(-1).numpy()).mean()
+    assert err_res < err_dir / 30
+    # a tensor without a reference (or of another shape) stays direct
+    other = plan_quantization({"w": w}, config, reference={"w": ref[:64]}).tensors["w"]
+    assert other.residual == "none" and other.reference is None
+
+
+def _chain(tmp_path, residual: str, steps: int = 10, **kw) -> tuple[Compressor, torch.nn.Module, list[dict]]:
+    model = _mlp()
+    comp = Compressor(model, tmp_path / "s", replace_config(residual), pretrained=None, keyframe_every=100, **kw)
+    exact = []
+    for step in range(1, steps + 1):
+        _drift(model, 0.005, step)
+        comp.compress(step)
+        exact.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+    return comp, model, exact
+
+
+def replace_config(residual: str) -> QuantConfig:
+    return QuantConfig(bins=4, prune=0.0, protect=0.0, residual=residual)
+
+
+def test_closed_loop_error_does_not_grow_open_loop_does(tmp_path):
+    comp, _, exact = _chain(tmp_path, "previous")
+    name = "0.weight"
+    closed = []
+    for step, weights in enumerate(exact, 1):
+        state, _, meta = read_checkpoint(comp.store, f"step-{step}")
+        assert meta["quant_config"]["residual"] == ("none" if step == 1 else "previous")
+        closed.append(float((state[name] - weights[name]).abs().mean()))
+    # open loop: each residual taken against the exact previous weights; the decoder adds it to
+    # its own (decoded) previous values, so the quantization errors add up along the chain
+    decoded = exact[0][name].clone()  # (from an exact start, so only the accumulation shows)
+    open_loop = [0.0]
+    for prev, cur in zip(exact, exact[1:]):
+        plan = plan_quantization({name: cur[name]}, replace_config("previous"), reference={name: prev[name]})
+        tp = plan.tensors[name]
+        codes, prot = quantize(cur[name], tp)
+        decoded = decoded + torch.from_numpy(dequantize(codes, tp.centres, prot)).view(decoded.shape)
+        open_loop.append(float((decoded - cur[name]).abs().mean()))
+    assert max(closed[2:]) < 1.3 * closed[1]  # closed loop: the error settles
+    assert closed[-1] < closed[0] / 2  # and stays far below direct coding's
+    assert open_loop[-1] > 2 * open_loop[1]  # open loop: it grows along the chain
+    assert open_loop[-1] > closed[-1]
+
+
+def test_restore_equals_compressor_reference_and_chain_is_checked(tmp_path):
+    comp, _, _ = _chain(tmp_path, "previous", steps=4)
+    store = comp.store
+    state, _, _ = read_checkpoint(store, "step-4")
+    for name, ref in comp._previous.items():  # what the next residual will be coded against
+        assert torch.equal(state[name].float(), ref)
+    assert store.verify(deep=True) == []
+    with store.open("step-4") as entry:
+        rec = entry.record("model", "0.weight")
+        assert rec["params"]["residual"] == "previous" and rec["uses_base"]
+    # compaction stays exact: the residual tensors are stored losslessly
+    new = store.compact("step-4")
+    with store.open(new) as entry:
+        assert entry.base is None
+        assert entry.record("model", "0.weight")["codec"] == "lossless"
+        compacted = entry.load_section("model")
+    assert all(torch.equal(compacted[n], state[n]) for n in state)
+    assert store.verify("step-4", deep=True) == []
+    # a missing base of a "previous" entry is a clear error naming it
+    base = store.chain("step-3")[1]
+    shutil.rmtree(store.entries_dir / base)
+    with pytest.raises(MissingBaseError):
+        read_checkpoint(store, "step-3")
+    assert any("step-3" in p or base[:16] in p for p in store.verify(deep=True))
+
+
+def test_corrupt_base_is_a_checksum_error(tmp_path):
+    comp, _, _ = _chain(tmp_path, "previous", steps=2)
+    base = comp.store.chain("step-2")[1]
+    payload = comp.store.entries_dir / base / "payload.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 10] ^= 0xFF  # in the first blob: a weight's codes
+    payload.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError):
+        read_checkpoint(comp.store, "step-2")
+
+
+def test_keyframes_reset_to_direct_coding(tmp_path):
+    model = _mlp()
+    comp = Compressor(model, tmp_path / "s", replace_config("previous"), pretrained=None, keyframe_every=3)
+    for step in range(1, 8):
+        _drift(model, 0.005, step)
+        comp.compress(step)
+        with comp.store.open(f"step-{step}") as entry:
+            keyframe = (step - 1) % 3 == 0
+            assert (entry.base is None) == keyframe
+            assert entry.metadata["quant_config"]["residual"] == ("none" if keyframe else "previous")
+    assert comp.store.verify(deep=True) == []
+
+
+def test_continue_chain_reads_the_previous_values_back(tmp_path):
+    comp, model, _ = _chain(tmp_path, "previous", steps=2)
+    resumed = Compressor(model, comp.store, replace_config("previous"), pretrained=None, keyframe_every=100)
+    resumed.continue_chain("step-2")
+    _drift(model, 0.005, 3)
+    resumed.compress(3)
+    state, _, _ = read_checkpoint(comp.store, "step-3")
+    with comp.store.open("step-3") as entry:
+        assert entry.record("model", "0.weight")["params"]["residual"] == "previous"
+    assert comp.store.verify(deep=True) == []
+    assert float((state["0.weight"] - model[0].weight.detach()).abs().mean()) < 0.005
+
+
+# -- the search ---------------------------------------------------------------------------------
+
+
+def _task(seed: int = 0):
+    """A small classifier trained to fit synthetic data, and held-out batches."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, 32, generator=gen)
+    y = (x[:, :8].sum(1) > 0).long() + 2 * (x[:, 8:16].sum(1) > 0).long()
+    model = _mlp(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for i in range(150):
+        idx = torch.randint(0, 768, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    batches = [(x[i : i + 128], y[i : i + 128]) for i in range(768, 1024, 128)]
+    return model, x, y, gen, batches
+
+
+def _fine_tune(model, x, y, gen, steps=10, lr=1e-3):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = torch.randint(0, 768, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _search(model, batches, references, residuals=("pretrained", "previous", "none")):
+    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    search = ConfigurationSearch(
+        mean_loss(batches), 0.01, space=SearchSpace(residuals=residuals, metrics=("magnitude",)),
+        base=QuantConfig(min_numel=1024),
+    )
+    return search.search(model, snapshot, references=references)
+
+
+def test_search_codes_a_fine_tune_as_a_residual_of_its_start():
+    model, x, y, gen, batches = _task()
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _fine_tune(model, x, y, gen)
+    result = _search(model, batches, {"pretrained": Reference(start)})
+    direct = _search(model, batches, {}, residuals=("none",))
+    assert result.config.residual == "pretrained"
+    assert result.to_dict()["residual"] == "pretrained"
+    chosen = next(c for c in result.candidates if c.config == result.config)
+    best_direct = next(c for c in direct.candidates if c.config == direct.config)
+    assert chosen.bits < best_direct.bits
+    assert any(c["residual"] == "none" for c in result.to_dict()["candidates"])  # both kinds were in the queue
+
+
+def test_search_codes_directly_when_the_reference_is_useless():
+    model, _, _, _, batches = _task()
+    gen = torch.Generator().manual_seed(7)
+    useless = {n: 10 * torch.randn(t.shape, generator=gen) for n, t in model.state_dict().items()}
+    result = _search(model, batches, {"pretrained": Reference(useless)})
+    assert result.config.residual == "none"
+
+
+def test_restore_is_what_the_search_evaluated(tmp_path):
+    """Training resumes from exactly the weights the search judged, bit for bit."""
+    model, x, y, gen, batches = _task()
+    seen: list[dict[str, torch.Tensor]] = []
+    loss = mean_loss(batches)
+
+    def metric(m):
+        seen.append({n: t.detach().clone() for n, t in m.state_dict().items()})
+        return loss(m)
+
+    comp = Compressor(
+        model, tmp_path / "s", QuantConfig(min_numel=1024), threshold=0.01, metric=metric, pretrained=None,
+        search_space=SearchSpace(metrics=("magnitude",), residuals=("previous",)),
+    )
+    comp.compress(1)
+    _fine_tune(model, x, y, gen)
+    seen.clear()
+    comp.compress(2)
+    result = comp.last_search
+    assert result.config.residual == "previous"  # (the first checkpoint, a keyframe, is coded directly)
+    index = next(i for i, c in enumerate(result.candidates) if c.config == result.config)
+    evaluated = seen[1 + index]  # the first call is the baseline
+    restored, _, meta = read_checkpoint(comp.store, "step-2")
+    assert meta["search"]["residual"] == "previous"
+    assert all(torch.equal(restored[n], evaluated[n]) for n in restored)
+
+
+def test_sharded_refuses_residual_coding():
+    from hf_dynaquant.sharded import ShardedCompressor
+
+    with pytest.raises(UnsupportedSetupError, match="residual"):
+        ShardedCompressor(_mlp(), "unused", QuantConfig(residual="previous"))
+
+
+# -- pre-trained weights -----------------------------------------------------------------------
+
+
+def _gpt2(folder):
+    """A small GPT-2 saved with save_pretrained and loaded back with from_pretrained (so it knows
+    its folder), and the weights it started from."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _drift(model, 0.002, 1)  # "fine-tuned a little"
+    return model, start
+
+
+def test_pretrained_residual_round_trip_and_missing_weights(tmp_path):
+    from hf_dynaquant.errors import MissingPretrainedError
+
+    model, start = _gpt2(tmp_path / "base")
+    config = QuantConfig(bins=4, prune=0.2, protect=0.0, residual="pretrained")
+    comp = Compressor(model, tmp_path / "s", config)  # pretrained="auto": the folder from_pretrained read
+    assert comp.pretrained is not None
+    comp.compress(1)
+    _drift(model, 0.002, 2)
+    comp.compress(2)  # a delta entry: code delta on top of the pre-trained residual
+    store = comp.store
+    name = "transformer.h.0.attn.c_attn.weight"
+    with store.open("step-2") as entry:
+        assert entry.metadata["quant_config"]["residual"] == "pretrained"
+        assert entry.metadata["pretrained"]["source"] == str((tmp_path / "base").resolve())
+        assert entry.record("model", name)["params"]["residual"] == "pretrained"
+    state, _, _ = read_checkpoint(store, "step-2")
+    exact = model.state_dict()[name]
+    assert float((state[name] - exact).abs().mean()) < 0.002  # the drift is coded, not the weights
+    direct = _direct_error(exact)
+    assert float((state[name] - exact).abs().mean()) < direct / 4  # (weights std 0.02, drift 0.003)
+    assert store.verify(deep=True) == []
+    new = store.compact("step-2")  # stays exact, still against the pre-trained weights
+    compacted, _, _ = read_checkpoint(store, new)
+    assert all(torch.equal(compacted[n], state[n]) for n in state)
+    # a changed pre-trained file: a clear error naming the source and the entry
+    weights = tmp_path / "base" / "model.safetensors"
+    weights.rename(tmp_path / "moved.safetensors")
+    with pytest.raises(MissingPretrainedError, match=r"entry [0-9a-f]{16}.*base"):
+        read_checkpoint(store, "step-2")
+    assert any("pre-trained" in p for p in store.verify(deep=True))
+    (tmp_path / "moved.safetensors").rename(weights)
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(MissingPretrainedError, match="SHA-256"):
+        read_checkpoint(store, "step-1")
+
+
+def _direct_error(w: torch.Tensor) -> float:
+    tp = plan_quantization({"w": w}, QuantConfig(bins=4, prune=0.2, protect=0.0)).tensors["w"]
+    codes, prot = quantize(w, tp)
+    return float(np.abs(decoded_values(codes, tp.centres, prot) - w.reshape(-1).numpy()).mean())
+
+
+def test_continue_chain_keeps_the_pretrained_weights_of_the_entry(tmp_path):
+    model, _ = _gpt2(tmp_path / "base")
+    comp = Compressor(model, tmp_path / "s", QuantConfig(bins=4, residual="pretrained"))
+    comp.compress(1)
+    # a new process whose model names no source: the chain keeps the entry's pre-trained weights
+    resumed = Compressor(model, comp.store, QuantConfig(bins=4, residual="pretrained"), pretrained=None)
+    assert resumed.pretrained is None
+    resumed.continue_chain("step-1")
+    assert resumed.pretrained is not None
+    resumed.compress(2)
+    with comp.store.open("step-2") as entry:
+        assert entry.metadata["pretrained"] == comp.pretrained.descriptor
+    assert comp.store.verify(deep=True) == []
+
+
+def test_sizes_count_the_code_delta_on_the_base_entry():
+    """Direct codes change little between checkpoints and are stored as a code delta: the search
+    sizes them so, or it would prefer residuals that store larger."""
+    from hf_dynaquant.search import measured_bits
+
+    model = _mlp()
+    snap = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    plan = plan_quantization(snap, QuantConfig(bins=8, min_numel=1024))
+    base = {n: quantize(snap[n], tp)[0] for n, tp in plan.tensors.items()}
+    alone = measured_bits(snap, plan)
+    assert measured_bits(snap, plan, base_codes=base) < alone / 20  # same codes: a near-empty delta
+    unrelated = {n: np.roll(c, 1) for n, c in base.items()}
+    assert measured_bits(snap, plan, base_codes=unrelated) == pytest.approx(alone, rel=0.02)  # never larger
