@@ -415,8 +415,7 @@ class Compressor:
         """A compressor from an integration's settings object (``DynaQuantCallback``,
         ``DynaQuantPlugin``): its attributes named like this class's keyword arguments.
         ``default_metric`` is the integration's own metric where the settings give none."""
-        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES if name != "pretrained"}
-        settings_kwargs["pretrained"] = getattr(settings, "pretrained", "auto")
+        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES}
         if settings_kwargs["metric"] is None:
             settings_kwargs["metric"] = default_metric
         return cls(
