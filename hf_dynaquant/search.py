@@ -71,6 +71,8 @@ from .errors import InvalidSettingError
 __all__ = [
     "held_out",
     "QualityMetric",
+    "Measurement",
+    "paired_standard_error",
     "SearchSpace",
     "SearchResult",
     "ConfigurationSearch",
@@ -89,21 +91,60 @@ __all__ = [
 
 
 @dataclass
+class Measurement:
+    """One evaluation of a model by a :class:`QualityMetric`: its value and, for a metric that can
+    say how precise it is, the per-example evidence that two evaluations on the same examples are
+    compared by (per-batch losses, cached predictions)."""
+
+    value: float
+    evidence: Any = field(default=None, repr=False)
+
+
+@dataclass
 class QualityMetric:
-    """A model-quality measure and its direction; :meth:`degradation` is relative (0.01 = 1%)."""
+    """A model-quality measure and its direction; :meth:`degradation` is relative (0.01 = 1%).
+
+    A metric made with ``measure`` (``model -> Measurement``) and ``paired_error`` (``(baseline,
+    candidate) -> standard error of the degradation``) tells the search how precisely a
+    degradation is known: the baseline and a candidate are evaluated on the same examples, so
+    the degradation is a paired difference whose standard error the evidence gives (see
+    :func:`mean_loss` and :func:`hf_dynaquant.integrations.trainer.trainer_metric`)."""
 
     fn: Callable[[torch.nn.Module], float]
     higher_is_better: bool = False
     name: str = "metric"
     relative: bool = True  # False for a metric that is itself a distortion (0 = perfect)
+    measure_fn: Callable[[torch.nn.Module], Measurement] | None = field(default=None, repr=False)
+    paired_error: Callable[[Measurement, Measurement], float] | None = field(default=None, repr=False)
 
     def __call__(self, model: torch.nn.Module) -> float:
         return float(self.fn(model))
+
+    def measure(self, model: torch.nn.Module) -> Measurement:
+        """The value on ``model`` with the evidence :meth:`compare` needs."""
+        return self.measure_fn(model) if self.measure_fn is not None else Measurement(self(model))
 
     def degradation(self, baseline: float, value: float) -> float:
         """How much worse ``value`` is than ``baseline``, relative to it (negative: better)."""
         worse = baseline - value if self.higher_is_better else value - baseline
         return worse / max(abs(baseline), 1e-12) if self.relative else worse
+
+    def compare(self, baseline: Measurement, value: Measurement) -> dict[str, tuple[float, float]]:
+        """``{measure name: (degradation, standard error)}`` of a candidate against the baseline;
+        a candidate passes only if every measure does. The standard error is 0 for a metric
+        without ``paired_error`` (nothing is known about its precision)."""
+        deg = self.degradation(baseline.value, value.value)
+        se = self.paired_error(baseline, value) if self.paired_error is not None and math.isfinite(deg) else 0.0
+        return {self.name: (deg, float(se))}
+
+
+def paired_standard_error(baseline: np.ndarray, value: np.ndarray, scale: float) -> float:
+    """Standard error of ``mean(value - baseline) / scale`` over paired units (examples or
+    batches of the same examples); 0 with fewer than 2 units (nothing to estimate it from)."""
+    diff = np.asarray(value, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)
+    if diff.size < 2:
+        return 0.0
+    return float(diff.std(ddof=1) / math.sqrt(diff.size) / max(abs(scale), 1e-12))
 
 
 def _batches(data: Iterable[Any]) -> list[Any]:
@@ -154,20 +195,30 @@ def mean_loss(
     model (the loss of ``model(**batch)``: a ``ModelOutput``'s or dict's ``"loss"``, a tuple's
     first element) or an ``(inputs, target)`` pair (cross-entropy by default). ``compute_loss``
     (``(model, batch) -> loss``, e.g. a ``Trainer``'s own ``compute_loss``) replaces the default for
-    dict batches; it gets a shallow copy of each batch, so it may pop keys."""
+    dict batches; it gets a shallow copy of each batch, so it may pop keys.
+
+    The batches are the paired units of the standard error (a loss function returns one mean
+    per batch): the degradation's standard error is that of the mean of per-batch differences,
+    so it needs at least 2 batches (with 1 it is reported as 0)."""
     batches = _batches(data)
-    device_of = _device_of
 
     def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         if compute_loss is not None and isinstance(batch, Mapping):
             return compute_loss(model, dict(batch))
         return _loss_of(model, batch, loss_fn)
 
-    def fn(model: torch.nn.Module) -> float:
-        dev = device_of(model)
-        return float(np.mean([loss(model, _to(b, dev)).item() for b in batches]))
+    def measure(model: torch.nn.Module) -> Measurement:
+        dev = _device_of(model)
+        losses = np.array([loss(model, _to(b, dev)).item() for b in batches], dtype=np.float64)
+        return Measurement(float(losses.mean()), losses)
 
-    return QualityMetric(fn, higher_is_better=False, name="loss")
+    return QualityMetric(
+        lambda model: measure(model).value,
+        higher_is_better=False,
+        name="loss",
+        measure_fn=measure,
+        paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
+    )
 
 
 def perplexity(data: Iterable[Any]) -> QualityMetric:
@@ -279,10 +330,12 @@ class Candidate:
     """One evaluated configuration."""
 
     config: QuantConfig
-    degradation: float
+    degradation: float  # of the binding measure: the one with the largest degradation + z * standard error
     bits: float  # measured: entropy of the codes + 16 per protected value, per quantized value
     passed: bool
     plan: QuantPlan | None = field(default=None, repr=False, compare=False)  # kept on the rank that made it
+    standard_error: float = 0.0  # of ``degradation`` (paired: baseline and candidate on the same examples)
+    measures: dict[str, tuple[float, float]] = field(default_factory=dict)  # every measure: (degradation, s.e.)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.config
@@ -293,6 +346,8 @@ class Candidate:
             "metric": c.metric,
             "embedding_bins": c.embedding_bins,
             "degradation": self.degradation,
+            "standard_error": self.standard_error,
+            "measures": {k: list(v) for k, v in self.measures.items()},
             "bits": self.bits,
             "passed": self.passed,
         }
@@ -310,6 +365,8 @@ class SearchResult:
     local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)
     sized: int = 0  # configurations planned and measured without evaluating the model, to order the candidates
+    standard_error: float | None = None  # of the chosen candidate's degradation: what the test could resolve
+    z: float = 0.0  # the pass rule: degradation + z * standard_error <= threshold
 
     @property
     def evaluations(self) -> int:
@@ -319,6 +376,8 @@ class SearchResult:
         return {
             "config": self.config.to_dict() if self.config else None,
             "degradation": self.degradation,
+            "standard_error": self.standard_error,
+            "z": self.z,
             "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,
@@ -389,7 +448,7 @@ def evaluate_plan(
     ``preserve_rng`` every process-wide RNG state (pass ``False`` off the training thread, see
     :mod:`hf_dynaquant.core.rng`)."""
     value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng)
-    return value, bits / max(total, 1.0)
+    return value.value, bits / max(total, 1.0)
 
 
 def _evaluate(
@@ -398,9 +457,9 @@ def _evaluate(
     plan: QuantPlan,
     metric: QualityMetric,
     preserve_rng: bool,
-) -> tuple[float, np.ndarray]:
-    """:func:`evaluate_plan` with the code sizes as ``[bits, quantized values]`` (see
-    :func:`_code_totals`), which sum over the shards of a sharded model."""
+) -> tuple[Measurement, np.ndarray]:
+    """:func:`evaluate_plan` with the metric's :class:`Measurement` and the code sizes as ``[bits,
+    quantized values]`` (see :func:`_code_totals`), which sum over the shards of a sharded model."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(2)
     with _preserved_state(model, preserve_rng):
@@ -412,7 +471,7 @@ def _evaluate(
                 values = torch.from_numpy(dequantize(codes, tp.centres, protected)).view(live.shape)
                 swapped.append((live, snapshot[name]))
                 live.copy_(values.to(live.dtype))
-            value = metric(model)
+            value = metric.measure(model)
         finally:
             for live, original in swapped:
                 live.copy_(original)
@@ -466,6 +525,8 @@ class Lockstep:
 _CLEAR_FAIL = 2.0
 # A failure this many times past that margin makes the search evaluate the top of its column.
 _FAR = 4.0
+# One-sided 95%: a candidate passes when its degradation + DEFAULT_Z standard errors is within the threshold.
+DEFAULT_Z = 1.645
 
 
 class ConfigurationSearch:
@@ -491,14 +552,35 @@ class ConfigurationSearch:
         space: SearchSpace | None = None,
         epsilon: int = 1,
         base: QuantConfig | None = None,
+        z: float = DEFAULT_Z,
     ) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
-        self.metric, self.threshold = metric, threshold
+        if not z >= 0:
+            raise ValueError(f"z must be >= 0, got {z}")
+        self.metric, self.threshold, self.z = metric, threshold, z
         self.space, self.epsilon, self.base = space or SearchSpace(), epsilon, base or QuantConfig()
         self.last: QuantConfig | None = None
         self.fallbacks = 0
         self._rng_thread = threading.get_ident()  # the thread that made the search: the training thread
+
+    def judge(
+        self, config: QuantConfig, measures: Mapping[str, tuple[float, float]], bits: float, plan: QuantPlan | None
+    ) -> Candidate:
+        """The candidate ``config`` with its measures (name -> (degradation, standard error)). It
+        passes when every measure's degradation plus ``z`` standard errors is within the
+        threshold: with ``z`` = 1.645, a candidate whose true degradation exceeds the threshold
+        passes at most 5% of the time (one-sided), whatever the sampling error of the evaluation
+        data. The candidate's degradation is that of the binding measure (the largest bound)."""
+
+        def bound(item: tuple[str, tuple[float, float]]) -> float:
+            deg, se = item[1]
+            value = deg + self.z * se
+            return value if math.isfinite(value) else math.inf
+
+        _, (deg, se) = max(measures.items(), key=bound)
+        passed = all(bound(item) <= self.threshold for item in measures.items())
+        return Candidate(config, deg, bits, passed, plan, standard_error=se, measures=dict(measures))
 
     def owns_rng(self) -> bool:
         """Whether this thread may save and restore the process-wide RNG states around an
@@ -527,13 +609,12 @@ class ConfigurationSearch:
         divergence) leaves nothing to compare candidates with: the checkpoint is stored
         losslessly, after the tensors at fault are named (or refused, see ``QuantConfig.non_finite``)."""
         with _preserved_state(model, self.owns_rng()):
-            baseline = self.metric(model)
-        if lockstep is not None:
-            baseline = lockstep.agree(baseline)
+            measured = self.metric.measure(model)
+        baseline = lockstep.agree(measured.value) if lockstep is not None else measured.value
         if not math.isfinite(baseline):
             return self._non_finite_baseline(baseline, snapshot, where, lockstep)
         metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
-        ctx = _Context(self, model, snapshot, types, sensitivity, baseline, metrics, lockstep, where)
+        ctx = _Context(self, model, snapshot, types, sensitivity, measured, metrics, lockstep, where)
         if self.last is not None and self.last.metric in metrics:
             found = ctx.neighbourhood(self.last, metrics)
             mode = "neighbourhood"
@@ -550,11 +631,24 @@ class ConfigurationSearch:
                 "this checkpoint is stored losslessly",
                 stacklevel=2,
             )
-            return SearchResult(None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local, sized=ctx.sized)
+            return SearchResult(
+                None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local, sized=ctx.sized, z=self.z
+            )
         found = ctx.embedding_bins(found)
         self.last = found.config
         plan = found.plan or ctx.plan(found.config)
-        return SearchResult(found.config, found.degradation, baseline, mode, ctx.tried, ctx.local, plan, ctx.sized)
+        return SearchResult(
+            found.config,
+            found.degradation,
+            baseline,
+            mode,
+            ctx.tried,
+            ctx.local,
+            plan,
+            ctx.sized,
+            standard_error=found.standard_error,
+            z=self.z,
+        )
 
     def _non_finite_baseline(
         self, baseline: float, snapshot: Mapping[str, torch.Tensor], where: str | None, lockstep: Lockstep | None
@@ -586,7 +680,7 @@ class _Context:
         snapshot: Mapping[str, torch.Tensor],
         types: Mapping[str, str] | None,
         sensitivity: Mapping[str, torch.Tensor] | None,
-        baseline: float,
+        baseline: Measurement,
         metrics: Sequence[str],
         lockstep: Lockstep | None = None,
         where: str | None = None,
@@ -657,11 +751,11 @@ class _Context:
             if rank < len(batch):
                 plan = self.plan(batch[rank])
                 value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric, self.owner.owns_rng())
+                measures = self.owner.metric.compare(self.baseline, value)
                 if self.lockstep is not None:
-                    value, totals = self.lockstep.agree(value), self.lockstep.all_sum(totals)
+                    measures, totals = self.agreed(measures), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))
-                deg = self.owner.metric.degradation(self.baseline, value)
-                mine.append(Candidate(batch[rank], deg, bits, deg <= self.owner.threshold, plan))
+                mine.append(self.owner.judge(batch[rank], measures, bits, plan))
                 self.local += 1
             gathered = _gather([replace(c, plan=None) for c in mine]) if world > 1 else mine
             for cand in gathered:
@@ -673,6 +767,16 @@ class _Context:
                 self._cache[cand.config] = cand
                 self.tried.append(cand)
         return [self._cache[c] for c in configs]
+
+    def agreed(self, measures: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """Every rank's measures made one (lockstep, each rank on its own data shard): the mean
+        degradation, and the standard error of that mean of independent per-rank estimates."""
+        assert self.lockstep is not None
+        names = sorted(measures)
+        local = np.array([[measures[n][0], measures[n][1] ** 2] for n in names], dtype=np.float64).ravel()
+        summed = self.lockstep.all_sum(local).reshape(-1, 2)
+        ranks = self.lockstep.ranks
+        return {n: (float(d / ranks), float(math.sqrt(v) / ranks)) for n, (d, v) in zip(names, summed)}
 
     def condemned(self, config: QuantConfig) -> bool:
         """Whether a clear failure lies at or above ``config`` on every axis. Quality is not
