@@ -1,8 +1,16 @@
 """The quantization configuration manager (DynaQuant section 5, Alg. 4, Table 7).
 
 The user states how much quality one checkpoint may lose (a metric, its direction, a threshold
-of relative degradation and a few evaluation batches); the manager finds the most compressive
+of relative degradation and evaluation data); the manager finds the most compressive
 configuration that keeps to it, at every checkpoint, cheaply:
+
+* **The pass rule.** The baseline (the uncompressed weights) and a candidate are evaluated on
+  the same examples, so a degradation is a paired difference; a metric that can (see
+  :class:`QualityMetric`) gives its standard error, and a candidate passes when its degradation
+  plus ``z`` (1.645) standard errors is within the threshold, for every measure the metric
+  reports (e.g. the user's metric and the loss): a candidate truly past the threshold passes at
+  most 5% of the time, however few the examples. The chosen candidate's standard error is in
+  :class:`SearchResult` (what the test could resolve).
 
 * **First checkpoint: guided exhaustive search, smallest first.** A candidate's size is
   *measured* without evaluating the model: plan it (the per-tensor sketches are shared, so this
@@ -534,7 +542,8 @@ class ConfigurationSearch:
 
     Args:
         metric: the quality measure (see :func:`mean_loss`, :func:`accuracy`, ...).
-        threshold: the relative degradation one checkpoint may cost (0.01 = 1%). The default,
+        threshold: the relative degradation one checkpoint may cost (0.01 = 1%), at one-sided
+            95% confidence (``z``) where the metric gives a standard error. The default,
             1%, comes from our GPT-2 and CNN runs (benchmarks/RESULTS.md): it keeps 4-16 bins and
             19-127x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
             the cube's 32, and would be stored losslessly; 5% lets the coarsest bins through
@@ -542,6 +551,8 @@ class ConfigurationSearch:
         space: the configuration cube.
         epsilon: neighbourhood radius, in cube steps, at later checkpoints.
         base: the fixed knobs (sigma, alpha, min_numel, seed) of every candidate.
+        z: standard errors added to a degradation before it is compared with the threshold
+            (1.645: one-sided 95%; 0: the degradation alone, as before the standard error).
     """
 
     def __init__(
