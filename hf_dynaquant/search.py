@@ -236,20 +236,26 @@ def perplexity(data: Iterable[Any]) -> QualityMetric:
 
 
 def accuracy(data: Iterable[Any]) -> QualityMetric:
-    """Top-1 accuracy over ``(inputs, labels)`` batches (higher is better)."""
+    """Top-1 accuracy over ``(inputs, labels)`` batches (higher is better); the standard error
+    of a degradation from the per-example differences in correctness."""
     batches = _batches(data)
 
-    def fn(model: torch.nn.Module) -> float:
+    def measure(model: torch.nn.Module) -> Measurement:
         dev = _device_of(model)
-        right = total = 0
-        for inputs, labels in batches:
-            out = model(_to(inputs, dev))
-            pred = getattr(out, "logits", out).argmax(-1).cpu()
-            right += int((pred == labels).sum())
-            total += labels.numel()
-        return right / max(total, 1)
+        right = [
+            (getattr(out, "logits", out).argmax(-1).cpu() == labels).reshape(-1)
+            for out, labels in ((model(_to(inputs, dev)), labels) for inputs, labels in batches)
+        ]
+        correct = torch.cat(right).numpy().astype(np.float64) if right else np.zeros(0)
+        return Measurement(float(correct.mean()) if correct.size else 0.0, correct)
 
-    return QualityMetric(fn, higher_is_better=True, name="accuracy")
+    return QualityMetric(
+        lambda model: measure(model).value,
+        higher_is_better=True,
+        name="accuracy",
+        measure_fn=measure,
+        paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
+    )
 
 
 def output_distortion(model: torch.nn.Module, data: Iterable[Any]) -> QualityMetric:
@@ -344,6 +350,7 @@ class Candidate:
     plan: QuantPlan | None = field(default=None, repr=False, compare=False)  # kept on the rank that made it
     standard_error: float = 0.0  # of ``degradation`` (paired: baseline and candidate on the same examples)
     measures: dict[str, tuple[float, float]] = field(default_factory=dict)  # every measure: (degradation, s.e.)
+    weight_error: float | None = None  # relative L2 error of the decoded quantized weights (what a resume loads)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.config
@@ -356,6 +363,7 @@ class Candidate:
             "degradation": self.degradation,
             "standard_error": self.standard_error,
             "measures": {k: list(v) for k, v in self.measures.items()},
+            "weight_error": self.weight_error,
             "bits": self.bits,
             "passed": self.passed,
         }
@@ -375,6 +383,7 @@ class SearchResult:
     sized: int = 0  # configurations planned and measured without evaluating the model, to order the candidates
     standard_error: float | None = None  # of the chosen candidate's degradation: what the test could resolve
     z: float = 0.0  # the pass rule: degradation + z * standard_error <= threshold
+    weight_error: float | None = None  # of the chosen candidate: relative L2 error of the weights a resume loads
 
     @property
     def evaluations(self) -> int:
@@ -386,6 +395,7 @@ class SearchResult:
             "degradation": self.degradation,
             "standard_error": self.standard_error,
             "z": self.z,
+            "weight_error": self.weight_error,
             "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,
@@ -466,17 +476,21 @@ def _evaluate(
     metric: QualityMetric,
     preserve_rng: bool,
 ) -> tuple[Measurement, np.ndarray]:
-    """:func:`evaluate_plan` with the metric's :class:`Measurement` and the code sizes as ``[bits,
-    quantized values]`` (see :func:`_code_totals`), which sum over the shards of a sharded model."""
+    """:func:`evaluate_plan` with the metric's :class:`Measurement` and ``[bits, quantized values,
+    squared error, squared norm]`` of the quantized tensors (the sizes as :func:`_code_totals`;
+    the error of the decoded values against the exact ones), which sum over the shards of a
+    sharded model."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-    totals = np.zeros(2)
+    totals = np.zeros(4)
     with _preserved_state(model, preserve_rng):
         try:
             for name, tp in plan.tensors.items():
                 codes, protected = quantize(snapshot[name], tp)
-                totals += (_code_bits(codes, protected), codes.size)
                 live = _live_tensor(model, name)
                 values = torch.from_numpy(dequantize(codes, tp.centres, protected)).view(live.shape)
+                exact = snapshot[name].double()
+                error = float((values.to(live.dtype).double() - exact).pow(2).sum())
+                totals += (_code_bits(codes, protected), codes.size, error, float(exact.pow(2).sum()))
                 swapped.append((live, snapshot[name]))
                 live.copy_(values.to(live.dtype))
             value = metric.measure(model)
@@ -659,6 +673,7 @@ class ConfigurationSearch:
             ctx.sized,
             standard_error=found.standard_error,
             z=self.z,
+            weight_error=found.weight_error,
         )
 
     def _non_finite_baseline(
@@ -766,7 +781,9 @@ class _Context:
                 if self.lockstep is not None:
                     measures, totals = self.agreed(measures), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))
-                mine.append(self.owner.judge(batch[rank], measures, bits, plan))
+                cand = self.owner.judge(batch[rank], measures, bits, plan)
+                cand.weight_error = float(math.sqrt(totals[2] / max(totals[3], 1e-300)))
+                mine.append(cand)
                 self.local += 1
             gathered = _gather([replace(c, plan=None) for c in mine]) if world > 1 else mine
             for cand in gathered:
