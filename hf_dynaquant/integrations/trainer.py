@@ -96,9 +96,10 @@ class DynaQuantCallback(TrainerCallback):
     """Compress every checkpoint a ``Trainer`` writes (see the module docstring).
 
     Args:
-        threshold: how much worse (relative, 0.01 = 1%) your metric may be on a decoded
-            checkpoint than on the uncompressed one, with 95% confidence given the evaluation
-            data's sampling error (see :func:`trainer_metric`); ``None`` uses ``config`` as it is.
+        threshold: how much worse (relative, 0.01 = 1%) your metric may be on any decoded
+            checkpoint, which is what training resumed from it starts with, than on the
+            uncompressed weights, with 95% confidence given the evaluation examples (see
+            :func:`trainer_metric`); ``None`` uses ``config`` as it is.
         config: the fixed quantization knobs (and the configuration itself without a threshold).
         metric: a :class:`~hf_dynaquant.search.QualityMetric` or a callable ``model -> float``;
             default (with :class:`DynaQuantTrainer`): :func:`trainer_metric`, the Trainer's
