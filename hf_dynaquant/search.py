@@ -475,8 +475,8 @@ def evaluate_plan(
     quantized; the live weights are restored from ``snapshot`` bit-exactly afterwards, and with
     ``preserve_rng`` every process-wide RNG state (pass ``False`` off the training thread, see
     :mod:`hf_dynaquant.core.rng`)."""
-    value, (bits, total) = _evaluate(model, snapshot, plan, metric, preserve_rng)
-    return value.value, bits / max(total, 1.0)
+    value, totals = _evaluate(model, snapshot, plan, metric, preserve_rng)
+    return value.value, float(totals[0] / max(totals[1], 1.0))
 
 
 def _evaluate(
