@@ -119,7 +119,7 @@ class DynaQuantCallback(TrainerCallback):
             loader (the training order is untouched).
         eval_examples: how many examples the default test evaluates every candidate on (512).
         eval_batches: deprecated: the first ``eval_batches`` batches instead of ``eval_examples``
-            (the test of versions before 0.x: too few examples for a 1% threshold to mean much).
+            (the old default, 4: too few examples for a 1% threshold to mean much).
         search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default).
         optimizer_state: ``"compress"``, ``"lossless"`` or ``"drop"`` (see
             :mod:`hf_dynaquant.optimizer_state`).
