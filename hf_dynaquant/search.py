@@ -790,7 +790,7 @@ class _Context:
                 value, totals = _evaluate(self.model, self.snapshot, plan, self.owner.metric, self.owner.owns_rng())
                 measures = self.owner.metric.compare(self.baseline, value)
                 if self.lockstep is not None:
-                    measures, totals = self.agreed(measures), self.lockstep.all_sum(totals)
+                    measures, totals = self.agreed(measures, value.value), self.lockstep.all_sum(totals)
                 bits = float(totals[0] / max(totals[1], 1.0))
                 cand = self.owner.judge(batch[rank], measures, bits, plan)
                 cand.weight_error = float(math.sqrt(totals[2] / max(totals[3], 1e-300)))
@@ -807,15 +807,23 @@ class _Context:
                 self.tried.append(cand)
         return [self._cache[c] for c in configs]
 
-    def agreed(self, measures: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
-        """Every rank's measures made one (lockstep, each rank on its own data shard): the mean
-        degradation, and the standard error of that mean of independent per-rank estimates."""
+    def agreed(self, measures: dict[str, tuple[float, float]], value: float) -> dict[str, tuple[float, float]]:
+        """Every rank's measures made one (lockstep, each rank on its own data shard): a single
+        measure's degradation is that of the metric value averaged over the ranks against the
+        averaged baseline (as one process would measure it on all the data), several measures'
+        the mean of the ranks' degradations; the standard error is that of a mean of independent
+        per-rank estimates."""
         assert self.lockstep is not None
         names = sorted(measures)
         local = np.array([[measures[n][0], measures[n][1] ** 2] for n in names], dtype=np.float64).ravel()
-        summed = self.lockstep.all_sum(local).reshape(-1, 2)
+        summed = self.lockstep.all_sum(np.append(local, [value, self.baseline.value]))
         ranks = self.lockstep.ranks
-        return {n: (float(d / ranks), float(math.sqrt(v) / ranks)) for n, (d, v) in zip(names, summed)}
+        agreed_value, agreed_baseline = summed[-2:] / ranks
+        out = {n: (float(d / ranks), float(math.sqrt(v) / ranks)) for n, (d, v) in zip(names, summed[:-2].reshape(-1, 2))}
+        if len(out) == 1:
+            ((name, (_, se)),) = out.items()
+            out[name] = (self.owner.metric.degradation(float(agreed_baseline), float(agreed_value)), se)
+        return out
 
     def condemned(self, config: QuantConfig) -> bool:
         """Whether a clear failure lies at or above ``config`` on every axis. Quality is not
