@@ -28,7 +28,13 @@ from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 
-CONFIGS = [(32, 0.0, "lossless"), (8, 0.0, "lossless"), (3, 0.3, "lossless"), (32, 0.0, "compress"), (8, 0.0, "compress")]
+CONFIGS = [
+    (32, 0.0, "lossless"),
+    (8, 0.0, "lossless"),
+    (3, 0.3, "lossless"),
+    (32, 0.0, "compress"),
+    (8, 0.0, "compress"),
+]
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:

@@ -819,7 +819,8 @@ class _Context:
         summed = self.lockstep.all_sum(np.append(local, [value, self.baseline.value]))
         ranks = self.lockstep.ranks
         agreed_value, agreed_baseline = summed[-2:] / ranks
-        out = {n: (float(d / ranks), float(math.sqrt(v) / ranks)) for n, (d, v) in zip(names, summed[:-2].reshape(-1, 2))}
+        pairs = summed[:-2].reshape(-1, 2)
+        out = {n: (float(d / ranks), float(math.sqrt(v) / ranks)) for n, (d, v) in zip(names, pairs)}
         if len(out) == 1:
             ((name, (_, se)),) = out.items()
             out[name] = (self.owner.metric.degradation(float(agreed_baseline), float(agreed_value)), se)

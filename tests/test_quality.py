@@ -133,7 +133,8 @@ def test_keeping_the_loss_but_losing_accuracy_fails(tmp_path) -> None:
     loss_only = trainer_for(tmp_path / "loss", compute_metrics=None, key=None)
     loss_metric, _ = default_metric(loss_only)
     loss_base = loss_metric.measure(Classifier(scale=2.0))
-    assert search.judge(None, loss_metric.compare(loss_base, loss_metric.measure(Classifier(0.15, 2.6))), 1, None).passed
+    loss_measures = loss_metric.compare(loss_base, loss_metric.measure(Classifier(0.15, 2.6)))
+    assert search.judge(None, loss_measures, 1.0, None).passed
 
 
 def test_standard_error_shrinks_with_more_examples(tmp_path) -> None:
@@ -187,3 +188,25 @@ def test_drawing_eval_examples_touches_no_process_rng() -> None:
 def test_eval_batches_is_deprecated() -> None:
     with pytest.warns(DeprecationWarning, match="eval_batches"):
         DynaQuantCallback(eval_batches=4)
+
+
+def test_accuracy_helper_gives_a_paired_standard_error() -> None:
+    from hf_dynaquant.search import accuracy
+
+    data = dataset(512)
+    x, y = torch.stack([r["x"] for r in data]), torch.stack([r["labels"] for r in data])
+    batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 512, 64)]
+
+    class Logits(nn.Module):  # accuracy() feeds inputs positionally
+        def __init__(self, inner: Classifier) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).logits
+
+    metric = accuracy(batches)
+    base = metric.measure(Logits(Classifier()))
+    ((deg, se),) = metric.compare(base, metric.measure(Logits(Classifier(theta=0.15)))).values()
+    flips = 512 * deg  # baseline accuracy 1: every change is a loss; se = std of the 0/-1 differences / sqrt(n)
+    assert deg > 0 and se == pytest.approx(math.sqrt(flips * (1 - flips / 512) / 511 / 512), rel=1e-6)
