@@ -25,10 +25,13 @@ where a run was resumed (its first checkpoint after a resume is a keyframe), and
 of a resumed run must equal an uninterrupted run's, as the Trainer's own resume tests require.
 Every checkpoint's figures are in :attr:`DynaQuantCallback.reports` and the Python logger.
 
-The default quality metric of the configuration search is the Trainer's own loss
+The default quality test of the configuration search measures what the user measures: the
+``metric_for_best_model`` of the Trainer's ``compute_metrics`` and the Trainer's own loss
 (``Trainer.compute_loss``, so a custom ``compute_loss``, ``compute_loss_func`` or label
-smoothing counts, and a model may return a ``ModelOutput``, a dict or a tuple) on the evaluation
-batches, evaluated on the search's model (a CPU copy when one process trains).
+smoothing counts, and a model may return a ``ModelOutput``, a dict or a tuple), on up to 512
+examples of the eval dataset, evaluated on the search's model (a CPU copy when one process
+trains); a candidate passes when each degradation plus 1.645 standard errors is within the
+threshold (see :func:`trainer_metric`).
 
 With a plain ``Trainer`` and the callback, resume with
 ``trainer.train(resume_from_checkpoint=hf_dynaquant.materialize(output_dir))``: it writes the
@@ -38,17 +41,21 @@ to :attr:`DynaQuantCallback.reports` and the Python logger.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction
 
 from ..background import BackgroundWorker
 from ..checkpoint_dir import (
@@ -66,34 +73,53 @@ from ..codecs.dynaquant import DEFAULT_DELTA_CODING
 from ..compressor import CheckpointReport, Compressor, read_checkpoint
 from ..core.quantizer import QuantConfig
 from ..core.rng import preserved_rng
-from ..errors import CheckpointError, IncompleteCheckpointError, NoValidCheckpointError
+from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, NoValidCheckpointError
 from ..optimizer_state import MomentQuant
-from ..search import QualityMetric, SearchSpace, mean_loss
+from ..search import Measurement, QualityMetric, SearchSpace, _device_of, _to, mean_loss, paired_standard_error
 
-__all__ = ["DynaQuantCallback", "DynaQuantTrainer"]
+__all__ = ["DynaQuantCallback", "DynaQuantTrainer", "trainer_metric", "DEFAULT_EVAL_EXAMPLES"]
 
 logger = logging.getLogger("hf_dynaquant")
 
 _SAFE_HUB_STRATEGIES = ("end",)
 _PROGRESS_BYTES = 256 << 20
+# Examples of the eval dataset the default test evaluates every candidate on (all of it when
+# smaller). The standard error of a paired degradation falls as 1/sqrt(examples). Measured on a
+# tiny GPT-2 LM at 4 bins (benchmarks/bench_restore_budget.py's model, 150 steps): loss
+# degradation 0.31% with standard error 0.30% on 32 examples (the old default, 4 batches of 8),
+# 0.088% on 128, 0.045% on 512, so 512 resolves a 1% loss threshold with room to spare. An
+# accuracy degradation's standard error is about sqrt(changed predictions) / examples / accuracy:
+# at 512 a 1% threshold passes only candidates that change a few predictions (raise
+# eval_examples for a classification metric to let more through). Each candidate costs 512
+# forward passes.
+DEFAULT_EVAL_EXAMPLES = 512
+_BOOTSTRAP = 200  # resamples for the standard error of a compute_metrics metric (its own s.e. ~5%)
+_SEED = 20240515  # the private generator that draws the examples and the bootstrap resamples
 
 
 class DynaQuantCallback(TrainerCallback):
     """Compress every checkpoint a ``Trainer`` writes (see the module docstring).
 
     Args:
-        threshold: relative degradation of the quality metric one checkpoint may cost (1% by
-            default, see ``benchmarks/RESULTS.md``); ``None`` uses ``config`` as it is.
+        threshold: how much worse (relative, 0.01 = 1%) your metric may be on any decoded
+            checkpoint, which is what training resumed from it starts with, than on the
+            uncompressed weights, with 95% confidence given the evaluation examples (see
+            :func:`trainer_metric`); ``None`` uses ``config`` as it is.
         config: the fixed quantization knobs (and the configuration itself without a threshold).
         metric: a :class:`~hf_dynaquant.search.QualityMetric` or a callable ``model -> float``;
-            default: mean loss on the evaluation batches (with :class:`DynaQuantTrainer`, as the
-            Trainer's ``compute_loss`` computes it).
+            default (with :class:`DynaQuantTrainer`): :func:`trainer_metric`, the Trainer's
+            ``metric_for_best_model`` from its ``compute_metrics`` and the loss as the Trainer's
+            ``compute_loss`` computes it, both within the threshold; without ``compute_metrics``
+            the loss alone; with a plain ``Trainer``, the mean loss.
         higher_is_better: direction of a callable ``metric``.
         eval_data: evaluation batches (a DataLoader or a list of model-ready batches); default:
-            the first ``eval_batches`` batches of the Trainer's eval dataset (with
-            :class:`DynaQuantTrainer`), else the last ``eval_batches`` batches' worth of
-            training examples, collated by the training loader (the training order is untouched).
-        eval_batches: how many batches the default metric uses.
+            up to ``eval_examples`` examples of the Trainer's eval dataset (with
+            :class:`DynaQuantTrainer`; drawn with a private seeded generator, all of them when
+            fewer), else the last ``eval_examples`` training examples, collated by the training
+            loader (the training order is untouched).
+        eval_examples: how many examples the default test evaluates every candidate on (512).
+        eval_batches: deprecated: the first ``eval_batches`` batches instead of ``eval_examples``
+            (the old default, 4: too few examples for a 1% threshold to mean much).
         search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default).
         optimizer_state: ``"compress"``, ``"lossless"`` or ``"drop"`` (see
             :mod:`hf_dynaquant.optimizer_state`).
@@ -120,7 +146,7 @@ class DynaQuantCallback(TrainerCallback):
         metric: QualityMetric | Any = None,
         higher_is_better: bool = False,
         eval_data: Any = None,
-        eval_batches: int = 4,
+        eval_batches: int | None = None,
         search_space: SearchSpace | None = None,
         optimizer_state: str = "compress",
         moment_quant: MomentQuant | None = None,
@@ -129,12 +155,21 @@ class DynaQuantCallback(TrainerCallback):
         background: bool = True,
         delta_coding: str = DEFAULT_DELTA_CODING,
         progress: bool | None = None,
+        eval_examples: int = DEFAULT_EVAL_EXAMPLES,
         pretrained: Any = "auto",
     ) -> None:
-        if eval_batches < 1:
-            raise ValueError(f"eval_batches must be at least 1, got {eval_batches}")
+        if eval_examples < 1 or (eval_batches is not None and eval_batches < 1):
+            raise ValueError(f"eval_examples and eval_batches must be at least 1, got {eval_examples}, {eval_batches}")
+        if eval_batches is not None:
+            warnings.warn(
+                "DynaQuantCallback(eval_batches=) is deprecated: the default test evaluates up to eval_examples "
+                f"(default {DEFAULT_EVAL_EXAMPLES}) examples, enough for its standard error to resolve the threshold",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.threshold, self.config, self.metric = threshold, config, metric
         self.higher_is_better, self.eval_data, self.eval_batches = higher_is_better, eval_data, eval_batches
+        self.eval_examples = eval_examples
         self.search_space, self.optimizer_state, self.moment_quant = search_space, optimizer_state, moment_quant
         self.keyframe_every, self.ema_steps, self.background = keyframe_every, ema_steps, background
         self.delta_coding, self.progress, self.pretrained = delta_coding, progress, pretrained
@@ -163,7 +198,7 @@ class DynaQuantCallback(TrainerCallback):
             optimizer=optimizer,
             checkpoint_every=_save_interval(args, state),
             eval_data=eval_data,
-            default_metric=self._trainer_loss(eval_data),
+            default_metric=self._default_metric(eval_data),
         )
         self.compressor.step = state.global_step
         resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -189,23 +224,38 @@ class DynaQuantCallback(TrainerCallback):
             )
 
     def _default_eval_data(self, train_dataloader) -> list[Any]:
-        if self.trainer is not None and self.trainer.eval_dataset is not None:
-            batches = []
-            for batch in self.trainer.get_eval_dataloader():
+        """The default test's batches (see ``eval_data``), collated as the Trainer collates
+        evaluation batches. Call under :func:`preserved_rng`: iterating a DataLoader draws from
+        the global RNG; the examples are drawn with a private generator."""
+        trainer = self.trainer
+        if trainer is None or trainer.eval_dataset is None:
+            return _tail_batches(train_dataloader, self.eval_examples, self.eval_batches)
+        if self.eval_batches is not None:  # deprecated: the first batches
+            return list(itertools.islice(trainer.get_eval_dataloader(), self.eval_batches))
+        dataset = trainer.eval_dataset
+        if isinstance(dataset, dict):  # several eval sets: the first (metric_for_best_model names one of them)
+            dataset = next(iter(dataset.values()))
+        cached = dict(getattr(trainer, "_eval_dataloaders", None) or {})
+        try:
+            loader = trainer.get_eval_dataloader(draw_examples(dataset, self.eval_examples))
+            batches, seen = [], 0
+            for batch in loader:  # an iterable dataset: its first eval_examples examples
                 batches.append(batch)
-                if len(batches) == self.eval_batches:
+                seen += find_batch_size(batch) or 1
+                if seen >= self.eval_examples:
                     break
-            return batches
-        return _tail_batches(train_dataloader, self.eval_batches)
+        finally:
+            if hasattr(trainer, "_eval_dataloaders"):  # persistent workers: keep the Trainer's own loader
+                trainer._eval_dataloaders = cached
+        return batches
 
-    def _trainer_loss(self, eval_data: Any) -> QualityMetric | None:
-        """With a trainer, the default metric: mean ``Trainer.compute_loss(model, batch)`` over the
-        evaluation batches (without ``num_items_in_batch``: a per-batch mean, as evaluation
-        computes it). ``compute_loss`` only reads the trainer's settings, so the background
-        thread may call it on the search's CPU copy of the model while training goes on."""
+    def _default_metric(self, eval_data: Any) -> QualityMetric | None:
+        """With a trainer, the default metric :func:`trainer_metric` on the evaluation batches.
+        It only reads the trainer's settings, so the background thread may call it on the
+        search's CPU copy of the model while training goes on."""
         if self.trainer is None or eval_data is None or self.threshold is None:
             return None
-        return mean_loss(eval_data, compute_loss=self.trainer.compute_loss)
+        return trainer_metric(self.trainer, list(eval_data))
 
     # -- gradient window ------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -300,6 +350,8 @@ class DynaQuantCallback(TrainerCallback):
             logs["dynaquant/search_evaluations"] = float(search.get("evaluations", 0))
             if search.get("degradation") is not None:
                 logs["dynaquant/degradation"] = float(search["degradation"])
+            if search.get("standard_error") is not None:  # what the test could resolve
+                logs["dynaquant/standard_error"] = float(search["standard_error"])
         record = {"step": report.step, "entry": report.entry, "raw": report.raw, "stored": report.stored, **logs}
         record["config"] = (search.get("config") if search else None) or None
         logger.info(
@@ -452,9 +504,10 @@ def _save_interval(args, state) -> int | None:
     return int(steps) if steps else None
 
 
-def _tail_batches(loader, n: int) -> list[Any]:
-    """``n`` batches made of the last examples of the training set, collated as training
-    collates them; the training loader is not iterated, so the training order is untouched."""
+def _tail_batches(loader, examples: int, batches: int | None = None) -> list[Any]:
+    """Batches of the last ``examples`` examples of the training set (or ``batches`` batches'
+    worth), collated as training collates them; the training loader is not iterated, so the
+    training order is untouched."""
     dataset = getattr(loader, "dataset", None)
     collate = getattr(loader, "collate_fn", None)
     size = getattr(loader, "total_batch_size", None) or getattr(loader, "batch_size", None) or 8
@@ -464,9 +517,161 @@ def _tail_batches(loader, n: int) -> list[Any]:
             "pass eval_data= (or metric=) to DynaQuantCallback, or an eval_dataset to DynaQuantTrainer"
         )
     total = len(dataset)
-    start = max(total - n * size, 0)
+    start = max(total - (batches * size if batches is not None else examples), 0)
     rows = [dataset[i] for i in range(start, total)]
-    return [collate(rows[i : i + size]) for i in range(0, len(rows), size)][:n]
+    return [collate(rows[i : i + size]) for i in range(0, len(rows), size)]
+
+
+def draw_examples(dataset: Any, n: int) -> Any:
+    """Up to ``n`` examples of ``dataset``, drawn without replacement by a private seeded
+    generator (the process-wide RNGs are not touched), in dataset order: a ``datasets.Dataset``
+    selects them, another indexable dataset is wrapped in a ``Subset``; a dataset without a
+    length is returned as it is (its first examples are taken)."""
+    if not hasattr(dataset, "__len__") or len(dataset) <= n:
+        return dataset
+    chosen = np.sort(np.random.default_rng(_SEED).choice(len(dataset), size=n, replace=False)).tolist()
+    if hasattr(dataset, "select"):
+        return dataset.select(chosen)
+    return torch.utils.data.Subset(dataset, chosen)
+
+
+def trainer_metric(trainer: Trainer, batches: Sequence[Any]) -> QualityMetric:
+    """The default test of :class:`DynaQuantTrainer`: the user's own metric on ``batches``.
+
+    With ``compute_metrics`` and ``args.metric_for_best_model`` (its direction from
+    ``args.greater_is_better``) the batches go through the Trainer's prediction path as
+    ``Trainer.evaluation_loop`` takes it (``compute_loss(..., return_outputs=True)``, the logits
+    without the loss and the model's ``keys_to_ignore_at_inference``, labels read before the loss,
+    ``preprocess_logits_for_metrics``, predictions and labels concatenated with -100 padding,
+    ``include_for_metrics``) and ``compute_metrics`` is called on an ``EvalPrediction``: a
+    candidate must keep both that metric and the loss within the threshold (one forward pass
+    gives both). Otherwise (or when the metric is the loss) the loss alone, :func:`mean_loss`
+    with ``Trainer.compute_loss``. The Trainer's ``prediction_step`` itself is not called: it
+    moves batches to the training device, and the search evaluates a CPU copy off the training
+    thread.
+
+    Standard errors (the baseline and a candidate see the same examples, so the degradation is
+    a paired difference): the loss's from the per-batch loss differences (``compute_loss``
+    returns one mean per batch); the metric's from a bootstrap over examples of
+    ``compute_metrics`` on the cached predictions (200 resamples, the same for the baseline and
+    every candidate, drawn by a private seeded generator)."""
+    args = trainer.args
+    key = args.metric_for_best_model
+    key = key[len("eval_") :] if key and key.startswith("eval_") else key
+    if trainer.compute_metrics is None or key in (None, "loss"):
+        return mean_loss(batches, compute_loss=trainer.compute_loss)
+    if args.batch_eval_metrics:
+        warnings.warn(
+            "batch_eval_metrics=True: compute_metrics accumulates over batches, which the bootstrap cannot "
+            "resample; the configuration search tests the loss only",
+            stacklevel=3,
+        )
+        return mean_loss(batches, compute_loss=trainer.compute_loss)
+    return _PredictionMetric(trainer, list(batches), key, bool(args.greater_is_better))
+
+
+class _PredictionMetric(QualityMetric):
+    """:func:`trainer_metric` with ``compute_metrics``: a measurement's evidence is the per-batch
+    losses and the gathered predictions; :meth:`compare` gives the metric's and the loss's
+    degradations with their standard errors."""
+
+    def __init__(self, trainer: Trainer, batches: list[Any], key: str, higher_is_better: bool) -> None:
+        super().__init__(lambda model: self.measure(model).value, higher_is_better=higher_is_better, name=key)
+        self.measure_fn = self._measure
+        self.trainer, self.batches, self.key = trainer, batches, key
+        self._resamples: np.ndarray | None = None
+
+    def _measure(self, model: torch.nn.Module) -> Measurement:
+        trainer, dev = self.trainer, _device_of(model)
+        config = getattr(trainer.model, "config", None)
+        ignore = list(getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else [])
+        preds, labels_all, inputs_all = (EvalLoopContainer(True, padding_index=-100) for _ in range(3))
+        losses, sizes = [], []
+        main_input = getattr(trainer.model, "main_input_name", "input_ids")
+        for batch in self.batches:
+            inputs = _to(dict(batch), dev)
+            if not trainer.label_names or any(inputs.get(k) is None for k in trainer.label_names):
+                raise InvalidSettingError(
+                    f"an evaluation batch lacks the labels {trainer.label_names} that compute_metrics needs "
+                    f"(it holds {sorted(inputs)}): give the eval dataset labels, or pass metric= to DynaQuantCallback"
+                )
+            labels = nested_detach(tuple(inputs.get(k) for k in trainer.label_names))  # before the loss may pop them
+            labels = labels[0] if len(labels) == 1 else labels
+            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True)
+            if isinstance(outputs, dict):
+                logits = tuple(v for k, v in outputs.items() if k not in [*ignore, "loss"])
+            else:
+                logits = outputs[1:]
+            logits = nested_detach(logits)
+            logits = logits[0] if len(logits) == 1 else logits
+            if trainer.preprocess_logits_for_metrics is not None:
+                logits = trainer.preprocess_logits_for_metrics(logits, labels)
+            preds.add(logits)
+            labels_all.add(labels)
+            if "inputs" in trainer.args.include_for_metrics:
+                inputs_all.add(inputs[main_input])
+            losses.append(float(loss.detach().mean()))
+            sizes.append(find_batch_size(inputs) or 1)
+        evidence = {
+            "losses": np.array(losses, dtype=np.float64),
+            "example_losses": np.repeat(np.array(losses, dtype=np.float32), sizes),
+            "predictions": preds.get_arrays(),
+            "label_ids": labels_all.get_arrays(),
+            "inputs": inputs_all.get_arrays(),
+        }
+        return Measurement(self._score(evidence, None), evidence)
+
+    def _score(self, evidence: dict[str, Any], rows: np.ndarray | None) -> float:
+        """``compute_metrics`` on the examples ``rows`` (all of them for ``None``): the value under
+        ``metric_for_best_model``."""
+
+        def take(x: Any) -> Any:
+            if x is None or rows is None:
+                return x
+            if isinstance(x, (list, tuple)):
+                return type(x)(take(v) for v in x)
+            if isinstance(x, dict):
+                return {k: take(v) for k, v in x.items()}
+            return x[rows]
+
+        include = self.trainer.args.include_for_metrics
+        prediction = EvalPrediction(
+            predictions=take(evidence["predictions"]),
+            label_ids=take(evidence["label_ids"]),
+            inputs=take(evidence["inputs"]) if "inputs" in include else None,
+            losses=take(evidence["example_losses"]) if "loss" in include else None,
+        )
+        metrics = self.trainer.compute_metrics(prediction)
+        for name in (self.key, f"eval_{self.key}"):
+            if name in metrics:
+                return float(metrics[name])
+        raise InvalidSettingError(
+            f"metric_for_best_model={self.trainer.args.metric_for_best_model!r} is not among the metrics "
+            f"compute_metrics returns ({', '.join(map(repr, metrics)) or 'none'}): name one of them, or pass "
+            "metric= to DynaQuantCallback"
+        )
+
+    def _replicates(self, m: Measurement) -> np.ndarray:
+        """The metric on each bootstrap resample of ``m``'s examples (cached on the measurement:
+        the baseline's serve every candidate of its checkpoint)."""
+        if "replicates" not in m.evidence:
+            n = len(m.evidence["example_losses"])
+            if self._resamples is None or self._resamples.shape[1] != n:
+                self._resamples = np.random.default_rng(_SEED).integers(0, n, size=(_BOOTSTRAP, n))
+            m.evidence["replicates"] = np.array([self._score(m.evidence, rows) for rows in self._resamples])
+        return m.evidence["replicates"]
+
+    def compare(self, baseline: Measurement, value: Measurement) -> dict[str, tuple[float, float]]:
+        deg = self.degradation(baseline.value, value.value)
+        base, cand = self._replicates(baseline), self._replicates(value)
+        worse = base - cand if self.higher_is_better else cand - base
+        boot = worse / np.maximum(np.abs(base), 1e-12)
+        boot = boot[np.isfinite(boot)]
+        se = float(boot.std(ddof=1)) if boot.size > 1 else 0.0
+        b_loss, c_loss = baseline.evidence["losses"], value.evidence["losses"]
+        loss_scale = float(b_loss.mean())
+        loss_deg = (float(c_loss.mean()) - loss_scale) / max(abs(loss_scale), 1e-12)
+        return {self.key: (deg, se), "loss": (loss_deg, paired_standard_error(b_loss, c_loss, loss_scale))}
 
 
 def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
