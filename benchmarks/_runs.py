@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_dynaquant.checkpoint_dir import checkpoint_store
 from hf_dynaquant.compressor import read_checkpoint
@@ -52,6 +52,25 @@ def timed_saves(cls: type[Trainer]) -> type[Trainer]:
     return Timed
 
 
+def training_args(out: Path, steps: int, save_steps: int, seed: int, **settings: Any) -> TrainingArguments:
+    """The benchmarks' ``TrainingArguments``: ``steps`` optimizer steps on the CPU, a checkpoint,
+    a log line and an evaluation every ``save_steps``, quiet; ``settings`` add the job's own."""
+    return TrainingArguments(
+        str(out),
+        max_steps=steps,
+        eval_strategy="steps",
+        eval_steps=save_steps,
+        save_steps=save_steps,
+        logging_steps=save_steps,
+        report_to=[],
+        use_cpu=True,
+        seed=seed,
+        disable_tqdm=True,
+        log_level="error",
+        **settings,
+    )
+
+
 def restore_points(steps: int, save_steps: int, restores: int) -> list[int]:
     """The steps after which a run crashes and resumes: ``restores`` checkpoints spread evenly
     over the run (the last checkpoint, at the end of training, is never one)."""
@@ -72,8 +91,10 @@ def callback_settings(spec: str) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for word in spec.split():
         key, sep, value = word.partition("=")
-        if not sep or key not in known:
-            raise SystemExit(f"--callback: {word!r} is not key=value with a key of DynaQuantCallback ({', '.join(known)})")
+        if not sep:
+            raise SystemExit(f"--callback: {word!r} is not key=value")
+        if key not in known:
+            raise SystemExit(f"--callback: DynaQuantCallback takes no {key!r} (its settings: {', '.join(known)})")
         try:
             settings[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -117,7 +138,7 @@ def checkpoint_choice(metadata: dict[str, Any]) -> dict[str, Any]:
         "degradation": search.get("degradation"),
         "search": search.get("mode"),
         "evaluations": search.get("evaluations"),
-        "optimizer": (metadata.get("optimizer_state") or {}).get("mode"),
+        "optimizer_state": (metadata.get("optimizer_state") or {}).get("mode"),
     }
 
 
@@ -185,14 +206,14 @@ def relative_spread(values: list[float]) -> float:
 def choices_table(per_checkpoint: list[dict[str, Any]]) -> str:
     """A markdown table of the per-checkpoint choices of one run."""
     lines = [
-        "| step | keyframe | residual | bins | prune | protect | degradation | search | optimizer | weights KB | whole KB |",
+        "| step | keyframe | residual | bins | prune | protect | degradation | search | optimizer state | weights KB | whole KB |",
         "|" + "---|" * 11,
     ]
     for p in per_checkpoint:
         degradation = "" if p["degradation"] is None else f"{p['degradation'] * 100:+.3f}%"
         lines.append(
             f"| {p['step']} | {'yes' if p['keyframe'] else ''} | {p['residual']} | {p['bins']} | {p['prune']} | "
-            f"{p['protect']} | {degradation} | {p['search']} | {p['optimizer']} | {p['weights'] / 1e3:.1f} | "
+            f"{p['protect']} | {degradation} | {p['search']} | {p['optimizer_state']} | {p['weights'] / 1e3:.1f} | "
             f"{p['total'] / 1e3:.1f} |"
         )
     return "\n".join(lines)

@@ -61,7 +61,6 @@ from transformers import (
     AutoTokenizer,
     DataCollatorWithPadding,
     Trainer,
-    TrainingArguments,
 )
 
 from hf_dynaquant.corpus import docstring_topics
@@ -104,23 +103,16 @@ class Job:
 
     def trainer(self, cls: type[Trainer], out: Path, seed: int, callbacks: list | None = None) -> Trainer:
         a = self.args
-        args = TrainingArguments(
-            str(out),
-            max_steps=self.steps,
+        args = _runs.training_args(
+            out,
+            self.steps,
+            a.save_steps,
+            seed,
             learning_rate=a.lr,
             warmup_steps=0.1,
             per_device_train_batch_size=a.batch,
             per_device_eval_batch_size=64,  # 4 batches (the callback's default eval_batches) hold all 240
-            eval_strategy="steps",
-            eval_steps=a.save_steps,
-            save_steps=a.save_steps,
-            logging_steps=a.save_steps,
             metric_for_best_model="accuracy",
-            report_to=[],
-            use_cpu=True,
-            seed=seed,
-            disable_tqdm=True,
-            log_level="error",
         )
         return cls(
             model=self.model(seed),
