@@ -17,8 +17,8 @@ docstrings, batch 16 x 64 characters, a checkpoint and an evaluation (64 held-ou
 ``--save-steps`` steps. 1,200 steps (about 1.1 epochs) let the eval loss settle under the
 cosine decay (seed 0, plain: 2.325 at step 1,000, 2.322 at 1,100, 2.319 at 1,200, so the last 200
 steps move it 0.25%; settled by the schedule rather than at the model's capacity: it still fell
-1.2% per 100 steps around step 900; the curve is in the plot and the JSON). It runs several ways, one after the other in this process, each from the same seed,
-for every seed:
+1.2% per 100 steps around step 900; the curve is in the plot and the JSON). It runs several
+ways, one after the other in this process, each from the same seed, for every seed:
 
 * **plain**: ``transformers.Trainer``, uncompressed checkpoints (the reference);
 * **<mode>** for each optimizer-state mode (default ``compress`` only): ``DynaQuantTrainer``
