@@ -206,7 +206,8 @@ def relative_spread(values: list[float]) -> float:
 def choices_table(per_checkpoint: list[dict[str, Any]]) -> str:
     """A markdown table of the per-checkpoint choices of one run."""
     lines = [
-        "| step | keyframe | residual | bins | prune | protect | degradation | search | optimizer state | weights KB | whole KB |",
+        "| step | keyframe | residual | bins | prune | protect | degradation | search | optimizer state "
+        "| weights KB | whole KB |",
         "|" + "---|" * 11,
     ]
     for p in per_checkpoint:

@@ -19,7 +19,8 @@ split) every ``--save-steps`` = 8 steps: 12 checkpoints. The task is far from tr
 fine-tuning flattens at about 0.70 validation accuracy (measured on a longer schedule, lr 1e-4
 over 4 epochs of 1,920 sentences cut at 64 tokens: 0.66 after one epoch, 0.70 from 1.75 to 2.25
 epochs while the loss still fell slowly); the defaults spend the CPU budget on 2 epochs with a
-higher peak rate and a decay to zero, and the plot's accuracy curve shows whether it flattened. Metric: accuracy through ``compute_metrics``, with
+higher peak rate and a decay to zero, and the plot's accuracy curve shows whether it flattened.
+Metric: accuracy through ``compute_metrics``, with
 ``metric_for_best_model="accuracy"`` (which quality tests that use the user's metric read).
 
 For each seed (the classifier head's initialisation, the Trainer's seed, so the data order and
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -137,9 +139,14 @@ def run_seed(job: Job, tmp: Path, seed: int, settings: dict[str, Any], stops: li
     plain = job.trainer(Trainer, tmp / f"{seed}-plain", seed)
     plain.train()
     result: dict[str, Any] = {
-        "plain": {**job.tested(plain), **_runs.plain_sizes(tmp / f"{seed}-plain"), "curve": _runs.eval_curve(plain, "eval_accuracy")},
+        "plain": {
+            **job.tested(plain),
+            **_runs.plain_sizes(tmp / f"{seed}-plain"),
+            "curve": _runs.eval_curve(plain, "eval_accuracy"),
+        },
         "plain_seconds": time.perf_counter() - started,
     }
+    shutil.rmtree(tmp / f"{seed}-plain")  # 12 uncompressed checkpoints of MiniLM: 3.3 GB a seed
     started = time.perf_counter()
     out = tmp / f"{seed}-compressed"
     trainer, reports = _runs.run_restored(lambda cbs: job.trainer(DynaQuantTrainer, out, seed, cbs), stops, settings)
@@ -154,6 +161,7 @@ def run_seed(job: Job, tmp: Path, seed: int, settings: dict[str, Any], stops: li
     result["compressed_seconds"] = time.perf_counter() - started
     ref = _runs.load_final_checkpoint(out, trainer.model)
     result["decoded"] = {**job.tested(trainer), "checkpoint": ref}
+    shutil.rmtree(out)
     return result
 
 
@@ -190,7 +198,8 @@ def main() -> None:
             r = results[seed]
             print(
                 f"seed {seed}: plain {r['plain']['accuracy']:.4f} ({r['plain_seconds']:.0f} s), compressed "
-                f"{r['compressed']['accuracy']:.4f} ({r['compressed_seconds']:.0f} s), decoded {r['decoded']['accuracy']:.4f}",
+                f"{r['compressed']['accuracy']:.4f} ({r['compressed_seconds']:.0f} s), "
+                f"decoded {r['decoded']['accuracy']:.4f}",
                 flush=True,
             )
     report(results, seeds)
@@ -202,38 +211,46 @@ def main() -> None:
 def report(results: dict[int, dict], seeds: list[int]) -> None:
     """Per-seed rows, then mean ± spread, with the differences paired by seed."""
     plain = [results[s]["plain"] for s in seeds]
+    accuracy, loss = [p["accuracy"] for p in plain], [p["loss"] for p in plain]
     print(
-        f"\nplain Trainer: test accuracy {_runs.mean_spread([p['accuracy'] for p in plain], '.4f')} (seed spread "
-        f"{_runs.relative_spread([p['accuracy'] for p in plain]):.2f}%), test loss {_runs.mean_spread([p['loss'] for p in plain], '.4f')} "
-        f"(spread {_runs.relative_spread([p['loss'] for p in plain]):.2f}%); checkpoints: weights "
-        f"{plain[0]['weights_bytes'] / 1e6:.1f} MB, with optimizer state "
-        f"{(plain[0]['weights_bytes'] + plain[0]['optimizer_bytes']) / 1e6:.1f} MB\n"
+        f"\nplain Trainer: test accuracy {_runs.mean_spread(accuracy, '.4f')} (seed spread "
+        f"{_runs.relative_spread(accuracy):.2f}%), test loss {_runs.mean_spread(loss, '.4f')} (spread "
+        f"{_runs.relative_spread(loss):.2f}%); checkpoints: weights {plain[0]['weights_bytes'] / 1e6:.1f} MB, "
+        f"with optimizer state {(plain[0]['weights_bytes'] + plain[0]['optimizer_bytes']) / 1e6:.1f} MB\n"
     )
     header = ("seed", "run", "test accuracy", "vs plain", "test loss", "vs plain", "weights ratio", "whole ratio")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for label, picked in [*((str(s), [s]) for s in seeds), *([("mean ± sd", seeds)] if len(seeds) > 1 else [])]:
+    groups = [(str(s), [s]) for s in seeds] + ([("mean ± sd", seeds)] if len(seeds) > 1 else [])
+    for label, picked in groups:
         for run in RUNS:
             rows = [(results[s][run], results[s]["plain"], results[s]["compressed"]) for s in picked]
-            cells = [label, run, _runs.mean_spread([r["accuracy"] for r, _, _ in rows], ".4f")]
-            cells.append(
-                "" if run == "plain" else _runs.mean_spread([(r["accuracy"] / p["accuracy"] - 1) * 100 for r, p, _ in rows], "+.2f") + "%"
-            )
-            cells.append(_runs.mean_spread([r["loss"] for r, _, _ in rows], ".4f"))
-            cells.append("" if run == "plain" else _runs.mean_spread([(r["loss"] / p["loss"] - 1) * 100 for r, p, _ in rows], "+.2f") + "%")
+
+            def figure(of, fmt: str, unit: str = "", shown: bool = True) -> str:
+                return _runs.mean_spread([of(*row) for row in rows], fmt) + unit if shown else ""
+
+            def whole_ratio(p, c) -> float:
+                return (p["weights_bytes"] + p["optimizer_bytes"]) / c["total_bytes"]
+
+            differs = run != "plain"
             sized = run == "compressed"
-            cells.append(_runs.mean_spread([p["weights_bytes"] / c["weights_bytes"] for _, p, c in rows], ".1f") + "x" if sized else "")
-            cells.append(
-                _runs.mean_spread([(p["weights_bytes"] + p["optimizer_bytes"]) / c["total_bytes"] for _, p, c in rows], ".1f") + "x"
-                if sized
-                else ""
+            cells = (
+                label,
+                run,
+                figure(lambda r, p, c: r["accuracy"], ".4f"),
+                figure(lambda r, p, c: (r["accuracy"] / p["accuracy"] - 1) * 100, "+.2f", "%", differs),
+                figure(lambda r, p, c: r["loss"], ".4f"),
+                figure(lambda r, p, c: (r["loss"] / p["loss"] - 1) * 100, "+.2f", "%", differs),
+                figure(lambda r, p, c: p["weights_bytes"] / c["weights_bytes"], ".1f", "x", sized),
+                figure(lambda r, p, c: whole_ratio(p, c), ".1f", "x", sized),
             )
             print("| " + " | ".join(cells) + " |")
     for s in seeds:
-        print(f"\nseed {s}, per-checkpoint choices (store metadata):\n{_runs.choices_table(results[s]['compressed']['per_checkpoint'])}")
+        print(f"\nseed {s}, per-checkpoint choices (store metadata):")
+        print(_runs.choices_table(results[s]["compressed"]["per_checkpoint"]))
+    compressed = [results[s]["compressed"] for s in seeds]
     print(
-        "\nmedian stall per save "
-        f"{statistics.median([x for s in seeds for x in results[s]['compressed']['stall']]) * 1e3:.0f} ms, background "
-        f"{statistics.median([x for s in seeds for x in results[s]['compressed']['background']]) * 1e3:.0f} ms"
+        f"\nmedian stall per save {statistics.median([x for c in compressed for x in c['stall']]) * 1e3:.0f} ms, "
+        f"background {statistics.median([x for c in compressed for x in c['background']]) * 1e3:.0f} ms"
     )
 
 

@@ -112,7 +112,8 @@ def run_plain(
     train, held = data
     cls = timed_saves(Trainer)
     cls.save_seconds = []
-    trainer = cls(model=make(), args=training_args(out, steps, save_steps, seed), train_dataset=train, eval_dataset=held)
+    args = training_args(out, steps, save_steps, seed)
+    trainer = cls(model=make(), args=args, train_dataset=train, eval_dataset=held)
     trainer.train()
     return {
         "eval_loss": trainer.evaluate()["eval_loss"],
@@ -219,7 +220,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             make = partial(make_model, args.width, args.layers, seed)
-            runs = results[seed] = {"plain": run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed)}
+            plain = run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed)
+            runs = results[seed] = {"plain": plain}
             for mode in modes:
                 folder = Path(tmp) / f"{seed}-{mode.replace('@', '_')}"
                 runs[mode], runs[f"{mode}/decoded"] = run_dynaquant(
@@ -264,7 +266,8 @@ def report(results: dict[int, dict], args, seeds: list[int], modes: list[str]) -
             mean_spread([r["eval_loss"] for r in runs], ".4f"),
             mean_spread([(r["eval_loss"] - p["eval_loss"]) / p["eval_loss"] * 100 for r, p in pairs], "+.2f") + "%",
             mean_spread([p["weights_bytes"] / r["weights_bytes"] for r, p in pairs], ".1f") + "x",
-            mean_spread([(p["weights_bytes"] + p["optimizer_bytes"]) / r["total_bytes"] for r, p in pairs], ".1f") + "x",
+            mean_spread([(p["weights_bytes"] + p["optimizer_bytes"]) / r["total_bytes"] for r, p in pairs], ".1f")
+            + "x",
             f"{statistics.median([x for r in runs for x in r['stall']]) * 1e3:.0f}",
             f"{statistics.median([x for r in runs for x in r['background']]) * 1e3:.0f}",
             f"{statistics.median(evaluations):.0f}",
