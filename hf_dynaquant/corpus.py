@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
 import sys
 import warnings
 from functools import lru_cache
@@ -15,9 +16,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["docstring_corpus", "CharTokenizer", "lm_batches", "docstring_lm_datasets"]
+__all__ = [
+    "docstring_corpus",
+    "CharTokenizer",
+    "lm_batches",
+    "docstring_lm_datasets",
+    "TOPICS",
+    "docstring_topics",
+]
 
 _SKIP = ("test", "idlelib", "tkinter", "turtle", "lib2to3", "ensurepip", "venv", "antigravity", "this", "__")
+
+
+def _module_docstrings(name: str) -> list[str | None]:
+    """Docstrings of module ``name``, its public attributes and their classes' public members,
+    in a stable (sorted) order; ``None`` where an object has none."""
+    # importing a module and reading its attributes may warn (deprecated modules and aliases
+    # such as typing.io): they are read, not used, so the user is not told about them
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = importlib.import_module(name)
+        objects = [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]
+        objects += [
+            getattr(c, a, None) for c in objects if inspect.isclass(c) for a in sorted(vars(c)) if not a.startswith("_")
+        ]
+        return [inspect.getdoc(obj) if obj is not None else None for obj in objects]
 
 
 @lru_cache(maxsize=1)
@@ -31,21 +54,10 @@ def docstring_corpus() -> str:
             continue
         # importing a module and reading its attributes may warn (deprecated modules and aliases
         # such as typing.io): they are read, not used, so the user is not told about them
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(name)
-            except Exception:  # some stdlib modules need platform features  # noqa: BLE001
-                continue
-            objects = [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]
-            objects += [
-                getattr(c, a, None)
-                for c in objects
-                if inspect.isclass(c)
-                for a in sorted(vars(c))
-                if not a.startswith("_")
-            ]
-            docs = [inspect.getdoc(obj) if obj is not None else None for obj in objects]
+        try:
+            docs = _module_docstrings(name)
+        except Exception:  # some stdlib modules need platform features  # noqa: BLE001
+            continue
         for doc in docs:
             if doc and len(doc) > 40 and doc not in seen:
                 seen.add(doc)
@@ -99,3 +111,66 @@ def docstring_lm_datasets(block: int = 64, eval_blocks: int = 64, max_blocks: in
         return Dataset.from_dict({"input_ids": data, "labels": data}).with_format("torch")
 
     return as_dataset(train), as_dataset(held)
+
+
+#: The labels of :func:`docstring_topics`: six areas of the standard library, each the modules
+#: whose docstrings give its sentences. The areas share much vocabulary (files are read over
+#: sockets, numbers are parsed from text, ...), so telling them apart is a real task.
+TOPICS: dict[str, tuple[str, ...]] = {
+    "files": ("os", "shutil", "pathlib", "glob", "tempfile", "io", "zipfile", "tarfile", "stat", "filecmp"),
+    "text": ("string", "re", "textwrap", "difflib", "unicodedata", "codecs", "locale", "gettext", "shlex", "fnmatch"),
+    "network": (
+        "socket", "http.client", "http.server", "urllib.request", "urllib.parse", "ftplib",
+        "smtplib", "ssl", "imaplib", "email.message", "socketserver", "poplib",
+    ),  # fmt: skip
+    "concurrency": (
+        "threading", "multiprocessing", "asyncio", "concurrent.futures", "queue", "subprocess",
+        "signal", "sched", "selectors",
+    ),  # fmt: skip
+    "formats": (
+        "json", "csv", "pickle", "xml.etree.ElementTree", "xml.dom.minidom", "configparser",
+        "plistlib", "base64", "struct", "marshal", "html.parser", "tomllib",
+    ),  # fmt: skip
+    "numbers": (
+        "math", "statistics", "decimal", "fractions", "random", "cmath", "numbers", "operator",
+        "array", "bisect", "heapq",
+    ),  # fmt: skip
+}
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+@lru_cache(maxsize=4)
+def docstring_topics(splits: tuple[int, int, int] = (240, 40, 100), seed: int = 0) -> dict:
+    """A labelled sentence-classification task built offline from the standard library: which
+    area of :data:`TOPICS` a docstring sentence comes from (6 classes, balanced).
+
+    Sentences are the docstrings' sentences of 30-200 characters and at least 5 words (white
+    space collapsed); one found in two areas is dropped. Each area contributes ``splits`` =
+    (train, validation, test) sentences, drawn with ``seed`` (the same on every machine running
+    the same Python minor version; each area has 460 or more). Returns
+    ``{"labels": [area names], "train" | "validation" | "test": {"text": [...], "label": [...]}}``,
+    each split shuffled with ``seed``. The test split is for a final, held-out figure: tune on
+    the validation split.
+    """
+    per_label = sum(splits)
+    found: dict[str, set[str]] = {}
+    for label, modules in TOPICS.items():
+        docs = [d for name in modules for d in _module_docstrings(name) if d]
+        found[label] = {s for d in docs for s in _SENTENCE_END.split(" ".join(d.split()))}
+        found[label] = {s for s in found[label] if 30 <= len(s) <= 200 and len(s.split()) >= 5}
+    shared = {s for a in found for b in found if a < b for s in found[a] & found[b]}
+    rng = torch.Generator().manual_seed(seed)
+    parts: dict[str, list[tuple[str, int]]] = {"train": [], "validation": [], "test": []}
+    for index, label in enumerate(TOPICS):
+        pool = sorted(found[label] - shared)
+        if len(pool) < per_label:
+            raise ValueError(f"area {label!r} has {len(pool)} sentences, fewer than the splits {splits} need")
+        chosen = [pool[i] for i in torch.randperm(len(pool), generator=rng)[:per_label].tolist()]
+        bounds = [0, splits[0], splits[0] + splits[1], sum(splits)]
+        for split, lo, hi in zip(parts, bounds, bounds[1:]):
+            parts[split] += [(text, index) for text in chosen[lo:hi]]
+    result: dict[str, Any] = {"labels": list(TOPICS)}
+    for split, rows in parts.items():
+        order = torch.randperm(len(rows), generator=rng).tolist()
+        result[split] = {"text": [rows[i][0] for i in order], "label": [rows[i][1] for i in order]}
+    return result
