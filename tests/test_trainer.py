@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
 import hf_dynaquant
 from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
@@ -27,6 +27,7 @@ from hf_dynaquant.errors import BackgroundCompressionError, CheckpointError, Mis
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
 from hf_dynaquant.optimizer_state import MomentQuant
 from hf_dynaquant.search import SearchSpace
+from trainer_args import args_for  # tests/ is on sys.path (rootdir conftest)
 
 FIXED = QuantConfig(bins=8, prune=0.1, min_numel=1024)
 SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude",))
@@ -41,22 +42,6 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=CharTokenizer().vocab_size, n_positions=32, n_embd=64, n_layer=2, n_head=2)
     return GPT2LMHeadModel(config)
-
-
-def args_for(out: Path, **kw) -> TrainingArguments:
-    base = dict(
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
-        save_steps=4,
-        logging_steps=4,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return TrainingArguments(str(out), **base)
 
 
 class LogRecorder(TrainerCallback):

@@ -31,6 +31,7 @@ from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.errors import IncompleteCheckpointError, InvalidSettingError, NoValidCheckpointError
 from hf_dynaquant.search import mean_loss
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+from trainer_args import args_for as shared_args_for  # tests/ is on sys.path (rootdir conftest)
 
 KINDS = ("model_output", "tuple", "dict")
 # keys whose values are wall-clock figures (transformers' check_trainer_state_are_the_same skips them too)
@@ -69,19 +70,8 @@ TRAIN, EVAL = dataset(), dataset(32, seed=2)
 
 
 def args_for(out: Path, **kw) -> TrainingArguments:
-    base = dict(
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=0.05,
-        save_steps=4,
-        logging_steps=4,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    base.update(kw)
-    return TrainingArguments(str(out), **base)
+    """The shared arguments at a learning rate that moves the tiny model visibly."""
+    return shared_args_for(out, **{"learning_rate": 0.05, **kw})
 
 
 def trainer_for(out: Path, kind: str = "model_output", *, callbacks=(), model=None, **kw) -> DynaQuantTrainer:
