@@ -163,16 +163,38 @@ def store_figures(out: Path) -> dict[str, Any]:
         "weights_bytes": sum(p["weights"] for p in per_checkpoint),
         "optimizer_bytes": sum(p["optimizer"] for p in per_checkpoint),
         "total_bytes": sum(p["total"] for p in per_checkpoint),
+        "disk_bytes": _folder_bytes(out),
         "per_checkpoint": per_checkpoint,
     }
 
 
 def plain_sizes(out: Path) -> dict[str, int]:
-    """Bytes of the plain Trainer's ``model.safetensors`` and ``optimizer.pt`` over all checkpoints."""
+    """Bytes of the plain Trainer's ``model.safetensors`` and ``optimizer.pt`` over all
+    checkpoints, and of every file of its checkpoint folders."""
     folders = sorted(out.glob("checkpoint-*"))
     return {
         "weights_bytes": sum((f / "model.safetensors").stat().st_size for f in folders),
         "optimizer_bytes": sum((f / "optimizer.pt").stat().st_size for f in folders),
+        "disk_bytes": sum(_folder_bytes(f) for f in folders),
+    }
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder``."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def ratios(plain: dict[str, Any], compressed: dict[str, Any]) -> dict[str, float]:
+    """The plain run's bytes over the compressed run's, counting the same things on both sides:
+    ``weights`` (``model.safetensors`` against the store's model sections), ``whole`` (weights +
+    optimizer state: with ``optimizer.pt`` against the optimizer sections) and ``disk`` (every
+    byte of the run's checkpoints: the plain checkpoint folders against ours, small files, RNG
+    and scheduler state and the store included)."""
+    whole = compressed["weights_bytes"] + compressed["optimizer_bytes"]
+    return {
+        "weights": plain["weights_bytes"] / compressed["weights_bytes"],
+        "whole": (plain["weights_bytes"] + plain["optimizer_bytes"]) / whole,
+        "disk": plain["disk_bytes"] / compressed["disk_bytes"],
     }
 
 
@@ -207,7 +229,7 @@ def choices_table(per_checkpoint: list[dict[str, Any]]) -> str:
     """A markdown table of the per-checkpoint choices of one run."""
     lines = [
         "| step | keyframe | residual | bins | prune | protect | degradation | search | optimizer state "
-        "| weights KB | whole KB |",
+        "| weights KB | entry KB |",
         "|" + "---|" * 11,
     ]
     for p in per_checkpoint:
@@ -245,7 +267,9 @@ def plot(result: dict[str, Any], path: str, title: str, ylabel: str, key: str = 
     steps = [p["step"] for p in pcs]
     right.plot(steps, [plain["weights_bytes"] / n / p["weights"] for p in pcs], marker="o", label="weights")
     whole = (plain["weights_bytes"] + plain["optimizer_bytes"]) / n
-    right.plot(steps, [whole / p["total"] for p in pcs], marker="s", ls="--", label="weights + optimizer")
+    right.plot(
+        steps, [whole / (p["weights"] + p["optimizer"]) for p in pcs], marker="s", ls="--", label="weights + optimizer"
+    )
     right.set_xlabel("training step")
     right.set_ylabel("ratio vs plain Trainer")
     right.set_title("Per-checkpoint ratio (keyframes are the dips)")

@@ -218,7 +218,17 @@ def report(results: dict[int, dict], seeds: list[int]) -> None:
         f"{_runs.relative_spread(loss):.2f}%); checkpoints: weights {plain[0]['weights_bytes'] / 1e6:.1f} MB, "
         f"with optimizer state {(plain[0]['weights_bytes'] + plain[0]['optimizer_bytes']) / 1e6:.1f} MB\n"
     )
-    header = ("seed", "run", "test accuracy", "vs plain", "test loss", "vs plain", "weights ratio", "whole ratio")
+    header = (
+        "seed",
+        "run",
+        "test accuracy",
+        "vs plain",
+        "test loss",
+        "vs plain",
+        "weights ratio",
+        "whole ratio",
+        "disk ratio",
+    )
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     groups = [(str(s), [s]) for s in seeds] + ([("mean ± sd", seeds)] if len(seeds) > 1 else [])
     for label, picked in groups:
@@ -227,9 +237,6 @@ def report(results: dict[int, dict], seeds: list[int]) -> None:
 
             def figure(of, fmt: str, unit: str = "", shown: bool = True) -> str:
                 return _runs.mean_spread([of(*row) for row in rows], fmt) + unit if shown else ""
-
-            def whole_ratio(p, c) -> float:
-                return (p["weights_bytes"] + p["optimizer_bytes"]) / c["total_bytes"]
 
             differs = run != "plain"
             sized = run == "compressed"
@@ -240,8 +247,9 @@ def report(results: dict[int, dict], seeds: list[int]) -> None:
                 figure(lambda r, p, c: (r["accuracy"] / p["accuracy"] - 1) * 100, "+.2f", "%", differs),
                 figure(lambda r, p, c: r["loss"], ".4f"),
                 figure(lambda r, p, c: (r["loss"] / p["loss"] - 1) * 100, "+.2f", "%", differs),
-                figure(lambda r, p, c: p["weights_bytes"] / c["weights_bytes"], ".1f", "x", sized),
-                figure(lambda r, p, c: whole_ratio(p, c), ".1f", "x", sized),
+                figure(lambda r, p, c: _runs.ratios(p, c)["weights"], ".1f", "x", sized),
+                figure(lambda r, p, c: _runs.ratios(p, c)["whole"], ".1f", "x", sized),
+                figure(lambda r, p, c: _runs.ratios(p, c)["disk"], ".1f", "x", sized),
             )
             print("| " + " | ".join(cells) + " |")
     for s in seeds:

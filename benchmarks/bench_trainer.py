@@ -61,6 +61,7 @@ from _runs import (
     mean_spread,
     plain_sizes,
     plot,
+    ratios,
     relative_spread,
     restore_points,
     run_restored,
@@ -252,6 +253,7 @@ def report(results: dict[int, dict], args, seeds: list[int], modes: list[str]) -
         "vs plain (same seed)",
         "weights ratio",
         "whole ratio",
+        "disk ratio",
         "stall/save ms",
         "background ms",
         "evals/ckpt",
@@ -265,9 +267,7 @@ def report(results: dict[int, dict], args, seeds: list[int], modes: list[str]) -
             mode,
             mean_spread([r["eval_loss"] for r in runs], ".4f"),
             mean_spread([(r["eval_loss"] - p["eval_loss"]) / p["eval_loss"] * 100 for r, p in pairs], "+.2f") + "%",
-            mean_spread([p["weights_bytes"] / r["weights_bytes"] for r, p in pairs], ".1f") + "x",
-            mean_spread([(p["weights_bytes"] + p["optimizer_bytes"]) / r["total_bytes"] for r, p in pairs], ".1f")
-            + "x",
+            *(mean_spread([ratios(p, r)[k] for r, p in pairs], ".1f") + "x" for k in ("weights", "whole", "disk")),
             f"{statistics.median([x for r in runs for x in r['stall']]) * 1e3:.0f}",
             f"{statistics.median([x for r in runs for x in r['background']]) * 1e3:.0f}",
             f"{statistics.median(evaluations):.0f}",
@@ -276,7 +276,7 @@ def report(results: dict[int, dict], args, seeds: list[int], modes: list[str]) -
         decoded = [(results[s][f"{mode}/decoded"]["eval_loss"], p) for s, p in zip(seeds, plain_loss)]
         print(
             f"| {mode}/decoded final checkpoint | {mean_spread([d for d, _ in decoded], '.4f')} | "
-            f"{mean_spread([(d - p) / p * 100 for d, p in decoded], '+.2f')}% | | | | | |"
+            f"{mean_spread([(d - p) / p * 100 for d, p in decoded], '+.2f')}% | | | | | | |"
         )
     for mode in modes:
         for s in seeds:

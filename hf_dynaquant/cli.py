@@ -16,7 +16,7 @@ from .codecs import codec_names
 from .core.quantizer import QuantConfig
 from .errors import DynaQuantError, InvalidSettingError
 from .folder import MODEL_REF, compress_folder, decompress_folder, find_store
-from .pretrained import describe_pretrained, resolve_pretrained
+from .pretrained import describe_pretrained
 from .store import CheckpointStore
 
 _DESCRIPTION = """\
@@ -178,7 +178,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     store = find_store(args.path, strict=False)  # a damaged store.json is reported below, not raised
-    problems = store.verify(deep=args.deep) + _pretrained_problems(store)
+    problems = store.verify(deep=args.deep)
     if problems:
         for p in problems:
             print(f"FAIL {p}")
@@ -188,26 +188,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         f"({'decoded every tensor' if args.deep else 'checksums and chain links'})"
     )
     return 0
-
-
-def _pretrained_problems(store: CheckpointStore) -> list[str]:
-    """Entries coded against pre-trained weights (metadata ``"pretrained"``) whose files are
-    missing or changed: each a :class:`MissingPretrainedError` message (the SHA-256 of each file
-    is computed once per process, however many entries name it). Lives here, not in
-    ``CheckpointStore.verify``, which checks the store alone."""
-    problems = []
-    for eid in store.entries():
-        try:
-            with store.open(eid) as entry:
-                descriptor = entry.metadata.get("pretrained")
-        except DynaQuantError:
-            continue  # a damaged entry: store.verify reports it
-        if descriptor is not None:
-            try:
-                resolve_pretrained(descriptor, f"entry {eid[:16]}")
-            except DynaQuantError as exc:
-                problems.append(str(exc))
-    return problems
 
 
 def _cmd_push(args: argparse.Namespace) -> int:

@@ -466,6 +466,13 @@ class Compressor:
         with store.open(self.last_entry) as entry:
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
                 self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
+            if self.search is not None:
+                self.search.continue_from(entry.metadata.get("quant_config"))
+                if not self._next_is_keyframe() and MODEL in entry.sections:
+                    # the next delta's base codes, so its search sizes candidates as stored (and the
+                    # write does not decode the chain a second time)
+                    states = {(MODEL, n): entry.state(MODEL, n) for n in entry.names(MODEL)}
+                    self._states = {k: st for k, st in states.items() if isinstance(st, QuantState)}
         self.resumed_from(self.last_entry)
 
     def resumed_from(self, entry: str) -> None:

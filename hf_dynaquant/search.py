@@ -650,6 +650,23 @@ class ConfigurationSearch:
         self.fallbacks = 0
         self._rng_thread = threading.get_ident()  # the thread that made the search: the training thread
 
+    def continue_from(self, config: Mapping[str, Any] | None) -> None:
+        """Go on from the configuration a stored checkpoint records (its ``quant_config``
+        metadata), as if this search had chosen it: a run resumed in a new process searches the
+        neighbourhood of where it stopped instead of the whole cube. Nothing (a lossless or
+        fixed-configuration checkpoint, or a configuration off this search's cube) leaves the next
+        search exhaustive."""
+        self.last = None
+        if not config:
+            return
+        chosen = {k: config[k] for k in ("bins", "prune", "protect", "metric", "embedding_bins", "residual") if k in config}
+        try:
+            last = replace(self.base, **chosen)
+            self.space.point_of(last)
+        except (TypeError, ValueError):
+            return
+        self.last = last
+
     def judge(
         self, config: QuantConfig, measures: Mapping[str, tuple[float, float]], bits: float, plan: QuantPlan | None
     ) -> Candidate:
@@ -965,10 +982,14 @@ class _Context:
             point = (n_bins - 1, space.prune.index(config.prune), n_protect - 1)
             return self.config(point, config.metric, residual=config.residual)
 
-        # the highest-quality configurations first: when they all fail clearly, nothing is left to try
+        # the highest-quality configurations first, a round at a time until one is not a clear
+        # failure: when they all fail clearly, nothing is left to try
         tops = [at((n_bins - 1, n_prune - 1, n_protect - 1), c) for c in range(len(columns))]
-        self.evaluate(tops)
-        if all(self.condemned(c) for c in tops):
+        for start in range(0, len(tops), world):
+            self.evaluate(tops[start : start + world])
+            if not all(self.condemned(c) for c in tops[: start + world]):
+                break
+        else:
             return None
         for column in range(len(columns)):
             push([(0, p, 0) for p in range(n_prune)], column)
@@ -990,9 +1011,11 @@ class _Context:
 
     def neighbourhood(self, last: QuantConfig, metrics: Sequence[str]) -> Candidate | None:
         """Round 1: the last point under its metric and residual, under the other metrics, and
-        under the other available residuals; another residual is taken when it passes with fewer
-        measured bits (or where the last one fails), another metric when it passes clearly better.
-        Then the points at most ``epsilon`` steps less aggressive, smallest first."""
+        under the other available residuals; another metric is taken when it passes clearly
+        better. The answer is the passing candidate of fewest measured bits among round 1's
+        residual kinds and the points at most ``epsilon`` steps less aggressive under the last
+        kind (never bolder), the latter evaluated smallest first and only while they measure
+        smaller than the best found."""
         space, eps = self.owner.space, self.owner.epsilon
         try:
             centre = space.point_of(last)
@@ -1007,28 +1030,24 @@ class _Context:
             + [self.config(centre, m, emb, residual) for m in others]
             + [self.config(centre, last.metric, emb, r) for r in alternatives]
         )
-        switch = [
-            c
-            for c in first[1 + len(others) :]
-            if c.passed and (c.bits < self._cache[same].bits or not self._cache[same].passed)
-        ]
-        if switch:
-            return min(switch, key=lambda c: c.bits)
         metric = last.metric
         if others and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
             metric = others[0]
-        if (chosen := self._cache[self.config(centre, metric, emb, residual)]).passed:
-            return chosen
+        chosen = self._cache[self.config(centre, metric, emb, residual)]
+        passing = [c for c in [chosen, *first[1 + len(others) :]] if c.passed]
+        best = min(passing, key=lambda c: c.bits, default=None)
+        if chosen.passed:
+            return best  # the smallest passing of round 1
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
         points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
         near = [self.config(p, metric, emb, residual) for p in points]
-        near = [c for _, c in sorted(zip(self.size(near), near), key=lambda x: x[0])]
+        near = [c for bits, c in sorted(zip(self.size(near), near), key=lambda x: x[0]) if best is None or bits < best.bits]
         world = self.world
         for start in range(0, len(near), world):
             for cand in self.evaluate(near[start : start + world]):
                 if cand.passed:
                     return cand
-        return None
+        return best
 
     def embedding_bins(self, found: Candidate) -> Candidate:
         """Embeddings are searched apart: the fewest embedding bins that still pass."""

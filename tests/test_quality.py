@@ -167,6 +167,20 @@ def test_standard_error_is_recorded_in_the_search_result(tmp_path) -> None:
     assert trainer.dynaquant.reports[-1]["dynaquant/standard_error"] == search["standard_error"]
 
 
+def test_an_overridden_prediction_step_is_named(tmp_path) -> None:
+    """The search measures compute_metrics through compute_loss, not a subclass's own
+    prediction_step: the user is told, with the way out."""
+
+    class Generating(DynaQuantTrainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    trainer = trainer_for(tmp_path)
+    trainer.__class__ = Generating
+    with pytest.warns(UserWarning, match=r"Generating overrides prediction_step.*pass metric="):
+        default_metric(trainer)
+
+
 def test_a_metric_compute_metrics_does_not_return_is_named(tmp_path) -> None:
     trainer = trainer_for(tmp_path, key="f1")
     metric, _ = default_metric(trainer)

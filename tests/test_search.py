@@ -210,6 +210,26 @@ def test_steady_state_neighbourhood_and_fallback() -> None:
     assert third.mode == "fallback" and search.fallbacks == 1 and third.degradation <= search.threshold
 
 
+def test_resumed_search_goes_on_from_the_stored_configuration(tmp_path) -> None:
+    """A run resumed in a new process searches the neighbourhood of the configuration its last
+    checkpoint records (not the whole cube again), and sizes against that entry's codes."""
+    model, _, held = digits_mlp(steps=60)
+    first = Compressor(model, tmp_path, BASE, threshold=0.01, metric=accuracy(held), search_space=SMALL)
+    first.compress(10)
+    first.compress(20)
+    chosen = first.store.open("step-20").metadata["quant_config"]
+    again = Compressor(model, tmp_path, BASE, threshold=0.01, metric=accuracy(held), search_space=SMALL)
+    again.continue_chain("step-20")
+    assert again.search.last is not None and again.search.last.bins == chosen["bins"]
+    assert again._base_codes()  # the stored entry's codes, for sizes as stored
+    again.compress(30)
+    assert again.store.open("step-30").metadata["search"]["mode"] in ("neighbourhood", "fallback")
+    # nothing to go on from: a lossless checkpoint, a configuration off the cube
+    for recorded in (None, {**chosen, "bins": 5}):
+        again.search.continue_from(recorded)
+        assert again.search.last is None
+
+
 def test_no_passing_configuration_stores_lossless(tmp_path) -> None:
     model, _, held = digits_mlp()
     original = [p.detach().clone() for p in model.parameters()]

@@ -548,7 +548,7 @@ def trainer_metric(trainer: Trainer, batches: Sequence[Any]) -> QualityMetric:
     gives both). Otherwise (or when the metric is the loss) the loss alone, :func:`mean_loss`
     with ``Trainer.compute_loss``. The Trainer's ``prediction_step`` itself is not called: it
     moves batches to the training device, and the search evaluates a CPU copy off the training
-    thread.
+    thread (a subclass that overrides it is warned).
 
     Standard errors (the baseline and a candidate see the same examples, so the degradation is
     a paired difference): the loss's from the per-batch loss differences (``compute_loss``
@@ -567,6 +567,14 @@ def trainer_metric(trainer: Trainer, batches: Sequence[Any]) -> QualityMetric:
             stacklevel=3,
         )
         return mean_loss(batches, compute_loss=trainer.compute_loss)
+    if type(trainer).prediction_step is not Trainer.prediction_step:
+        warnings.warn(
+            f"{type(trainer).__name__} overrides prediction_step, which the configuration search does not call "
+            "(it evaluates a CPU copy of the model through compute_loss, as Trainer.prediction_step does): if "
+            f"yours changes what compute_metrics sees, {key!r} as the search measures it differs from "
+            "Trainer.evaluate's; pass metric= to DynaQuantCallback to test your own",
+            stacklevel=3,
+        )
     return _PredictionMetric(trainer, list(batches), key, bool(args.greater_is_better))
 
 

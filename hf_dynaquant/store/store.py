@@ -41,6 +41,7 @@ from ..errors import (
     DynaQuantError,
     EntryNotFoundError,
     MissingBaseError,
+    MissingPretrainedError,
     StoreWriteError,
 )
 from .atomic import (
@@ -699,10 +700,12 @@ class CheckpointStore:
         return new_id
 
     def verify(self, ref_or_id: str | None = None, *, deep: bool = False, leftovers: bool = True) -> list[str]:
-        """Check the store marker, references, manifests, blob checksums and chain links, and
-        (with ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode
-        every tensor. Returns a list of problems (empty when all is well); damage is reported,
-        never raised."""
+        """Check the store marker, references, manifests, blob checksums, chain links and the
+        pre-trained weights residual entries were coded against (present and unchanged: their
+        SHA-256, computed once per process however many entries name them), and (with
+        ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode every
+        tensor. Returns a list of problems (empty when all is well); damage is reported, never
+        raised."""
         problems: list[str] = []
         try:
             check_store_marker(self.path / "store.json")
@@ -719,6 +722,11 @@ class CheckpointStore:
                 with EntryReader(self, eid) as r:
                     if r.base is not None and manifest_file(self.entries_dir / r.base) is None:
                         raise MissingBaseError(r.id, r.base, str(self.path))
+                    if r.metadata.get("pretrained") is not None:
+                        try:
+                            r.pretrained()
+                        except MissingPretrainedError as exc:  # its files are gone or changed
+                            problems.append(str(exc))  # (the message names the entry and the store)
                     for section, name, rec in r.tensor_records():
                         if deep:
                             r.raw(section, name)
