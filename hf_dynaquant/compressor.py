@@ -467,11 +467,13 @@ class Compressor:
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
                 self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
             if self.search is not None:
-                self.search.continue_from(entry.metadata.get("quant_config"))
+                searched = "search" in entry.metadata  # a fixed configuration's entry leaves the search exhaustive
+                self.search.continue_from(entry.metadata.get("quant_config") if searched else None)
                 if not self._next_is_keyframe() and MODEL in entry.sections:
                     # the next delta's base codes, so its search sizes candidates as stored (and the
                     # write does not decode the chain a second time)
-                    states = {(MODEL, n): entry.state(MODEL, n) for n in entry.names(MODEL)}
+                    quantized = [n for n in entry.names(MODEL) if _is_quantized(entry.record(MODEL, n))]
+                    states = {(MODEL, n): entry.state(MODEL, n) for n in quantized}
                     self._states = {k: st for k, st in states.items() if isinstance(st, QuantState)}
         self.resumed_from(self.last_entry)
 
@@ -757,3 +759,8 @@ def _raw_optimizer_bytes(state: Any) -> int:
         return 0
     _, tensors = flatten_tree(state)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _is_quantized(record: Mapping[str, Any]) -> bool:
+    """Whether a stored tensor record holds DynaQuant codes of its own (not an alias, not lossless)."""
+    return "alias_of" not in record and record.get("codec") == DynaQuantCodec.name

@@ -659,13 +659,27 @@ class ConfigurationSearch:
         self.last = None
         if not config:
             return
-        chosen = {k: config[k] for k in ("bins", "prune", "protect", "metric", "embedding_bins", "residual") if k in config}
+        fields = ("bins", "prune", "protect", "metric", "embedding_bins", "residual")
+        chosen = {k: config[k] for k in fields if k in config}
         try:
             last = replace(self.base, **chosen)
             self.space.point_of(last)
         except (TypeError, ValueError):
             return
-        self.last = last
+        space = self.space
+        on_cube = last.metric in space.metrics and last.embedding_bins in space.embedding_bins
+        if on_cube and last.residual in space.residuals:
+            self.last = last
+
+    def agree(self) -> None:
+        """With several processes, every rank takes rank 0's position (collective: every rank
+        calls it). After a resume only the writing rank reads the stored configuration
+        (:meth:`continue_from`), while the next search is spread over all ranks, which must
+        search alike."""
+        if _world()[1] > 1:
+            box = [self.last]
+            torch.distributed.broadcast_object_list(box, src=0)
+            self.last = box[0]
 
     def judge(
         self, config: QuantConfig, measures: Mapping[str, tuple[float, float]], bits: float, plan: QuantPlan | None
@@ -1011,11 +1025,11 @@ class _Context:
 
     def neighbourhood(self, last: QuantConfig, metrics: Sequence[str]) -> Candidate | None:
         """Round 1: the last point under its metric and residual, under the other metrics, and
-        under the other available residuals; another metric is taken when it passes clearly
-        better. The answer is the passing candidate of fewest measured bits among round 1's
-        residual kinds and the points at most ``epsilon`` steps less aggressive under the last
-        kind (never bolder), the latter evaluated smallest first and only while they measure
-        smaller than the best found."""
+        under the other available residuals. The answer is the passing candidate of fewest
+        measured bits among round 1 and, when the centre fails, the points at most ``epsilon``
+        steps less aggressive under the last residual kind (never bolder), evaluated smallest
+        first and only where they measure smaller than round 1's best; they use the other metric
+        when it passed clearly better at the centre."""
         space, eps = self.owner.space, self.owner.epsilon
         try:
             centre = space.point_of(last)
@@ -1034,14 +1048,14 @@ class _Context:
         if others and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
             metric = others[0]
         chosen = self._cache[self.config(centre, metric, emb, residual)]
-        passing = [c for c in [chosen, *first[1 + len(others) :]] if c.passed]
-        best = min(passing, key=lambda c: c.bits, default=None)
+        best = min((c for c in first if c.passed), key=lambda c: c.bits, default=None)
         if chosen.passed:
             return best  # the smallest passing of round 1
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
         points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
         near = [self.config(p, metric, emb, residual) for p in points]
-        near = [c for bits, c in sorted(zip(self.size(near), near), key=lambda x: x[0]) if best is None or bits < best.bits]
+        by_size = sorted(zip(self.size(near), near), key=lambda x: x[0])
+        near = [c for bits, c in by_size if best is None or bits < best.bits]
         world = self.world
         for start in range(0, len(near), world):
             for cand in self.evaluate(near[start : start + world]):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
@@ -32,6 +32,17 @@ class Probe(DynaQuantTrainer):
         for name, t in sorted(self.model.state_dict().items()):
             h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
         Probe.digest, Probe.step = h.hexdigest(), self.state.global_step
+
+
+class SearchStart(TrainerCallback):
+    """Records where this rank's configuration search goes on from after the resume."""
+
+    def __init__(self, cb: DynaQuantCallback) -> None:
+        self.cb, self.last = cb, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        last = self.cb.compressor.search.last
+        self.last = last.to_dict() if last is not None else None
 
 
 def main() -> None:
@@ -55,7 +66,8 @@ def main() -> None:
     )
     space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude", "sensitivity"))
     cb = DynaQuantCallback(0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2)
-    trainer = Probe(model=model, args=args, train_dataset=train, eval_dataset=held, callbacks=[cb])
+    start = SearchStart(cb)
+    trainer = Probe(model=model, args=args, train_dataset=train, eval_dataset=held, callbacks=[cb, start])
     trainer.train(resume_from_checkpoint=True if phase == "resume" else None)
     rank = trainer.args.process_index
     path = out / f"rank{rank}.json"
@@ -65,6 +77,7 @@ def main() -> None:
     if phase == "resume":
         record["resumed_step"] = Probe.step
         record["weights_digest"] = Probe.digest
+        record["search_from"] = start.last
     path.write_text(json.dumps(record))
 
 

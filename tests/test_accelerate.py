@@ -278,6 +278,7 @@ def test_two_processes_save_load_and_match_one_process(tmp_path) -> None:
     assert [r["resumed_step"] for r in resumed] == [10, 10]
     assert resumed[0]["resumed_digest"] == resumed[1]["resumed_digest"]  # restored identically
     assert [r["final_step"] for r in resumed] == [15, 15]
+    assert resumed[0]["chosen"] == resumed[1]["chosen"]  # both ranks search on from rank 0's stored configuration
     two_store, one_store = checkpoint_store(two), checkpoint_store(one)
     for ref in ("checkpoint_0", "checkpoint_1"):
         a, b = read_checkpoint(two_store, ref), read_checkpoint(one_store, ref)

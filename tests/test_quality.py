@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainer, TrainingArguments
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from hf_dynaquant.checkpoint_dir import checkpoint_store
@@ -178,6 +179,17 @@ def test_an_overridden_prediction_step_is_named(tmp_path) -> None:
     trainer = trainer_for(tmp_path)
     trainer.__class__ = Generating
     with pytest.warns(UserWarning, match=r"Generating overrides prediction_step.*pass metric="):
+        default_metric(trainer)
+
+    class Seq2Seq(DynaQuantTrainer, Seq2SeqTrainer):  # its prediction_step is Trainer's unless it generates
+        pass
+
+    trainer.__class__ = Seq2Seq
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default_metric(trainer)
+    trainer.args.predict_with_generate = True
+    with pytest.warns(UserWarning, match=r"Seq2Seq overrides prediction_step"):
         default_metric(trainer)
 
 

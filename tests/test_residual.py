@@ -341,3 +341,27 @@ def test_sizes_count_the_code_delta_on_the_base_entry():
     assert measured_bits(snap, plan, base_codes=base) < alone / 20  # same codes: a near-empty delta
     unrelated = {n: np.roll(c, 1) for n, c in base.items()}
     assert measured_bits(snap, plan, base_codes=unrelated) == pytest.approx(alone, rel=0.02)  # never larger
+
+
+def test_neighbourhood_takes_the_smallest_passing_of_either_kind():
+    """Going on from a direct configuration that now fails: the search answers with the
+    passing candidate of fewest measured bits among the centre's other residual kind and the
+    points less aggressive than the centre, and evaluates only those points that measure
+    smaller than the best candidate round 1 found (never bolder than the centre)."""
+    model, x, y, gen, batches = _task()
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _fine_tune(model, x, y, gen)
+    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    space = SearchSpace(residuals=("pretrained", "none"), metrics=("magnitude",))
+    search = ConfigurationSearch(mean_loss(batches), 0.0005, space=space, base=QuantConfig(min_numel=1024), z=0.0)
+    centre = (0, 0, 0)  # the boldest point: 3 bins, half pruned; coded directly it loses far more than 0.05%
+    search.last = last = space.config(centre, "magnitude", search.base, 32, residual="none")
+    result = search.search(model, snapshot, references={"pretrained": Reference(start)})
+    assert result.mode == "neighbourhood"
+    first, second = result.candidates[:2]
+    assert first.config == last and not first.passed  # the centre under its own kind fails
+    assert second.config.residual == "pretrained" and second.passed  # and passes as a residual
+    assert all(a >= b for c in result.candidates for a, b in zip(space.point_of(c.config), centre))  # never bolder
+    assert all(c.bits < second.bits for c in result.candidates[2:])  # only points smaller than round 1's best
+    passing = [c for c in result.candidates if c.passed]
+    assert result.config == min(passing, key=lambda c: c.bits).config

@@ -224,8 +224,9 @@ def test_resumed_search_goes_on_from_the_stored_configuration(tmp_path) -> None:
     assert again._base_codes()  # the stored entry's codes, for sizes as stored
     again.compress(30)
     assert again.store.open("step-30").metadata["search"]["mode"] in ("neighbourhood", "fallback")
+    assert again.store.verify("step-30", deep=True) == []  # the delta on the preloaded codes decodes
     # nothing to go on from: a lossless checkpoint, a configuration off the cube
-    for recorded in (None, {**chosen, "bins": 5}):
+    for recorded in (None, {**chosen, "bins": 5}, {**chosen, "embedding_bins": 7}, {**chosen, "metric": "hessian"}):
         again.search.continue_from(recorded)
         assert again.search.last is None
 

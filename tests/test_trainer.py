@@ -380,6 +380,8 @@ def test_two_processes_write_once_and_resume(tmp_path) -> None:
     assert reports[0]["configs"] == reports[1]["configs"]  # both ranks chose the same configurations
     assert reports[0]["resumed_step"] == reports[1]["resumed_step"] == 8
     assert reports[0]["weights_digest"] == reports[1]["weights_digest"]  # restored identically
+    # only rank 0 read the stored configuration; both go on searching from it, alike
+    assert reports[0]["search_from"] is not None and reports[0]["search_from"] == reports[1]["search_from"]
 
 
 def _free_port() -> int:

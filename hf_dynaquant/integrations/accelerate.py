@@ -425,6 +425,8 @@ class DynaQuantCheckpointing:
             self._use_store(store, Path(input_dir))
             self.compressor.continue_chain(marker["entry"])  # the next save is a delta on this entry
         self.compressor.resumed_from(marker["entry"])  # every rank rounds stochastically, with the same seed
+        if self.compressor.search is not None:
+            self.compressor.search.agree()  # and searches on from where rank 0's chain stopped
 
     def _load_optimizer(self, state: dict[str, Any] | None, meta: dict[str, Any], where: str) -> None:
         restore_optimizer(self.optimizer, state, meta, where)

@@ -321,7 +321,7 @@ def push_to_hub(
             folder = compress_pretrained(folder_or_model, Path(tmp) / "snapshot", **compress).path
         elif compress:
             raise DynaQuantError(f"{folder} is already compressed; compression options {sorted(compress)} do not apply")
-        problems = find_store(folder).verify()
+        problems = find_store(folder).verify(pretrained=False)
         if problems:
             raise CorruptCheckpointError(f"{folder}: refusing to push a damaged snapshot: {problems[0]}")
         api = HfApi(endpoint=_endpoint(endpoint), token=token)
@@ -370,7 +370,7 @@ def pull(
     if not _is_snapshot(path):
         raise DynaQuantError(f"{where}: not a DynaQuant snapshot (config.json names no quant_method {QUANT_METHOD!r})")
     try:
-        problems = find_store(path).verify()
+        problems = find_store(path).verify(pretrained=False)
     except DynaQuantError as exc:
         problems = [str(exc)]
     if problems:
@@ -410,7 +410,8 @@ def materialize(
         quantization = config.get("quantization_config") if isinstance(config, dict) else None
         if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
             raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
-        problems = find_store(local).verify(leftovers=False)  # damage only: a dead writer's files harm no read
+        # damage only: a dead writer's files harm no read, and a decode names missing pre-trained weights itself
+        problems = find_store(local).verify(leftovers=False, pretrained=False)
         if problems:
             raise CorruptCheckpointError(f"{local}: the snapshot is damaged: " + "; ".join(problems))
         src, prefix = local, Path("local")

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction
 
@@ -206,6 +206,8 @@ class DynaQuantCallback(TrainerCallback):
             self.compressor.continue_chain(resumed)  # the chain goes on after a resume
         if state.global_step:  # resumed: every rank rounds stochastically, with the same seed
             self.compressor.resumed_from(resumed)
+            if self.compressor.search is not None:
+                self.compressor.search.agree()  # and searches on from where rank 0's chain stopped
         if self.background and self.worker is None:
             self.worker = BackgroundWorker()
 
@@ -567,7 +569,12 @@ def trainer_metric(trainer: Trainer, batches: Sequence[Any]) -> QualityMetric:
             stacklevel=3,
         )
         return mean_loss(batches, compute_loss=trainer.compute_loss)
-    if type(trainer).prediction_step is not Trainer.prediction_step:
+    step = type(trainer).prediction_step
+    # Seq2SeqTrainer's own is Trainer's unless it generates
+    same = step is Trainer.prediction_step or (
+        step is Seq2SeqTrainer.prediction_step and not getattr(args, "predict_with_generate", False)
+    )
+    if not same:
         warnings.warn(
             f"{type(trainer).__name__} overrides prediction_step, which the configuration search does not call "
             "(it evaluates a CPU copy of the model through compute_loss, as Trainer.prediction_step does): if "

@@ -699,13 +699,16 @@ class CheckpointStore:
                 self.set_ref(name, new_id)
         return new_id
 
-    def verify(self, ref_or_id: str | None = None, *, deep: bool = False, leftovers: bool = True) -> list[str]:
-        """Check the store marker, references, manifests, blob checksums, chain links and the
-        pre-trained weights residual entries were coded against (present and unchanged: their
-        SHA-256, computed once per process however many entries name them), and (with
-        ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode every
+    def verify(
+        self, ref_or_id: str | None = None, *, deep: bool = False, leftovers: bool = True, pretrained: bool = True
+    ) -> list[str]:
+        """Check the store marker, references, manifests, blob checksums, chain links and (with
+        ``pretrained``) the pre-trained weights residual entries were coded against (present and
+        unchanged: their SHA-256, computed once per process however many entries name them), and
+        (with ``leftovers``) look for leftovers of killed writes; with ``deep``, also decode every
         tensor. Returns a list of problems (empty when all is well); damage is reported, never
-        raised."""
+        raised. ``pretrained=False`` checks the store's own files only (what a copy to another
+        machine carries)."""
         problems: list[str] = []
         try:
             check_store_marker(self.path / "store.json")
@@ -722,11 +725,13 @@ class CheckpointStore:
                 with EntryReader(self, eid) as r:
                     if r.base is not None and manifest_file(self.entries_dir / r.base) is None:
                         raise MissingBaseError(r.id, r.base, str(self.path))
-                    if r.metadata.get("pretrained") is not None:
+                    if pretrained and r.metadata.get("pretrained") is not None:
                         try:
                             r.pretrained()
                         except MissingPretrainedError as exc:  # its files are gone or changed
                             problems.append(str(exc))  # (the message names the entry and the store)
+                        except DynaQuantError as exc:  # an unreadable descriptor: the entry's own damage
+                            problems.append(f"entry {eid[:16]}: {exc}")
                     for section, name, rec in r.tensor_records():
                         if deep:
                             r.raw(section, name)
