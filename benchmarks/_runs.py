@@ -16,6 +16,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hf_dynaquant.checkpoint_dir import checkpoint_store
 from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer, _load_weights
+from hf_dynaquant.optimizer_state import MomentQuant
 
 
 class StopAfter(TrainerCallback):
@@ -100,6 +102,19 @@ def callback_settings(spec: str) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             settings[key] = value
     return settings
+
+
+def moment_settings(spec: str) -> MomentQuant:
+    """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
+    fields = {}
+    for word in spec.split():
+        key, _, value = word.partition("=")
+        default = getattr(MomentQuant(), key)
+        if isinstance(default, tuple):
+            fields[key] = tuple(type(default[0])(v) for v in value.split(","))
+        else:
+            fields[key] = type(default)(value)
+    return replace(MomentQuant(), **fields)
 
 
 def run_restored(

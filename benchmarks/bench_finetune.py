@@ -5,6 +5,7 @@ Run it with::
     python benchmarks/bench_finetune.py     # options: --seeds 0,1,2 --epochs 2 --lr 1.5e-4
                                             #   --save-steps 8 --restores 10 --batch 32
                                             #   --max-length 32 --callback 'threshold=0.01 ...'
+                                            #   --moments 'scale_step=0.25' (MomentQuant settings)
                                             #   --json PATH --plot PATH
 
 The job: the real pre-trained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide, 22.7 M parameters, as
@@ -179,10 +180,17 @@ def main() -> None:
         default="",
         help="DynaQuantCallback settings as key=value, e.g. 'threshold=0.01 pretrained=auto' (default: its defaults)",
     )
+    parser.add_argument(
+        "--moments",
+        default="",
+        help="MomentQuant settings of the compressed optimizer state as key=value, e.g. 'scale_step=0.25'",
+    )
     parser.add_argument("--json", default=str(OUT / "finetune.json"))
     parser.add_argument("--plot", default=str(OUT / "finetune.png"))
     args = parser.parse_args()
     settings = {"progress": False, **_runs.callback_settings(args.callback)}  # (no bar over the table)
+    if args.moments:
+        settings["moment_quant"] = _runs.moment_settings(args.moments)
     seeds = [int(s) for s in args.seeds.split(",")]
     job = Job(args)
     stops = _runs.restore_points(job.steps, args.save_steps, args.restores)

@@ -47,7 +47,6 @@ import json
 import statistics
 import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ from _runs import (
     eval_curve,
     load_final_checkpoint,
     mean_spread,
+    moment_settings,
     plain_sizes,
     plot,
     ratios,
@@ -73,7 +73,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.integrations.trainer import DynaQuantTrainer
-from hf_dynaquant.optimizer_state import MomentQuant
 from hf_dynaquant.search import SearchSpace
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -161,19 +160,6 @@ def run_dynaquant(
     }
     checkpoint = load_final_checkpoint(out, trainer.model)
     return run, {"eval_loss": trainer.evaluate()["eval_loss"], "checkpoint": checkpoint}
-
-
-def moment_settings(spec: str) -> MomentQuant:
-    """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
-    fields = {}
-    for word in spec.split():
-        key, _, value = word.partition("=")
-        default = getattr(MomentQuant(), key)
-        if isinstance(default, tuple):
-            fields[key] = tuple(type(default[0])(v) for v in value.split(","))
-        else:
-            fields[key] = type(default)(value)
-    return replace(MomentQuant(), **fields)
 
 
 def main() -> None:
