@@ -367,6 +367,16 @@ class SearchSpace:
     def point_of(self, config: QuantConfig) -> tuple[int, int, int]:
         return self.bins.index(config.bins), self.prune.index(config.prune), self.protect.index(config.protect)
 
+    def holds(self, config: QuantConfig) -> bool:
+        """Whether ``config`` is one of this cube's configurations (every searched knob on an axis)."""
+        on_axes = (
+            config.bins in self.bins
+            and config.prune in self.prune
+            and config.protect in self.protect
+            and config.embedding_bins in self.embedding_bins
+        )
+        return on_axes and config.metric in self.metrics and config.residual in self.residuals
+
 
 @dataclass(frozen=True)
 class Reference:
@@ -663,12 +673,9 @@ class ConfigurationSearch:
         chosen = {k: config[k] for k in fields if k in config}
         try:
             last = replace(self.base, **chosen)
-            self.space.point_of(last)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # a value QuantConfig refuses
             return
-        space = self.space
-        on_cube = last.metric in space.metrics and last.embedding_bins in space.embedding_bins
-        if on_cube and last.residual in space.residuals:
+        if self.space.holds(last):
             self.last = last
 
     def agree(self) -> None:
