@@ -1,7 +1,7 @@
 """A real training run shared by the checkpoint benchmarks: ten checkpoints of a small GPT-2.
 
 A character-level GPT-2 (4 layers, 4 heads, width 128, context 128; 0.82 M parameters) is
-trained from scratch (no dropout) with AdamW on :func:`hf_dynaquant.corpus.docstring_corpus` (the standard
+trained from scratch (no dropout) with AdamW on :func:`hf_dynaquant.pretrained.corpus.docstring_corpus` (the standard
 library's docstrings, ~1.1 MB of text, nothing downloaded), seeded, on the CPU. The text is cut
 in blocks of 128 characters; 20 batches of 16 blocks are held out as evaluation data, the
 others are reshuffled every epoch for training. A ``model.state_dict()`` is saved every
@@ -30,7 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 from hf_dynaquant.core.quantizer import layer_types
-from hf_dynaquant.corpus import CharTokenizer, docstring_corpus, lm_batches
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_corpus, lm_batches
 
 RUN_DIR = Path(__file__).resolve().parent / "out" / "gpt2_run"
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # tied name -> the name stored

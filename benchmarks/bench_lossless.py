@@ -75,8 +75,8 @@ from hf_dynaquant import compress_folder
 from hf_dynaquant.codecs import get_codec
 from hf_dynaquant.codecs.base import Encoded
 from hf_dynaquant.codecs.lossless import CHUNK
-from hf_dynaquant.dtypes import RawTensor, to_raw
-from hf_dynaquant.folder import STORE_DIR
+from hf_dynaquant.core.dtypes import RawTensor, to_raw
+from hf_dynaquant.pretrained.folder import STORE_DIR
 
 MB = 1e6
 PLOT_PATH = Path(__file__).resolve().parent / "out" / "lossless.png"

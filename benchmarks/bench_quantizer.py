@@ -73,10 +73,10 @@ from sklearn.cluster import KMeans
 from transformers import BertConfig, BertModel
 
 from hf_dynaquant import CheckpointStore
-from hf_dynaquant.compressor import compress_state_dict, quantized_codecs
 from hf_dynaquant.core.kmeans import approximate_kmeans, assign
 from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable, plan_quantization
 from hf_dynaquant.core.sketch import LogSketch
+from hf_dynaquant.training.compressor import compress_state_dict, quantized_codecs
 
 T = TypeVar("T")
 

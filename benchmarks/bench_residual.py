@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_trainer import make_model  # noqa: E402
 
 from hf_dynaquant import Compressor, QuantConfig  # noqa: E402
-from hf_dynaquant.compressor import read_checkpoint  # noqa: E402
-from hf_dynaquant.corpus import CharTokenizer, docstring_corpus, lm_batches  # noqa: E402
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_corpus, lm_batches  # noqa: E402
+from hf_dynaquant.training.compressor import read_checkpoint  # noqa: E402
 
 
 def train(model: torch.nn.Module, batches: torch.Tensor, steps: int, lr: float, offset: int = 0) -> None:

@@ -24,9 +24,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_dynaquant import Compressor
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.training.compressor import read_checkpoint
 
 CONFIGS = [
     (32, 0.0, "lossless"),

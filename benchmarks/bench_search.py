@@ -86,7 +86,6 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from hf_dynaquant import CheckpointStore
-from hf_dynaquant.compressor import quantized_codecs
 from hf_dynaquant.core.quantizer import EMBEDDING, QuantConfig, layer_types, plan_quantization
 from hf_dynaquant.core.ranking import GradientEMA
 from hf_dynaquant.search import (
@@ -97,6 +96,7 @@ from hf_dynaquant.search import (
     evaluate_plan,
     mean_loss,
 )
+from hf_dynaquant.training.compressor import quantized_codecs
 
 PLOT_PATH = Path(__file__).resolve().parent / "out" / "search.png"
 SPACE = SearchSpace(bins=(4, 6, 8, 12, 16, 32))  # the paper's Table 7 (our default adds 3 bins)

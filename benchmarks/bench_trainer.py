@@ -71,8 +71,8 @@ from _runs import (
 from _runs import training_args as shared_training_args
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.integrations.trainer import DynaQuantTrainer
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -29,7 +29,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_dynaquant import DynaQuantPlugin
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
 
 

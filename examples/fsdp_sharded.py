@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from hf_dynaquant import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_corpus, lm_batches
-from hf_dynaquant.sharded import ShardedCompressor, load_sharded
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_corpus, lm_batches
+from hf_dynaquant.training.sharded import ShardedCompressor, load_sharded
 
 CONTEXT = 4  # characters the model sees before the one it predicts
 

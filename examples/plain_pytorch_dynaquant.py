@@ -16,7 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_dynaquant import Compressor, QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_corpus, lm_batches
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_corpus, lm_batches
 
 
 def main() -> None:

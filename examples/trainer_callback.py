@@ -30,8 +30,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_dynaquant import DynaQuantCallback, DynaQuantTrainer
-from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.training.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint
 
 
 def build(output_dir: Path, steps: int, save_steps: int, compressed: bool = True) -> Trainer:

@@ -7,9 +7,7 @@ chains. Codecs (:mod:`hf_dynaquant.codecs`) turn tensors into compact blobs.
 
 __version__ = "0.1.0"
 
-from .checkpoint_dir import materialize
 from .codecs import Codec, codec_names, get_codec, register_codec
-from .compressor import Compressor, compress_state_dict
 from .core.quantizer import QuantConfig
 from .errors import (
     BackgroundCompressionError,
@@ -23,12 +21,12 @@ from .errors import (
     IncompleteCheckpointError,
     InvalidSettingError,
     MissingBaseError,
-    MissingPretrainedError,
     MissingOptimizerStateError,
+    MissingPretrainedError,
     MissingShardError,
-    NoValidCheckpointError,
     NonFiniteTensorError,
     NonFiniteTensorWarning,
+    NoValidCheckpointError,
     StoreWriteError,
     UnknownCodecError,
     UnsafeInputError,
@@ -36,11 +34,13 @@ from .errors import (
     UnsupportedSetupError,
     UnsupportedTensorError,
 )
-from .folder import compress_folder, decompress_folder
 from .integrations import hf_quantizer as _hf_quantizer
 from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
-from .optimizer_state import MomentQuant
+from .pretrained.folder import compress_folder, decompress_folder
 from .store import CheckpointStore, EntryInfo, EntryReader
+from .training.checkpoint_dir import materialize
+from .training.compressor import Compressor, compress_state_dict
+from .training.optimizer_state import MomentQuant
 
 __all__ = [
     "__version__",

@@ -8,6 +8,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from . import __version__
 from .codecs import codec_names
 from .core.quantizer import QuantConfig
 from .errors import DynaQuantError, InvalidSettingError
-from .folder import MODEL_REF, compress_folder, decompress_folder, find_store
-from .pretrained import describe_pretrained
-from .store import CheckpointStore
+from .pretrained.calibration import PRETRAINED_BASE
+from .pretrained.folder import MODEL_REF, compress_folder, decompress_folder, find_store
+from .pretrained.weights import describe_pretrained
 
 _DESCRIPTION = """\
 Compress deep-learning checkpoints and Hugging Face model folders.
@@ -63,7 +64,7 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     searched = [_QUANT_FLAGS[dest] for dest in given if dest in _SEARCHED]
     if args.threshold is not None and searched:
         raise InvalidSettingError(f"--threshold searches {' and '.join(searched)} itself: give one or the other")
-    quant = QuantConfig(**given) if args.codec == "dynaquant" else None
+    quant = replace(PRETRAINED_BASE, **given) if args.codec == "dynaquant" else None  # the same presets as Python
     res = compress_folder(
         args.src,
         args.dst,
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lossless: bit-exact; dynaquant: quantized (see the options below). Default: lossless",
     )
     q = p.add_argument_group("dynaquant options (with --codec dynaquant)")
-    defaults = QuantConfig()
+    defaults = PRETRAINED_BASE
     q.add_argument(
         "--bins",
         type=_quant_value("bins", int),

@@ -15,7 +15,7 @@ import torch
 from .cli import inspect_table
 from .core.quantizer import QuantConfig
 from .errors import DynaQuantError
-from .folder import compress_folder, decompress_folder, find_store
+from .pretrained.folder import compress_folder, decompress_folder, find_store
 
 
 def minilm_path() -> Path:

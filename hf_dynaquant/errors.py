@@ -83,7 +83,7 @@ class MissingBaseError(FormatError):
 
 class MissingPretrainedError(DynaQuantError):
     """The pre-trained weights a fine-tune's checkpoints are coded against (residuals, see
-    :mod:`hf_dynaquant.pretrained`) cannot be found, or are not the files that were recorded
+    :mod:`hf_dynaquant.pretrained.weights`) cannot be found, or are not the files that were recorded
     (size or SHA-256 differ). The message names the source (folder or Hub repo and revision),
     the file, the entry or setting at fault, and how to fix it."""
 

@@ -15,8 +15,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
 
 

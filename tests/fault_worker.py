@@ -57,7 +57,7 @@ def digest(obj: Any) -> str:
 
 def load_checkpoints(root: Path, refs: list[str], scratch: Path) -> Any:
     from hf_dynaquant import CheckpointStore
-    from hf_dynaquant.compressor import read_checkpoint
+    from hf_dynaquant.training.compressor import read_checkpoint
 
     store = CheckpointStore(root, create=False)
     return {ref: read_checkpoint(store, ref)[:2] for ref in refs}
@@ -66,7 +66,7 @@ def load_checkpoints(root: Path, refs: list[str], scratch: Path) -> Any:
 def load_folder(root: Path, refs: list[str], scratch: Path) -> Any:
     from safetensors.torch import load_file
 
-    from hf_dynaquant.folder import decompress_folder
+    from hf_dynaquant.pretrained.folder import decompress_folder
 
     out = decompress_folder(root, scratch / "plain", progress=False)
     return {p.name: load_file(p) for p in sorted(out.glob("*.safetensors"))}
@@ -108,7 +108,7 @@ def serve_loads(kind: str, clean: Path, refs: list[str]) -> None:
 
 def save_forever(store_path: Path, tag: str, base_ref: str | None) -> None:
     from hf_dynaquant import Compressor, QuantConfig
-    from hf_dynaquant.compressor import read_checkpoint
+    from hf_dynaquant.training.compressor import read_checkpoint
 
     torch.manual_seed(len(tag))
     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))

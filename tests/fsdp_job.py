@@ -30,9 +30,9 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, quantize
-from hf_dynaquant.optimizer_state import MomentQuant
 from hf_dynaquant.search import ConfigurationSearch, mean_loss
-from hf_dynaquant.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
+from hf_dynaquant.training.optimizer_state import MomentQuant
+from hf_dynaquant.training.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
 
 THRESHOLD = 0.02
 CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, metric="sensitivity", min_numel=1024)

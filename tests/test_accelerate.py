@@ -21,10 +21,7 @@ from accelerate.utils import ProjectConfiguration
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_dynaquant
-from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.errors import (
     BackgroundCompressionError,
     CheckpointError,
@@ -35,6 +32,9 @@ from hf_dynaquant.errors import (
 )
 from hf_dynaquant.integrations.accelerate import DynaQuantPlugin
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.training.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
+from hf_dynaquant.training.compressor import read_checkpoint
 
 FIXED = QuantConfig(bins=8, prune=0.1, min_numel=1024)
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from hf_dynaquant.cli import main
+from hf_dynaquant.pretrained.calibration import PRETRAINED_BASE, PRETRAINED_SPACE
+from hf_dynaquant.pretrained.folder import MODEL_REF, compress_folder, find_store
 
 
 def test_cli_roundtrip_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
@@ -150,11 +152,18 @@ def tiny_bert_folder(minilm_dir: Path, dst: Path) -> Path:
 def test_cli_threshold_searches_the_configuration(minilm_dir: Path, tmp_path: Path, capsys) -> None:
     src = tiny_bert_folder(minilm_dir, tmp_path / "tiny")
     out = tmp_path / "tiny-dq"
-    assert main(["compress", str(src), str(out), "--codec", "dynaquant", "--threshold", "0.05", "--quiet"]) == 0
+    # the pre-trained presets (PRETRAINED_SPACE, PRETRAINED_BASE), as compress_pretrained searches with them
+    assert main(["compress", str(src), str(out), "--codec", "dynaquant", "--threshold", "0.4", "--quiet"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
     table = capsys.readouterr().out
     assert "search: exhaustive" in table and "chosen bins=" in table
+    with find_store(out).open(MODEL_REF) as entry:
+        chosen = entry.metadata["quant_config"]
+    assert chosen["sigma"] == PRETRAINED_BASE.sigma and chosen["embedding_bins"] in PRETRAINED_SPACE.embedding_bins
+    python = compress_folder(src, tmp_path / "python", codec="dynaquant", threshold=0.4, progress=False)
+    with find_store(python.path).open(MODEL_REF) as entry:
+        assert entry.metadata["quant_config"] == chosen  # the same threshold searches alike from Python
     assert main(["compress", str(src), str(tmp_path / "x"), "--threshold", "0.05"]) == 1
     assert "add --codec dynaquant" in capsys.readouterr().err
 
@@ -179,7 +188,7 @@ def test_quant_options_need_the_dynaquant_codec(tmp_path: Path, capsys) -> None:
 
 def test_errors_name_the_cli_spelling_in_the_cli_and_the_python_one_in_python(tmp_path: Path, capsys) -> None:
     from hf_dynaquant import DynaQuantError
-    from hf_dynaquant.folder import compress_folder
+    from hf_dynaquant.pretrained.folder import compress_folder
 
     src = tmp_path / "w.safetensors"
     from safetensors.torch import save_file

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hf_dynaquant.codecs import get_codec
 from hf_dynaquant.codecs.lossless import CHUNK
 from hf_dynaquant.core.bitplanes import join_float, split_float
-from hf_dynaquant.dtypes import FLOAT_LAYOUTS, RawTensor, from_raw, to_raw
+from hf_dynaquant.core.dtypes import FLOAT_LAYOUTS, RawTensor, from_raw, to_raw
 from hf_dynaquant.errors import CorruptCheckpointError
 
 

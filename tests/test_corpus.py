@@ -1,4 +1,4 @@
-"""The offline labelled task of ``hf_dynaquant.corpus.docstring_topics`` (used by
+"""The offline labelled task of ``hf_dynaquant.pretrained.corpus.docstring_topics`` (used by
 benchmarks/bench_finetune.py): deterministic, balanced, splits disjoint."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from hf_dynaquant.corpus import TOPICS, docstring_topics
+from hf_dynaquant.pretrained.corpus import TOPICS, docstring_topics
 
 
 def test_topics_deterministic_balanced_disjoint():

@@ -144,9 +144,9 @@ def test_trainer_on_cuda_saves_in_background_and_resumes(tmp_path) -> None:
     a CPU copy in the background, resume onto the GPU with the decoded weights."""
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-    from hf_dynaquant.checkpoint_dir import checkpoint_store
-    from hf_dynaquant.compressor import read_checkpoint
     from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
+    from hf_dynaquant.training.checkpoint_dir import checkpoint_store
+    from hf_dynaquant.training.compressor import read_checkpoint
 
     def model() -> GPT2LMHeadModel:
         torch.manual_seed(0)

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
-from hf_dynaquant.compressor import Compressor, compress_state_dict
 from hf_dynaquant.core import quantizer as quantizer_mod
 from hf_dynaquant.core.delta import (
     apply_delta,
@@ -37,6 +36,7 @@ from hf_dynaquant.core.quantizer import (
 from hf_dynaquant.core.ranking import GradientEMA
 from hf_dynaquant.errors import CodecError
 from hf_dynaquant.search import SearchSpace
+from hf_dynaquant.training.compressor import Compressor, compress_state_dict
 
 
 def toy_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -215,7 +215,7 @@ def test_small_entries_carry_little_header_padding(tmp_path) -> None:
 
 
 def test_bare_codec_needs_a_plan() -> None:
-    from hf_dynaquant.dtypes import to_raw
+    from hf_dynaquant.core.dtypes import to_raw
 
     with pytest.raises(CodecError, match="plan"):
         DynaQuantCodec().encode(to_raw(torch.randn(10, 10)))

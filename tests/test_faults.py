@@ -32,9 +32,9 @@ import torch
 from fault_worker import digest  # tests/ is on sys.path (rootdir conftest)
 
 from hf_dynaquant import CheckpointStore, Compressor, QuantConfig
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.errors import DynaQuantError, StoreWriteError
 from hf_dynaquant.store.manifest import MANIFEST
+from hf_dynaquant.training.compressor import read_checkpoint
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 TRIAL_TIMEOUT = 60.0  # seconds without an answer before a trial counts as a hang
@@ -199,7 +199,7 @@ def test_fuzz_training_checkpoints(tmp_path: Path) -> None:
 def test_fuzz_compressed_model_folder(tmp_path: Path) -> None:
     from transformers import BertConfig, BertModel
 
-    from hf_dynaquant.folder import compress_folder
+    from hf_dynaquant.pretrained.folder import compress_folder
 
     torch.manual_seed(0)
     src = tmp_path / "tiny-bert"
@@ -281,7 +281,7 @@ import resource, signal, sys, torch
 sys.path.insert(0, sys.argv[3])
 from fault_worker import digest
 from hf_dynaquant import CheckpointStore
-from hf_dynaquant.compressor import read_checkpoint
+from hf_dynaquant.training.compressor import read_checkpoint
 from hf_dynaquant.errors import StoreWriteError
 if sys.argv[2] != "tmpfs":  # no tmpfs to fill: the kernel's file-size limit gives a real EFBIG
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

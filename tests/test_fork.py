@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynaquant.background import BackgroundWorker
 from hf_dynaquant.codecs import get_codec
 from hf_dynaquant.codecs.lossless import CHUNK
+from hf_dynaquant.core.dtypes import to_raw
 from hf_dynaquant.core.sketch import LogSketch
-from hf_dynaquant.dtypes import to_raw
+from hf_dynaquant.training.background import BackgroundWorker
 
 pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
 

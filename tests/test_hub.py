@@ -21,8 +21,8 @@ import hf_dynaquant
 from hf_dynaquant import QuantConfig
 from hf_dynaquant.cli import main as cli_main
 from hf_dynaquant.errors import ChecksumMismatchError, CorruptCheckpointError, DynaQuantError
-from hf_dynaquant.folder import find_store
 from hf_dynaquant.integrations import hf_quantizer
+from hf_dynaquant.pretrained.folder import find_store
 from hf_dynaquant.search import SearchSpace
 
 TOKEN = "hf_test_token"

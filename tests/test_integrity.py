@@ -282,7 +282,7 @@ def test_leftover_without_lock_is_judged_by_its_pid(store) -> None:
 
 _PAUSED_COMPRESS = """
 import sys, time
-from hf_dynaquant import folder
+from hf_dynaquant.pretrained import folder
 
 get = folder._SafetensorsTensors.__getitem__
 def paused(self, key, calls=[]):
@@ -299,7 +299,7 @@ folder.compress_folder(sys.argv[1], sys.argv[2], progress=False, overwrite=True)
 def test_killed_compress_leftover_is_removed_by_the_next_compress(tmp_path) -> None:
     from safetensors.torch import save_file
 
-    from hf_dynaquant.folder import compress_folder
+    from hf_dynaquant.pretrained.folder import compress_folder
 
     src = tmp_path / "w.safetensors"
     save_file({f"t{i}": torch.randn(50_000) for i in range(4)}, str(src))

@@ -161,7 +161,7 @@ def test_finite_checkpoints_do_not_warn(tmp_path: Path) -> None:
 
 def test_sharded_plan_leaves_non_finite_tensors_out() -> None:
     """plan_sharded (one process here; the flags are summed over the ranks) as plan_quantization."""
-    from hf_dynaquant.sharded import plan_sharded
+    from hf_dynaquant.training.sharded import plan_sharded
 
     torch.manual_seed(0)
     local = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
@@ -177,7 +177,7 @@ def test_sharded_plan_leaves_non_finite_tensors_out() -> None:
 def test_sharded_plan_ranks_by_magnitude_when_sensitivity_is_not_finite() -> None:
     """A NaN in a shard's sensitivity (summed over the ranks, so every rank agrees) makes that
     checkpoint rank by magnitude, with a warning naming the tensor, instead of a bare error."""
-    from hf_dynaquant.sharded import plan_sharded
+    from hf_dynaquant.training.sharded import plan_sharded
 
     torch.manual_seed(0)
     local = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}

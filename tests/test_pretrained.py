@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification, BertModel
 
 import hf_dynaquant
 from hf_dynaquant.errors import FormatError, MissingPretrainedError
-from hf_dynaquant.pretrained import PretrainedWeights, resolve_pretrained
+from hf_dynaquant.pretrained.weights import PretrainedWeights, resolve_pretrained
 
 TOKEN = "hf_test_token"
 
@@ -89,7 +89,7 @@ def test_model_built_from_scratch_has_none(caplog: pytest.LogCaptureFixture) -> 
     from transformers import BertConfig
 
     model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    with caplog.at_level(logging.INFO, logger="hf_dynaquant.pretrained"):
+    with caplog.at_level(logging.INFO, logger="hf_dynaquant.pretrained.weights"):
         assert PretrainedWeights.from_model(model) is None
     assert "names no source" in caplog.text
 
@@ -133,7 +133,7 @@ def test_sharded_bf16_prefixed_and_pickle_only(tmp_path: Path, minilm_dir: Path,
         PretrainedWeights.from_source(pickled, names)
     model = BertModel.from_pretrained(minilm_dir)
     model.name_or_path = str(pickled)
-    with caplog.at_level(logging.WARNING, logger="hf_dynaquant.pretrained"):
+    with caplog.at_level(logging.WARNING, logger="hf_dynaquant.pretrained.weights"):
         assert PretrainedWeights.from_model(model) is None
     assert "only pickle weights" in caplog.text
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynaquant.corpus import docstring_corpus
+from hf_dynaquant.pretrained.corpus import docstring_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

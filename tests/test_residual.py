@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hf_dynaquant import Compressor, QuantConfig
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import PRUNED, decoded_values, dequantize, plan_quantization, quantize
 from hf_dynaquant.errors import ChecksumMismatchError, MissingBaseError, UnsupportedSetupError
 from hf_dynaquant.search import ConfigurationSearch, Reference, SearchSpace, mean_loss
+from hf_dynaquant.training.compressor import read_checkpoint
 
 FIXED = QuantConfig(bins=4, prune=0.0, protect=0.0)
 
@@ -245,7 +245,7 @@ def test_restore_is_what_the_search_evaluated(tmp_path):
 
 
 def test_sharded_refuses_residual_coding():
-    from hf_dynaquant.sharded import ShardedCompressor
+    from hf_dynaquant.training.sharded import ShardedCompressor
 
     with pytest.raises(UnsupportedSetupError, match="residual"):
         ShardedCompressor(_mlp(), "unused", QuantConfig(residual="previous"))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynaquant.compressor import Compressor
 from hf_dynaquant.core.quantizer import FIRST_CENTRE, PRUNED, QuantConfig, dequantize, plan_quantization, quantize
 from hf_dynaquant.core.rounding import stochastic_codes, uniform
+from hf_dynaquant.training.compressor import Compressor
 
 CENTRES = np.array([-0.3, -0.1, 0.1, 0.3], dtype=np.float32)
 

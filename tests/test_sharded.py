@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 from test_accelerate import torchrun
 
 from hf_dynaquant import CheckpointStore, Compressor
-from hf_dynaquant.compressor import compress_state_dict, read_checkpoint
 from hf_dynaquant.core.kmeans import approximate_kmeans
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
 from hf_dynaquant.core.sketch import LogSketch
 from hf_dynaquant.errors import CheckpointError, CorruptCheckpointError, MissingShardError
-from hf_dynaquant.optimizer_state import encode_optimizer_state
-from hf_dynaquant.sharded import load_sharded, merge_sketches, plan_sharded, shard_ref
+from hf_dynaquant.training.compressor import compress_state_dict, read_checkpoint
+from hf_dynaquant.training.optimizer_state import encode_optimizer_state
+from hf_dynaquant.training.sharded import load_sharded, merge_sketches, plan_sharded, shard_ref
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_sharded.py"

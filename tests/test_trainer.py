@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_args import args_for  # tests/ is on sys.path (rootdir conftest)
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
 import hf_dynaquant
-from hf_dynaquant.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.errors import BackgroundCompressionError, CheckpointError, MissingOptimizerStateError
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
-from hf_dynaquant.optimizer_state import MomentQuant
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
-from trainer_args import args_for  # tests/ is on sys.path (rootdir conftest)
+from hf_dynaquant.training.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint, read_marker
+from hf_dynaquant.training.compressor import read_checkpoint
+from hf_dynaquant.training.optimizer_state import MomentQuant
 
 FIXED = QuantConfig(bins=8, prune=0.1, min_numel=1024)
 SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude",))

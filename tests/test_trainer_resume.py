@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from trainer_args import args_for as shared_args_for  # tests/ is on sys.path (rootdir conftest)
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
 import hf_dynaquant
-from hf_dynaquant.checkpoint_dir import checkpoint_store, read_marker
-from hf_dynaquant.compressor import read_checkpoint
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.errors import IncompleteCheckpointError, InvalidSettingError, NoValidCheckpointError
-from hf_dynaquant.search import mean_loss
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
-from trainer_args import args_for as shared_args_for  # tests/ is on sys.path (rootdir conftest)
+from hf_dynaquant.search import mean_loss
+from hf_dynaquant.training.checkpoint_dir import checkpoint_store, read_marker
+from hf_dynaquant.training.compressor import read_checkpoint
 
 KINDS = ("model_output", "tuple", "dict")
 # keys whose values are wall-clock figures (transformers' check_trainer_state_are_the_same skips them too)

@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_dynaquant import Compressor, DynaQuantCallback, DynaQuantPlugin, DynaQuantTrainer
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.corpus import CharTokenizer, docstring_lm_datasets
+from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
 
 STEPS, EVERY = 24, 6
@@ -208,7 +208,7 @@ def test_model_skeleton_is_filled_for_the_search_only(tiny_net) -> None:
     """The structure a background search evaluates is copied in the training thread once; it
     holds a snapshot's values only inside ``filled`` (ties kept), and is made again when the
     model's tensors change shape."""
-    from hf_dynaquant.compressor import ModelSkeleton
+    from hf_dynaquant.training.compressor import ModelSkeleton
 
     tiny_net.register_buffer("scratch", torch.arange(4.0), persistent=False)
     compressor = Compressor(tiny_net, None, CONFIG, threshold=0.5, metric=lambda m: 0.0)

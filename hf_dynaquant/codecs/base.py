@@ -1,6 +1,6 @@
 """The codec interface: how one tensor becomes blobs plus JSON parameters, and back.
 
-A codec never touches files. The store hands it a :class:`~hf_dynaquant.dtypes.RawTensor`
+A codec never touches files. The store hands it a :class:`~hf_dynaquant.core.dtypes.RawTensor`
 (and, for delta coding, the *state* the same codec decoded for this tensor in the base entry);
 it returns named byte blobs and a JSON-serialisable ``params`` dict, which the store writes
 into the payload and the manifest. Decoding gets the params back and a :class:`BlobSource`
@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from ..dtypes import RawTensor
+from ..core.dtypes import RawTensor
 from ..errors import UnknownCodecError
 
 __all__ = ["Encoded", "BlobSource", "Codec", "register_codec", "get_codec", "codec_names"]

@@ -42,9 +42,9 @@ from ..core.delta import (
     varint_decode,
     varint_encode,
 )
+from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
-from ..dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 from .lossless import LosslessCodec

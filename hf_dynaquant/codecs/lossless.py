@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..core.bitplanes import FloatPlanes, join_bytes, join_float, side_bits, split_bytes, split_float
+from ..core.dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
 from ..core.entropy import decode_stream, encode_stream, encode_symbols, packed_bits
 from ..core.pool import ForkSafePool
-from ..dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
 from ..errors import CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import FloatLayout
+from .dtypes import FloatLayout
 
 try:  # compiled single-pass kernels (built at install); the numpy reference is used without them
     from . import _bitplanes as _kernels

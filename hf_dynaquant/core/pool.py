@@ -7,7 +7,7 @@ child submits waits forever. Forking after an encode is common: DataLoader worke
 :class:`ForkSafePool`: the executor is created on first use, and a child forgets its parent's
 (``os.register_at_fork``), so it starts its own on first use too.
 
-Objects holding other per-process state (a :class:`~hf_dynaquant.background.BackgroundWorker`'s
+Objects holding other per-process state (a :class:`~hf_dynaquant.training.background.BackgroundWorker`'s
 job in flight) register with :func:`reset_after_fork` the same way.
 """
 

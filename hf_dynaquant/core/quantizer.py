@@ -50,9 +50,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..dtypes import check_storable, storage_key
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from .bitplanes import _kernels
+from .dtypes import check_storable, storage_key
 from .kmeans import approximate_kmeans
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch

@@ -11,9 +11,10 @@ One call after ``accelerator.prepare``::
 
 How it fits Accelerate (1.15, see DESIGN.md section 5):
 
-* :class:`DynaQuantPlugin` is shaped like Accelerate's own plugins: a dataclass whose fields
-  default to ``ACCELERATE_DYNAQUANT_*`` environment variables (so ``accelerate launch`` users
-  can set them in the environment). Accelerate has no registry for third-party plugins, hence
+* :class:`DynaQuantPlugin` takes its settings like Accelerate's own plugins: the fields of
+  :class:`~hf_dynaquant.training.settings.CheckpointSettings` default to
+  ``ACCELERATE_DYNAQUANT_*`` environment variables (so ``accelerate launch`` users can set them
+  in the environment). Accelerate has no registry for third-party plugins, hence
   :meth:`DynaQuantPlugin.attach`.
 * ``register_save_state_pre_hook``: the hook takes our model's state out of the list Accelerate
   would write (no ``model.safetensors`` for it) and snapshots weights, optimizer state and the
@@ -38,53 +39,39 @@ How it fits Accelerate (1.15, see DESIGN.md section 5):
 * Weights are stored under the unwrapped model's names, so a checkpoint saved by N data-parallel
   processes restores onto any number. Sharded set-ups (Accelerate's FSDP, DeepSpeed, Megatron-LM,
   and FSDP2 models with DTensor parameters) are refused at attach: FSDP2 models are checkpointed
-  with :class:`hf_dynaquant.sharded.ShardedCompressor` (see the README).
+  with :class:`hf_dynaquant.training.sharded.ShardedCompressor` (see the README).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, str_to_bool
+from accelerate.utils import DistributedType
 
-from ..background import BackgroundWorker
-from ..checkpoint_dir import (
+from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, UnsupportedSetupError
+from ..store import CheckpointStore
+from ..training.checkpoint_dir import (
     STORE_DIRNAME,
-    _numbered,
-    collect_small_files,
     last_complete_checkpoint,
     marker_store,
+    numbered_checkpoints,
     read_marker,
-    release_rotated,
     restore_optimizer,
-    write_marker,
 )
-from ..codecs.dynaquant import DEFAULT_DELTA_CODING
-from ..compressor import CheckpointReport, Compressor, Snapshot, read_checkpoint
-from ..core.quantizer import QuantConfig
-from ..errors import (
-    CheckpointError,
-    IncompleteCheckpointError,
-    InvalidSettingError,
-    UnsupportedSetupError,
-)
-from ..optimizer_state import MomentQuant
-from ..search import QualityMetric, SearchResult, SearchSpace
-from ..store import CheckpointStore
+from ..training.compressor import CheckpointReport, Compressor, read_checkpoint
+from ..training.manager import CheckpointManager, PendingCheckpoint
+from ..training.settings import ENV_PREFIX, CheckpointSettings, SettingsView
 
 __all__ = ["DynaQuantPlugin", "DynaQuantCheckpointing", "ENV_PREFIX"]
 
 logger = logging.getLogger("hf_dynaquant")
 
-ENV_PREFIX = "ACCELERATE_DYNAQUANT_"
 # Accelerate's small files a resume reads (copied into each entry, so the store can rebuild a folder)
 _ACCELERATE_FILES = (
     "scheduler*.bin",
@@ -97,142 +84,29 @@ _ACCELERATE_FILES = (
 _SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
-def _env(name: str, parse: Callable[[str], Any], default: Any) -> Any:
-    """``ACCELERATE_DYNAQUANT_<name>`` parsed, or ``default`` when unset or empty."""
-    raw = os.environ.get(ENV_PREFIX + name, "")
-    if not raw:
-        return default
-    try:
-        return parse(raw)
-    except ValueError as exc:
-        raise InvalidSettingError(f"{ENV_PREFIX}{name}={raw!r} cannot be used: {exc}") from None
+class DynaQuantPlugin(SettingsView):
+    """DynaQuant checkpoints in an Accelerate loop (see the module docstring): a
+    :class:`~hf_dynaquant.training.settings.CheckpointSettings` whose defaults come from the
+    ``ACCELERATE_DYNAQUANT_*`` environment variables, the way Accelerate's own plugins take
+    theirs (``ACCELERATE_DYNAQUANT_THRESHOLD=none``, ``..._KEYFRAME_EVERY=5``, ...; an argument
+    always wins).
 
+    Args:
+        settings: the settings, used as they are (the environment is not read).
+        **shortcuts: instead, the settings' fields as keyword arguments (``threshold``,
+            ``eval_data``, ``metric``, ``config``, ``optimizer_state``, ``keyframe_every``,
+            ``checkpoint_every``, ``background``, ``store_dir``, ...).
 
-def _optional_float(raw: str) -> float | None:
-    return None if raw.strip().lower() in ("none", "off") else float(raw)
-
-
-def _optional_int(raw: str) -> int | None:
-    return None if raw.strip().lower() in ("none", "off") else int(raw)
-
-
-def _optional_str(raw: str) -> str | None:
-    return None if raw.strip().lower() in ("none", "off") else raw
-
-
-@dataclass
-class DynaQuantPlugin:
-    """Settings of DynaQuant checkpoints in an Accelerate loop (see the module docstring).
-
-    Each field with an environment variable takes it as its default when the variable is set
-    (``none`` or ``off`` for "no value"); an argument always wins.
+    A threshold (default 0.01) needs ``eval_data`` (the same batches on every rank; 16 or more
+    for a 1% threshold to be resolved) or ``metric``: without either the plugin refuses at once.
+    The settings' fields read through: ``plugin.threshold`` is ``plugin.settings.threshold``.
     """
 
-    threshold: float | None = field(
-        default_factory=lambda: _env("THRESHOLD", _optional_float, 0.01),
-        metadata={
-            "help": "How much worse (relative) the quality metric may be on a decoded checkpoint, and so after a "
-            "resume from it, with one-sided 95% confidence where the metric gives a standard error (the default "
-            "mean loss does, from its batches); the most compressive configuration within it is searched at every "
-            "save. None: use `config` as it is. "
-            "Env: ACCELERATE_DYNAQUANT_THRESHOLD (default 0.01)."
-        },
-    )
-    optimizer_state: str = field(
-        default_factory=lambda: _env("OPTIMIZER_STATE", str, "compress"),
-        metadata={
-            "help": "'compress' (Adam moments quantized, fidelity checked), 'lossless' or 'drop' (no optimizer "
-            "state; a load warns loudly). Env: ACCELERATE_DYNAQUANT_OPTIMIZER_STATE."
-        },
-    )
-    keyframe_every: int = field(
-        default_factory=lambda: _env("KEYFRAME_EVERY", int, 10),
-        metadata={
-            "help": "Longest delta chain: every keyframe_every-th save is self-contained, which bounds restore "
-            "time. Env: ACCELERATE_DYNAQUANT_KEYFRAME_EVERY."
-        },
-    )
-    checkpoint_every: int | None = field(
-        default_factory=lambda: _env("CHECKPOINT_EVERY", _optional_int, None),
-        metadata={
-            "help": "Optimizer steps between save_state calls, if regular: gradients are then recorded only in "
-            "the ema_steps steps before each save (else at every step). Env: ACCELERATE_DYNAQUANT_CHECKPOINT_EVERY."
-        },
-    )
-    ema_steps: int = field(
-        default_factory=lambda: _env("EMA_STEPS", int, 50),
-        metadata={
-            "help": "Optimizer steps before a save over which the gradient EMA (sensitivity ranking) is taken. "
-            "Env: ACCELERATE_DYNAQUANT_EMA_STEPS."
-        },
-    )
-    background: bool = field(
-        default_factory=lambda: _env("BACKGROUND", lambda raw: bool(str_to_bool(raw)), True),
-        metadata={
-            "help": "Encode and write on a background thread (at most one checkpoint in flight; its error is "
-            "raised at the next optimizer step or save). Env: ACCELERATE_DYNAQUANT_BACKGROUND."
-        },
-    )
-    delta_coding: str = field(
-        default_factory=lambda: _env("DELTA_CODING", str, DEFAULT_DELTA_CODING),
-        metadata={
-            "help": "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'. "
-            "Env: ACCELERATE_DYNAQUANT_DELTA_CODING."
-        },
-    )
-    store_dir: str | None = field(
-        default_factory=lambda: _env("STORE_DIR", str, None),
-        metadata={
-            "help": "Where the compressed entries go (outside the rotated folders). Default: <project_dir>/"
-            "dynaquant, or dynaquant beside the checkpoint folders. Env: ACCELERATE_DYNAQUANT_STORE_DIR."
-        },
-    )
-    pretrained: Any = field(
-        default_factory=lambda: _env("PRETRAINED", _optional_str, "auto"),
-        metadata={
-            "help": "The pre-trained weights a fine-tune's checkpoints may be coded as residuals against "
-            "(hf_dynaquant.pretrained): 'auto' (default) takes the folder, or the Hub repo in the local Hugging "
-            "Face cache, that from_pretrained loaded the model from (safetensors only, never downloaded; nothing "
-            "for a model built from a config); a folder path or cached repo id names them; None turns residuals "
-            "against them off. They must stay available, unchanged, to restore. Env: ACCELERATE_DYNAQUANT_PRETRAINED."
-        },
-    )
-    config: QuantConfig | None = field(
-        default=None,
-        metadata={"help": "The fixed quantization knobs (and the configuration itself when threshold is None)."},
-    )
-    metric: QualityMetric | Callable[[torch.nn.Module], float] | None = field(
-        default=None,
-        metadata={"help": "The search's quality metric (a callable model -> float); default: mean loss on eval_data."},
-    )
-    higher_is_better: bool = field(default=False, metadata={"help": "Direction of a callable metric."})
-    eval_data: Any = field(
-        default=None,
-        metadata={
-            "help": "Model-ready evaluation batches for the default metric (the same on every rank, so every rank "
-            "judges a candidate alike); the batches are the units of the standard error, so give 16 or more "
-            "(e.g. 512 examples in batches of 16 or 32) for a threshold of 1% to be resolved."
-        },
-    )
-    search_space: SearchSpace | None = field(
-        default=None, metadata={"help": "The configuration cube (the paper's Table 7 plus 3 bins by default)."}
-    )
-    moment_quant: MomentQuant | None = field(default=None, metadata={"help": "Settings of optimizer_state='compress'."})
-
-    def __post_init__(self) -> None:
-        try:
-            Compressor._validate(self.optimizer_state, self.keyframe_every)
-        except ValueError as exc:
-            raise InvalidSettingError(str(exc)) from None
-        if self.threshold is not None and self.metric is None and self.eval_data is None:
-            raise InvalidSettingError(
-                f"threshold={self.threshold} needs eval_data= (a few batches) or metric= to judge configurations; "
-                f"or fix the configuration with threshold=None ({ENV_PREFIX}THRESHOLD=none) and config=QuantConfig(...)"
-            )
-        for name in ("ema_steps", "checkpoint_every"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidSettingError(f"{name} must be at least 1, got {value}")
+    def __init__(self, settings: CheckpointSettings | None = None, **shortcuts: Any) -> None:
+        if settings is not None and shortcuts:
+            raise InvalidSettingError("pass either settings= or the settings as keyword arguments, not both")
+        self.settings = settings if settings is not None else CheckpointSettings.from_env(**shortcuts)
+        self.settings.quality_metric()  # a threshold with nothing to judge by is refused now, not at a save
 
     def attach(
         self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -247,11 +121,8 @@ class DynaQuantCheckpointing:
     """A :class:`DynaQuantPlugin` attached to one accelerator, model and optimizer (made by
     :meth:`DynaQuantPlugin.attach`).
 
-    Attributes:
-        compressor: the :class:`~hf_dynaquant.compressor.Compressor` doing the work.
-        reports: one :class:`~hf_dynaquant.compressor.CheckpointReport` per checkpoint written
-            (main process only).
-        chosen: ``(step, configuration)`` searched at each save, on every rank when distributed.
+    It adapts Accelerate's save and load to a
+    :class:`~hf_dynaquant.training.manager.CheckpointManager`, which does the work.
     """
 
     def __init__(
@@ -272,7 +143,7 @@ class DynaQuantCheckpointing:
             raise UnsupportedSetupError(
                 f"parameter {sharded!r} is a DTensor (an FSDP2 / fully_shard model): accelerator.prepare wraps such a "
                 "model in DDP on CPUs, which breaks it, so the plugin does not take it; checkpoint it with "
-                "hf_dynaquant.sharded.ShardedCompressor, where each rank compresses its own shard (see the README)"
+                "hf_dynaquant.training.sharded.ShardedCompressor, where each rank compresses its own shard (see the README)"
             )
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != accelerator.num_processes:
@@ -293,19 +164,17 @@ class DynaQuantCheckpointing:
         self.plugin, self.accelerator = plugin, accelerator
         self.model = accelerator.unwrap_model(model)
         self.optimizer = optimizer
-        self.compressor = Compressor.from_settings(
+        compressor = Compressor(
             self.model,
             None,  # the store is known at the first save or load (main process only)
-            plugin,
             optimizer=optimizer,
-            checkpoint_every=plugin.checkpoint_every,
-            eval_data=plugin.eval_data,
+            settings=plugin.settings,
         )
-        self.reports: list[CheckpointReport] = []
-        self.chosen: list[tuple[int, dict[str, Any] | None]] = []
-        self.worker = BackgroundWorker() if plugin.background else None
+        self.manager = CheckpointManager(
+            compressor, background=plugin.settings.background, progress=plugin.settings.progress, on_report=self._log
+        )
         self.run_dir: Path | None = None  # the folder the checkpoint folders are in (fixed at the first save/load)
-        self._pending: tuple[Snapshot | None, SearchResult | None, Path] | None = None
+        self._pending: tuple[PendingCheckpoint, Path] | None = None
         self._save_state, self._load_state = accelerator.save_state, accelerator.load_state
         self._handles = [
             accelerator.register_save_state_pre_hook(self._save_hook),
@@ -314,11 +183,26 @@ class DynaQuantCheckpointing:
         if optimizer is not None:
             inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the torch one
             self._handles += [
-                inner.register_step_pre_hook(lambda *_: self.compressor.on_backward_pass_end()),
+                inner.register_step_pre_hook(lambda *_: compressor.on_backward_pass_end()),
                 inner.register_step_post_hook(lambda *_: self._after_step()),
             ]
         accelerator.save_state = self.save_state
         accelerator.load_state = self.load_state
+
+    @property
+    def compressor(self) -> Compressor:
+        """The :class:`~hf_dynaquant.training.compressor.Compressor` doing the numerics."""
+        return self.manager.compressor
+
+    @property
+    def reports(self) -> list[CheckpointReport]:
+        """One report per checkpoint written (main process only)."""
+        return self.manager.reports
+
+    @property
+    def chosen(self) -> list[tuple[int, dict[str, Any] | None]]:
+        """``(step, configuration)`` searched at each save, on every rank when distributed."""
+        return self.manager.chosen
 
     # -- the wrappers -----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -350,23 +234,20 @@ class DynaQuantCheckpointing:
         with self._optimizer_withheld():
             result = self._load_state(input_dir, *args, **kwargs)
         if project.automatic_checkpoint_naming:
-            numbered = _numbered(Path(self.accelerator.project_dir) / "checkpoints")
+            numbered = numbered_checkpoints(Path(self.accelerator.project_dir) / "checkpoints")
             project.iteration = max(project.iteration, numbered[0][0] + 1 if numbered else 0)
         return result
 
     def wait(self) -> None:
         """Block until the checkpoint in flight is written (raising its error, if any); call it
         at the end of training."""
-        if self.worker is not None:
-            self._collect(self.worker.wait())
+        self.manager.wait()
 
     def detach(self) -> None:
         """Wait for the checkpoint in flight, remove the hooks and give the accelerator back its
         own ``save_state`` / ``load_state``."""
         try:
-            self.wait()
-            if self.worker is not None:
-                self.worker.close()
+            self.manager.close()
         finally:
             for handle in self._handles:
                 handle.remove()
@@ -376,8 +257,7 @@ class DynaQuantCheckpointing:
     # -- hooks ------------------------------------------------------------------------------
     def _after_step(self) -> None:
         self.compressor.before_gradient_flush()
-        if self.worker is not None:
-            self._collect(self.worker.check())
+        self.manager.check()
 
     def _index_of_model(self, models: list[torch.nn.Module]) -> int | None:
         for i, m in enumerate(models):
@@ -390,21 +270,12 @@ class DynaQuantCheckpointing:
         if index is None:
             return
         weights.pop(index)  # Accelerate writes no model file for it (`models` is the accelerator's own list)
-        distributed = self.accelerator.num_processes > 1
-        searching_here = distributed and self.compressor.search is not None
-        if not (self.accelerator.is_main_process or searching_here):
-            self._pending = (None, None, Path(output_dir))  # this rank only waits for the others
-            return
-        snap = self.compressor.snapshot(
+        pending = self.manager.take(
             self.compressor.step,
-            detach_model=not distributed,
+            writer=self.accelerator.is_main_process,
             metadata={"framework": "accelerate", "num_processes": self.accelerator.num_processes},
         )
-        searched = None
-        if searching_here:
-            searched = self.compressor.search_snapshot(snap)  # every rank, in the training thread
-            self.chosen.append((snap.step, searched.config.to_dict() if searched.config else None))
-        self._pending = (snap, searched, Path(output_dir))
+        self._pending = (pending, Path(output_dir))
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
         marker = read_marker(input_dir)
@@ -419,47 +290,26 @@ class DynaQuantCheckpointing:
         except RuntimeError as exc:
             raise CheckpointError(f"{input_dir}: the stored weights do not fit the model: {exc}") from exc
         if self.optimizer is not None:
-            self._load_optimizer(optimizer_state, meta, input_dir)
+            restore_optimizer(self.optimizer, optimizer_state, meta, input_dir)
         self.compressor.step = int(meta.get("step", 0))
         if self.accelerator.is_main_process:
             self._use_store(store, Path(input_dir))
-            self.compressor.continue_chain(marker["entry"])  # the next save is a delta on this entry
-        self.compressor.resumed_from(marker["entry"])  # every rank rounds stochastically, with the same seed
-        if self.compressor.search is not None:
-            self.compressor.search.agree()  # and searches on from where rank 0's chain stopped
-
-    def _load_optimizer(self, state: dict[str, Any] | None, meta: dict[str, Any], where: str) -> None:
-        restore_optimizer(self.optimizer, state, meta, where)
+        self.manager.resume(marker["entry"], continue_chain=self.accelerator.is_main_process)
 
     # -- writing ------------------------------------------------------------------------------
-    def _write(self, snap: Snapshot | None, searched: SearchResult | None, folder: Path) -> None:
+    def _write(self, pending: PendingCheckpoint, folder: Path) -> None:
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()  # every rank's RNG file is on disk before it is copied
-        if snap is None or not self.accelerator.is_main_process:
+        if pending.snapshot is None or not self.accelerator.is_main_process:
             return
-        store = self._use_store(self._default_store(folder), folder)
-        snap.extras = collect_small_files(folder, _ACCELERATE_FILES)
-        name, run_dir = folder.name, self.run_dir
-
-        def job() -> CheckpointReport:
-            report = self.compressor.write(snap, ref=name, searched=searched)
-            if searched is None and report.search is not None:
-                self.chosen.append((snap.step, report.search.get("config")))
-            if folder.is_dir():
-                write_marker(folder, store, name, report.entry, snap.step)
-            release_rotated(store, run_dir, keep={name}, every_ref=True)
-            return report
-
-        if self.worker is not None:
-            self.worker.submit(name, job)
-        else:
-            self._collect(job())
+        self._use_store(self._default_store(folder), folder)
+        self.manager.write(pending, folder, small_files=_ACCELERATE_FILES, remove_plain_files=False, every_ref=True)
 
     def _default_store(self, folder: Path) -> CheckpointStore:
         if self.compressor.store is not None:
             return self.compressor.store
-        if self.plugin.store_dir is not None:
-            return CheckpointStore(self.plugin.store_dir)
+        if self.plugin.settings.store_dir is not None:
+            return CheckpointStore(self.plugin.settings.store_dir)
         project_dir = self.accelerator.project_dir
         return CheckpointStore(Path(project_dir) / STORE_DIRNAME if project_dir else folder.parent / STORE_DIRNAME)
 
@@ -477,17 +327,15 @@ class DynaQuantCheckpointing:
         return store
 
     def _newest_complete(self, checkpoints: Path) -> Path:
-        store_path = Path(self.plugin.store_dir or Path(self.accelerator.project_dir) / STORE_DIRNAME)
+        store_path = Path(self.plugin.settings.store_dir or Path(self.accelerator.project_dir) / STORE_DIRNAME)
         store = CheckpointStore(store_path, create=False) if CheckpointStore.is_store(store_path) else None
         found = last_complete_checkpoint(checkpoints, store=store)
         if found is None:
             raise IncompleteCheckpointError(f"no complete checkpoint to load in {checkpoints}")
         return found
 
-    def _collect(self, report: CheckpointReport | None) -> None:
-        if report is None:
-            return
-        self.reports.append(report)
+    @staticmethod
+    def _log(report: CheckpointReport) -> None:
         logger.info(
             "hf_dynaquant: %s step %d: %.1fx (weights %.1fx)",
             report.entry[:12],

@@ -37,7 +37,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..codecs import get_codec
-from ..dtypes import from_raw
+from ..core.dtypes import from_raw
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, DynaQuantError, FormatError
 from ..store.manifest import MANIFEST, manifest_file, parse_manifest, read_manifest_bytes
 from ..store.safetensors_io import open_safetensors, read_blob

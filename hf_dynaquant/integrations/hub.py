@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from ..calibration import calibration_batches
 from ..core.quantizer import QuantConfig
 from ..errors import CorruptCheckpointError, DynaQuantError
-from ..folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
+from ..pretrained.calibration import DEFAULT_THRESHOLD, PRETRAINED_SPACE, calibration_batches
+from ..pretrained.folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
 from ..search import QualityMetric, SearchSpace
 from ..store.atomic import atomic_write_bytes
 from .hf_quantizer import QUANT_METHOD, transformers_sections
@@ -49,26 +49,6 @@ __all__ = [
     "materialize",
     "decode_snapshot",
 ]
-
-# Output distortion (relative squared error of the model's outputs on calibration text) a
-# snapshot may cost by default. On all-MiniLM-L6-v2 it admits ~13x; fine-tuning from that
-# snapshot lands within one standard deviation of fine-tuning from the original
-# (benchmarks/RESULTS.md, "Hub snapshots").
-DEFAULT_THRESHOLD = 0.4
-
-# The cube for pre-trained snapshots: Table 7's axes without 32 bins (a snapshot that needs 32
-# bins everywhere is better stored losslessly) and with embeddings fixed at 3 levels. Embedding
-# tables are half of a small encoder's bytes and, measured on MiniLM, the least sensitive part
-# (16 levels on the embeddings alone keep 0.999 sentence-embedding cosine); the search only tries
-# fewer embedding levels after settling the rest, when the budget is spent, so with the
-# paper's (16, 32) it stopped at 9.3x where fixing 3 levels reaches 12x at the same distortion
-# (measured before the rANS coder; 13.45x with it).
-PRETRAINED_SPACE = SearchSpace(bins=(4, 6, 8, 12, 16), embedding_bins=(3,))
-
-# Frequency-only K-means weighting (sigma = 1): it minimises the squared error of the weights,
-# which measured better output fidelity on pre-trained MiniLM than the paper's 0.2 (tuned for
-# training checkpoints) at every bin count we tried.
-PRETRAINED_BASE = QuantConfig(sigma=1.0)
 
 _TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dynaquant.md"  # package data
 _CONFIG = "config.json"
@@ -136,11 +116,9 @@ def compress_pretrained(
                 src,
                 staging / "snapshot",
                 codec="dynaquant",
-                quant=quant or PRETRAINED_BASE,
+                quant=quant,
                 threshold=threshold,
-                search=None
-                if threshold is None
-                else {"metric": metric, "data": data, "space": space or PRETRAINED_SPACE},
+                search=None if threshold is None else {"metric": metric, "data": data, "space": space},
                 progress=progress,
             )
             folder = result.path

@@ -57,47 +57,32 @@ from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_pt_utils import EvalLoopContainer, find_batch_size, nested_detach
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalPrediction
 
-from ..background import BackgroundWorker
-from ..checkpoint_dir import (
+from ..core.rng import preserved_rng
+from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, NoValidCheckpointError
+from ..search import Measurement, QualityMetric, device_of, mean_loss, move_to, paired_standard_error
+from ..training.checkpoint_dir import (
+    RESUME_FILES,
     checkpoint_store,
-    collect_small_files,
     last_complete_checkpoint,
     marker_store,
     read_marker,
-    release_rotated,
-    remove_uncompressed,
     restore_optimizer,
-    write_marker,
 )
-from ..codecs.dynaquant import DEFAULT_DELTA_CODING
-from ..compressor import CheckpointReport, Compressor, read_checkpoint
-from ..core.quantizer import QuantConfig
-from ..core.rng import preserved_rng
-from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, NoValidCheckpointError
-from ..optimizer_state import MomentQuant
-from ..search import Measurement, QualityMetric, SearchSpace, _device_of, _to, mean_loss, paired_standard_error
+from ..training.compressor import CheckpointReport, Compressor, read_checkpoint
+from ..training.manager import CheckpointManager
+from ..training.settings import DEFAULT_EVAL_EXAMPLES, CheckpointSettings, SettingsView
 
 __all__ = ["DynaQuantCallback", "DynaQuantTrainer", "trainer_metric", "DEFAULT_EVAL_EXAMPLES"]
 
 logger = logging.getLogger("hf_dynaquant")
 
 _SAFE_HUB_STRATEGIES = ("end",)
-_PROGRESS_BYTES = 256 << 20
-# Examples of the eval dataset the default test evaluates every candidate on (all of it when
-# smaller). The standard error of a paired degradation falls as 1/sqrt(examples). Measured on a
-# tiny GPT-2 LM at 4 bins (benchmarks/bench_restore_budget.py's model, 150 steps): loss
-# degradation 0.31% with standard error 0.30% on 32 examples (the old default, 4 batches of 8),
-# 0.088% on 128, 0.045% on 512, so 512 resolves a 1% loss threshold with room to spare. An
-# accuracy degradation's standard error is about sqrt(changed predictions) / examples / accuracy:
-# at 512 a 1% threshold passes only candidates that change a few predictions (raise
-# eval_examples for a classification metric to let more through). Each candidate costs 512
-# forward passes.
-DEFAULT_EVAL_EXAMPLES = 512
+_UNSET = object()  # DynaQuantCallback's threshold when not given (the settings' default applies)
 _BOOTSTRAP = 200  # resamples for the standard error of a compute_metrics metric (its own s.e. ~5%)
 _SEED = 20240515  # the private generator that draws the examples and the bootstrap resamples
 
 
-class DynaQuantCallback(TrainerCallback):
+class DynaQuantCallback(SettingsView, TrainerCallback):
     """Compress every checkpoint a ``Trainer`` writes (see the module docstring).
 
     Args:
@@ -105,111 +90,94 @@ class DynaQuantCallback(TrainerCallback):
             checkpoint, which is what training resumed from it starts with, than on the
             uncompressed weights, with 95% confidence given the evaluation examples (see
             :func:`trainer_metric`); ``None`` uses ``config`` as it is.
-        config: the fixed quantization knobs (and the configuration itself without a threshold).
-        metric: a :class:`~hf_dynaquant.search.QualityMetric` or a callable ``model -> float``;
-            default (with :class:`DynaQuantTrainer`): :func:`trainer_metric`, the Trainer's
-            ``metric_for_best_model`` from its ``compute_metrics`` and the loss as the Trainer's
-            ``compute_loss`` computes it, both within the threshold; without ``compute_metrics``
-            the loss alone; with a plain ``Trainer``, the mean loss.
-        higher_is_better: direction of a callable ``metric``.
-        eval_data: evaluation batches (a DataLoader or a list of model-ready batches); default:
-            up to ``eval_examples`` examples of the Trainer's eval dataset (with
-            :class:`DynaQuantTrainer`; drawn with a private seeded generator, all of them when
-            fewer), else the last ``eval_examples`` training examples, collated by the training
-            loader (the training order is untouched).
-        eval_examples: how many examples the default test evaluates every candidate on (512).
+        settings: a :class:`~hf_dynaquant.training.settings.CheckpointSettings` with every
+            setting (documented there); or give its fields as keyword arguments (``config``,
+            ``metric``, ``eval_data``, ``eval_examples``, ``search_space``, ``optimizer_state``,
+            ``moment_quant``, ``keyframe_every``, ``ema_steps``, ``background``,
+            ``delta_coding``, ``progress``, ``pretrained``, ...). With the Trainer the defaults
+            are: the metric :func:`trainer_metric` (the Trainer's ``metric_for_best_model`` from
+            its ``compute_metrics`` and the loss as its ``compute_loss`` computes it, both within
+            the threshold; without ``compute_metrics`` the loss alone; with a plain ``Trainer``
+            the mean loss), on up to ``eval_examples`` examples of the Trainer's eval dataset
+            (drawn with a private seeded generator, all of them when fewer; else the last
+            ``eval_examples`` training examples, collated by the training loader, the training
+            order untouched), and the save interval of ``TrainingArguments`` as
+            ``checkpoint_every``.
         eval_batches: deprecated: the first ``eval_batches`` batches instead of ``eval_examples``
             (the old default, 4: too few examples for a 1% threshold to mean much).
-        search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default).
-        optimizer_state: ``"compress"``, ``"lossless"`` or ``"drop"`` (see
-            :mod:`hf_dynaquant.optimizer_state`).
-        moment_quant: settings of ``"compress"``.
-        keyframe_every: longest delta chain (bounds restore time).
-        ema_steps: optimizer steps before each save over which gradients are averaged.
-        background: encode and write on a background thread (at most one checkpoint in flight).
-        delta_coding: ``ans`` (default), ``regroup`` (the paper's), ``rle`` or ``entropy``.
-        progress: show a progress bar while a checkpoint is written (default: for checkpoints
-            of more than 256 MB, where an encode takes long enough to watch).
-        pretrained: the pre-trained weights a fine-tune's checkpoints may be coded as residuals
-            against (:mod:`hf_dynaquant.pretrained`): ``"auto"`` (default) takes the folder, or
-            the Hub repo in the local Hugging Face cache, that ``from_pretrained`` loaded the
-            model from (safetensors only, never downloaded; nothing for a model built from a
-            config); a folder path or cached repo id names them explicitly; ``None`` turns
-            residuals against them off. They must stay available, unchanged, to restore.
     """
 
     def __init__(
         self,
-        threshold: float | None = 0.01,
+        threshold: float | None | object = _UNSET,
         *,
-        config: QuantConfig | None = None,
-        metric: QualityMetric | Any = None,
-        higher_is_better: bool = False,
-        eval_data: Any = None,
+        settings: CheckpointSettings | None = None,
         eval_batches: int | None = None,
-        search_space: SearchSpace | None = None,
-        optimizer_state: str = "compress",
-        moment_quant: MomentQuant | None = None,
-        keyframe_every: int = 10,
-        ema_steps: int = 50,
-        background: bool = True,
-        delta_coding: str = DEFAULT_DELTA_CODING,
-        progress: bool | None = None,
-        eval_examples: int = DEFAULT_EVAL_EXAMPLES,
-        pretrained: Any = "auto",
+        **shortcuts: Any,
     ) -> None:
-        if eval_examples < 1 or (eval_batches is not None and eval_batches < 1):
-            raise ValueError(f"eval_examples and eval_batches must be at least 1, got {eval_examples}, {eval_batches}")
+        if settings is None:
+            given = {} if threshold is _UNSET else {"threshold": threshold}
+            settings = CheckpointSettings(**given, **shortcuts)
+        elif threshold is not _UNSET or shortcuts:
+            raise InvalidSettingError("pass either settings= or the settings as arguments, not both")
+        if settings.store_dir is not None:
+            raise InvalidSettingError(
+                f"store_dir={settings.store_dir!r} is Accelerate's: the Trainer's store is <output_dir>/dynaquant, "
+                "beside the checkpoint folders it rotates"
+            )
         if eval_batches is not None:
+            if eval_batches < 1:
+                raise InvalidSettingError(f"eval_batches must be at least 1, got {eval_batches}")
             warnings.warn(
                 "DynaQuantCallback(eval_batches=) is deprecated: the default test evaluates up to eval_examples "
                 f"(default {DEFAULT_EVAL_EXAMPLES}) examples, enough for its standard error to resolve the threshold",
                 DeprecationWarning,
                 stacklevel=2,
             )
-        self.threshold, self.config, self.metric = threshold, config, metric
-        self.higher_is_better, self.eval_data, self.eval_batches = higher_is_better, eval_data, eval_batches
-        self.eval_examples = eval_examples
-        self.search_space, self.optimizer_state, self.moment_quant = search_space, optimizer_state, moment_quant
-        self.keyframe_every, self.ema_steps, self.background = keyframe_every, ema_steps, background
-        self.delta_coding, self.progress, self.pretrained = delta_coding, progress, pretrained
-        Compressor._validate(optimizer_state, keyframe_every)
+        self.settings, self.eval_batches = settings, eval_batches
         self.trainer: DynaQuantTrainer | None = None  # set by DynaQuantTrainer
-        self.compressor: Compressor | None = None
-        self.worker: BackgroundWorker | None = None
+        self.manager: CheckpointManager | None = None  # made at each on_train_begin
         self.reports: list[dict[str, Any]] = []  # one per checkpoint written (this process)
-        self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every rank
+        self._chosen: list[tuple[int, dict | None]] = []  # of the runs before the current one
         self._submitted_step: int | None = None  # the checkpoint last handed to the compressor
         self._totals = {"raw": 0, "stored": 0, "weights_raw": 0, "weights_stored": 0}
         self._trainer_save_seconds = 0.0
 
+    @property
+    def compressor(self) -> Compressor | None:
+        """The current run's compressor (``None`` before training begins)."""
+        return self.manager.compressor if self.manager is not None else None
+
+    @property
+    def chosen(self) -> list[tuple[int, dict | None]]:
+        """``(step, configuration)`` the search chose at each checkpoint, on every rank when distributed."""
+        return self._chosen + (self.manager.chosen if self.manager is not None else [])
+
     # -- set-up ---------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         self._refuse_unsupported(args)
+        if self.manager is not None:  # a previous train() that ended without on_train_end
+            self.manager.close()
+            self._chosen += self.manager.chosen
         store = checkpoint_store(args.output_dir) if args.should_save else None  # rank 0 writes
-        eval_data = self.eval_data
-        if eval_data is None and self.metric is None and self.threshold is not None:
+        settings = self.settings
+        eval_data = settings.eval_data
+        if eval_data is None and settings.metric is None and settings.threshold is not None:
             with preserved_rng():  # iterating a DataLoader (and collating) draws from the global RNG
                 eval_data = self._default_eval_data(train_dataloader)
-        self.compressor = Compressor.from_settings(
-            model,
-            store,
-            self,
-            optimizer=optimizer,
-            checkpoint_every=_save_interval(args, state),
+        settings = settings.replace(
             eval_data=eval_data,
-            default_metric=self._default_metric(eval_data),
+            metric=settings.metric or self._default_metric(eval_data),
+            checkpoint_every=settings.checkpoint_every or _save_interval(args, state),
         )
-        self.compressor.step = state.global_step
-        resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if store is not None and state.global_step and resumed in store.refs():
-            self.compressor.continue_chain(resumed)  # the chain goes on after a resume
-        if state.global_step:  # resumed: every rank rounds stochastically, with the same seed
-            self.compressor.resumed_from(resumed)
-            if self.compressor.search is not None:
-                self.compressor.search.agree()  # and searches on from where rank 0's chain stopped
-        if self.background and self.worker is None:
-            self.worker = BackgroundWorker()
+        compressor = Compressor(model, store, optimizer=optimizer, settings=settings)
+        compressor.step = state.global_step
+        self.manager = CheckpointManager(
+            compressor, background=settings.background, progress=settings.progress, on_report=self._collect
+        )
+        if state.global_step:  # resumed: the chain goes on, every rank rounds alike and searches on
+            resumed = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            self.manager.resume(resumed, continue_chain=store is not None and resumed in store.refs())
 
     def _refuse_unsupported(self, args, with_trainer: bool = False) -> None:
         if args.push_to_hub and str(getattr(args.hub_strategy, "value", args.hub_strategy)) not in _SAFE_HUB_STRATEGIES:
@@ -231,7 +199,7 @@ class DynaQuantCallback(TrainerCallback):
         the global RNG; the examples are drawn with a private generator."""
         trainer = self.trainer
         if trainer is None or trainer.eval_dataset is None:
-            return _tail_batches(train_dataloader, self.eval_examples, self.eval_batches)
+            return _tail_batches(train_dataloader, self.settings.eval_examples, self.eval_batches)
         if self.eval_batches is not None:  # deprecated: the first batches
             return list(itertools.islice(trainer.get_eval_dataloader(), self.eval_batches))
         dataset = trainer.eval_dataset
@@ -239,12 +207,12 @@ class DynaQuantCallback(TrainerCallback):
             dataset = next(iter(dataset.values()))
         cached = dict(getattr(trainer, "_eval_dataloaders", None) or {})
         try:
-            loader = trainer.get_eval_dataloader(draw_examples(dataset, self.eval_examples))
+            loader = trainer.get_eval_dataloader(draw_examples(dataset, self.settings.eval_examples))
             batches, seen = [], 0
             for batch in loader:  # an iterable dataset: its first eval_examples examples
                 batches.append(batch)
                 seen += find_batch_size(batch) or 1
-                if seen >= self.eval_examples:
+                if seen >= self.settings.eval_examples:
                     break
         finally:
             if hasattr(trainer, "_eval_dataloaders"):  # persistent workers: keep the Trainer's own loader
@@ -255,81 +223,47 @@ class DynaQuantCallback(TrainerCallback):
         """With a trainer, the default metric :func:`trainer_metric` on the evaluation batches.
         It only reads the trainer's settings, so the background thread may call it on the
         search's CPU copy of the model while training goes on."""
-        if self.trainer is None or eval_data is None or self.threshold is None:
+        if self.trainer is None or eval_data is None or self.settings.threshold is None:
             return None
         return trainer_metric(self.trainer, list(eval_data))
 
     # -- gradient window ------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.compressor is not None:
-            self.compressor.on_backward_pass_end()
+        if self.manager is not None:
+            self.manager.compressor.on_backward_pass_end()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.compressor is not None:
-            self.compressor.before_gradient_flush()
+        if self.manager is not None:
+            self.manager.compressor.before_gradient_flush()
 
     # -- saving ---------------------------------------------------------------------------
     def on_step_end(self, args, state, control, **kwargs):
-        if self.worker is not None:
-            self._collect(self.worker.check(), state)
+        if self.manager is not None:
+            self.manager.check()
 
     def on_save(self, args, state, control, **kwargs):
-        if self.compressor is None or self._submitted_step == state.global_step:
+        if self.manager is None or self._submitted_step == state.global_step:
             return  # (DynaQuantTrainer already handed this checkpoint over in _save_checkpoint)
         self._submitted_step = state.global_step
-        started = time.perf_counter()
-        if self.worker is not None:
-            self._collect(self.worker.wait(), state)  # at most one checkpoint in flight
-        step = state.global_step  # (the job below runs while training moves state on)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        folder = Path(args.output_dir) / name
-        distributed = args.world_size > 1
-        # with several processes the search's collectives run here, in the training thread, on
-        # every rank (a background thread would interleave them with DDP's); one process
-        # searches on a CPU copy in the background
-        snap = self.compressor.snapshot(step, detach_model=not distributed)
-        searched = None
-        if distributed and self.compressor.search is not None:
-            searched = self.compressor.search_snapshot(snap)
-            self.chosen.append((step, searched.config.to_dict() if searched.config else None))
+        pending = self.manager.take(state.global_step, writer=args.should_save)
         if not args.should_save:
-            self._emit({"dynaquant/stall_seconds": time.perf_counter() - started})
+            self._emit({"dynaquant/stall_seconds": time.perf_counter() - pending.started})
             return
-        snap.extras = collect_small_files(folder)
-        stall = time.perf_counter() - started + self._trainer_save_seconds
-        store = self.compressor.store
-
-        def job() -> dict[str, Any]:
-            progress = self.progress if self.progress is not None else snap.nbytes() > _PROGRESS_BYTES
-            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
-            if searched is None and report.search is not None:
-                self.chosen.append((step, report.search.get("config")))
-            if folder.is_dir():  # a save_total_limit=1 rotation may already have removed it
-                write_marker(folder, store, name, report.entry, step)
-                remove_uncompressed(folder)
-            release_rotated(store, Path(args.output_dir), keep={name})
-            return self._summary(report, stall)
-
-        if self.worker is not None:
-            self.worker.submit(name, job)
-        else:
-            self._collect(job(), state)
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        self.manager.write(pending, folder, small_files=RESUME_FILES, remove_plain_files=True,
+                           stall_before=self._trainer_save_seconds)
 
     def on_train_end(self, args, state, control, **kwargs):
-        try:
-            self.wait(state)
-        finally:
-            if self.worker is not None:
-                self.worker.close()
-                self.worker = None
+        if self.manager is not None:
+            self.manager.close()
 
-    def wait(self, state) -> None:
+    def wait(self, state: Any = None) -> None:
         """Block until the checkpoint in flight is on disk (raising its error, if any)."""
-        if self.worker is not None:
-            self._collect(self.worker.wait(), state)
+        if self.manager is not None:
+            self.manager.wait()
 
     # -- figures --------------------------------------------------------------------------
-    def _summary(self, report: CheckpointReport, stall: float) -> dict[str, Any]:
+    def _summary(self, report: CheckpointReport) -> dict[str, Any]:
         t = self._totals
         t["raw"] += report.raw
         t["stored"] += report.stored
@@ -342,7 +276,7 @@ class DynaQuantCallback(TrainerCallback):
             "dynaquant/cumulative_ratio": t["raw"] / max(t["stored"], 1),
             "dynaquant/cumulative_weights_ratio": t["weights_raw"] / max(t["weights_stored"], 1),
             "dynaquant/bytes_saved": float(t["raw"] - t["stored"]),
-            "dynaquant/stall_seconds": stall,
+            "dynaquant/stall_seconds": report.stall_seconds,
             "dynaquant/background_seconds": report.seconds,
             "dynaquant/keyframe": float(report.keyframe),
         }
@@ -364,9 +298,9 @@ class DynaQuantCallback(TrainerCallback):
         )
         return record
 
-    def _collect(self, record: dict[str, Any] | None, state) -> None:
-        if not record:
-            return
+    def _collect(self, report: CheckpointReport) -> None:
+        """The manager's ``on_report`` (training thread): the figures to :attr:`reports` and the loggers."""
+        record = self._summary(report)
         self.reports.append(record)
         self._emit({k: v for k, v in record.items() if k.startswith("dynaquant/")})
 
@@ -597,14 +531,14 @@ class _PredictionMetric(QualityMetric):
         self._resamples: np.ndarray | None = None
 
     def _measure(self, model: torch.nn.Module) -> Measurement:
-        trainer, dev = self.trainer, _device_of(model)
+        trainer, dev = self.trainer, device_of(model)
         config = getattr(trainer.model, "config", None)
         ignore = list(getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else [])
         preds, labels_all, inputs_all = (EvalLoopContainer(True, padding_index=-100) for _ in range(3))
         losses, sizes = [], []
         main_input = getattr(trainer.model, "main_input_name", "input_ids")
         for batch in self.batches:
-            inputs = _to(dict(batch), dev)
+            inputs = move_to(dict(batch), dev)
             if not trainer.label_names or any(inputs.get(k) is None for k in trainer.label_names):
                 raise InvalidSettingError(
                     f"an evaluation batch lacks the labels {trainer.label_names} that compute_metrics needs "

@@ -32,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..codecs.base import Codec, Encoded, get_codec
+from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
-from ..dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..errors import (
     ChecksumMismatchError,
     CodecError,
@@ -284,7 +284,7 @@ class EntryReader:
         return self._base
 
     def pretrained(self) -> Any:
-        """The :class:`~hf_dynaquant.pretrained.PretrainedWeights` this entry's ``pretrained``
+        """The :class:`~hf_dynaquant.pretrained.weights.PretrainedWeights` this entry's ``pretrained``
         residuals are coded against (resolved and checked once per entry);
         :class:`~hf_dynaquant.errors.MissingPretrainedError` when they cannot be found."""
         if self._pretrained is None:
@@ -294,7 +294,7 @@ class EntryReader:
                     f"{self.manifest_path}: a tensor is a residual against pre-trained weights, but the entry's "
                     "metadata names none"
                 )
-            from ..pretrained import resolve_pretrained
+            from ..pretrained.weights import resolve_pretrained
 
             self._pretrained = resolve_pretrained(descriptor, f"entry {self.id[:16]} in store {self.store.path}")
         return self._pretrained

@@ -9,11 +9,10 @@ the tests run exactly as a user who swaps the class name would run them. Without
 
 import os
 
-
 if os.environ.get("HF_DYNAQUANT_COMPAT_TRAINER") == "dynaquant":
-    from hf_dynaquant import DynaQuantTrainer
-
     # (imported after hf_dynaquant: loading the Trainer replaces sys.modules["transformers"])
     import transformers
+
+    from hf_dynaquant import DynaQuantTrainer
 
     transformers.Trainer = DynaQuantTrainer

@@ -42,7 +42,6 @@ import safetensors
 import torch
 from huggingface_hub import ModelCard, create_branch, list_repo_commits, list_repo_files
 from torch import nn
-
 from transformers import (
     AutoFeatureExtractor,
     AutoImageProcessor,
@@ -104,7 +103,6 @@ from .trainer_test_utils import (
     get_language_model_trainer,
     get_regression_trainer,
 )
-
 
 if is_torch_available():
     from transformers.trainer_jit_checkpoint import CheckpointManager, JITCheckpointCallback

@@ -6,12 +6,10 @@ import os
 import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
-
 from transformers import (
     Trainer,
     TrainingArguments,
 )
-
 from transformers.testing_utils import TestCasePlus
 
 

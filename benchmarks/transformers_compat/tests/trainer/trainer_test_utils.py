@@ -24,7 +24,6 @@ import os
 import random
 
 import numpy as np
-
 from transformers import (
     AutoTokenizer,
     PreTrainedConfig,
@@ -42,7 +41,6 @@ from transformers.utils import (
     SAFE_WEIGHTS_NAME,
 )
 
-
 if torch_device == "hpu":
     RTOL = 1e-3
     ATOL = 1e-3
@@ -54,7 +52,6 @@ if is_torch_available():
     import safetensors.torch
     import torch
     from torch import nn
-
     from transformers import (
         AutoModelForCausalLM,
         PreTrainedModel,

@@ -35,20 +35,22 @@ import safetensors.torch
 import torch
 import zstandard
 
+from ..errors import FormatError, IncompleteCheckpointError, MissingOptimizerStateError
+from ..store import CheckpointStore
+from ..store.atomic import atomic_write_bytes
 from .compressor import read_checkpoint
-from .errors import FormatError, IncompleteCheckpointError, MissingOptimizerStateError
-from .store import CheckpointStore
-from .store.atomic import atomic_write_bytes
 
 __all__ = [
     "MARKER",
     "STORE_DIRNAME",
     "UNCOMPRESSED_FILES",
+    "RESUME_FILES",
     "checkpoint_store",
     "read_marker",
     "write_marker",
     "is_complete",
     "last_complete_checkpoint",
+    "numbered_checkpoints",
     "remove_uncompressed",
     "release_rotated",
     "collect_small_files",
@@ -66,7 +68,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint[-_](\d+)$")  # the Trainer's checkpoin
 UNCOMPRESSED_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.pt", "optimizer.bin")
 _UNCOMPRESSED_PATTERNS = ("model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin*")
 _SMALL_FILE_LIMIT = 16 << 20  # framework files copied into the entry's extras
-_RESUME_FILES = ("trainer_state.json", "scheduler.pt", "scaler.pt", "rng_state*.pth")
+RESUME_FILES = ("trainer_state.json", "scheduler.pt", "scaler.pt", "rng_state*.pth")
 
 
 def checkpoint_store(run_dir: str | Path, *, create: bool = True) -> CheckpointStore:
@@ -129,7 +131,7 @@ def is_complete(folder: str | Path) -> bool:
         return False
 
 
-def _numbered(run_dir: Path) -> list[tuple[int, Path]]:
+def numbered_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     if not run_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _CHECKPOINT_RE.match(p.name)) and p.is_dir()]
@@ -148,7 +150,7 @@ def last_complete_checkpoint(
     run_dir = Path(run_dir)
     if store is None and CheckpointStore.is_store(run_dir / STORE_DIRNAME):
         store = checkpoint_store(run_dir, create=False)
-    for _, folder in _numbered(run_dir):
+    for _, folder in numbered_checkpoints(run_dir):
         if is_complete(folder):
             return folder
         if repair and store is not None and folder.name in store.refs():
@@ -188,7 +190,7 @@ def release_rotated(
     return store.gc()
 
 
-def collect_small_files(folder: Path, patterns: tuple[str, ...] = _RESUME_FILES) -> dict[str, bytes]:
+def collect_small_files(folder: Path, patterns: tuple[str, ...] = RESUME_FILES) -> dict[str, bytes]:
     """The framework's files a resume reads besides weights and optimizer (by default the
     Trainer's: trainer state, scheduler, scaler, RNG; ``patterns`` names another framework's),
     zstd-compressed, for the entry's extras."""

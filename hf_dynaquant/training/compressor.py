@@ -40,22 +40,23 @@ from typing import Any
 
 import torch
 
-from .codecs.base import Codec
-from .codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec, QuantState
-from .core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
-from .core.ranking import GradientEMA, sensitivity
-from .dtypes import check_storable, from_raw, storage_key
-from .errors import CheckpointError, MissingOptimizerStateError
+from ..codecs.base import Codec
+from ..codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec, QuantState
+from ..core.collectives import is_distributed
+from ..core.dtypes import check_storable, from_raw, storage_key
+from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
+from ..core.ranking import GradientEMA, sensitivity
+from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
+from ..search import ConfigurationSearch, Reference, SearchResult
+from ..store import CheckpointStore
+from ..store.tree import flatten_tree
 from .optimizer_state import (
-    OPTIMIZER_MODES,
     MomentQuant,
     Reductions,
     decode_optimizer_state,
     encode_optimizer_state,
 )
-from .search import ConfigurationSearch, QualityMetric, Reference, SearchResult, SearchSpace, mean_loss
-from .store import CheckpointStore
-from .store.tree import flatten_tree
+from .settings import CheckpointSettings
 
 __all__ = [
     "Compressor",
@@ -239,6 +240,7 @@ class CheckpointReport:
     seconds: float
     search: dict[str, Any] | None = None
     optimizer_state: dict[str, Any] | None = None
+    stall_seconds: float = 0.0  # training stopped this long for the checkpoint (with a CheckpointManager)
 
     @property
     def raw(self) -> int:
@@ -295,36 +297,18 @@ class Compressor:
 
     Args:
         model: the model being trained.
-        store: a store or its directory.
-        config: the quantization configuration (bins, prune, protect, metric, ...).
+        store: a store or its directory (``None``: a process that only takes part in the search).
+        config: the quantization configuration (bins, prune, protect, metric, ...); a shortcut
+            for ``CheckpointSettings(config=...)``.
         optimizer: saved with each checkpoint (see ``optimizer_state``) and restored by
             :meth:`restore`.
-        optimizer_state: ``"compress"`` (Adam moments and SGD momentum quantized, fidelity
-            checked, see :mod:`hf_dynaquant.optimizer_state`), ``"lossless"`` or ``"drop"``.
-        moment_quant: settings of ``"compress"``.
-        checkpoint_every: the checkpoint interval in optimizer steps, if regular; gradients are
-            then recorded only in the ``ema_steps`` steps before each checkpoint.
-        ema_steps: length of that window (the paper's N = 50).
-        ema_beta: EMA weight of the newest gradient (0.9).
-        keyframe_every: at most this many entries in a delta chain: every ``keyframe_every``-th
-            checkpoint is self-contained, which bounds restore time; the others are deltas on
-            the previous checkpoint.
-        delta_coding: ``ans`` (the paper's regrouping, each group rANS-coded, and rANS-coded
-            keyframes; the default), ``regroup`` (the paper's, with RLE and zstd; zstd keyframes,
-            which decode faster), ``rle`` or ``entropy`` (for comparisons).
-        threshold: with it, the configuration is searched at every checkpoint (``config`` then
-            only sets the fixed knobs): the most compressive one whose relative degradation of
-            ``metric`` stays within ``threshold``.
-        metric: a :class:`~hf_dynaquant.search.QualityMetric`, or a callable ``model -> float``
-            (lower is better unless ``higher_is_better``); default: mean loss on ``eval_data``.
-        eval_data: evaluation batches (a DataLoader or a list) for the default metric.
-        search_space: the configuration cube (:class:`SearchSpace`: Table 7 plus 3 bins by default,
-            and the residual kinds).
-        pretrained: the pre-trained weights ``"pretrained"`` residuals are coded against:
-            ``"auto"`` (those the model was loaded from with ``from_pretrained``: its folder, or
-            its Hub snapshot in the local cache; none otherwise), ``None`` (off), a folder or Hub
-            repo id, or a :class:`~hf_dynaquant.pretrained.PretrainedWeights`. Entries coded
-            against them record them (metadata ``"pretrained"``); a restore needs them again.
+        settings: a :class:`~hf_dynaquant.training.settings.CheckpointSettings` (every setting
+            documented there: threshold and its metric or eval data, search space, optimizer
+            state, keyframes, delta coding, pre-trained weights, gradient window).
+        **shortcuts: instead of ``settings``, its fields as keyword arguments. Here ``threshold``
+            defaults to ``None``: like the paper's Listing 1, the plain API stores every
+            checkpoint with ``config`` unless it is given a threshold (and a metric or eval data)
+            to search against.
     """
 
     def __init__(
@@ -334,57 +318,46 @@ class Compressor:
         config: QuantConfig | None = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        optimizer_state: str = "compress",
-        moment_quant: MomentQuant | None = None,
-        checkpoint_every: int | None = None,
-        ema_steps: int = 50,
-        ema_beta: float = 0.9,
-        keyframe_every: int = 10,
-        delta_coding: str = DEFAULT_DELTA_CODING,
-        threshold: float | None = None,
-        metric: QualityMetric | Callable[[torch.nn.Module], float] | None = None,
-        higher_is_better: bool = False,
-        eval_data: Iterable[Any] | None = None,
-        search_space: SearchSpace | None = None,
-        pretrained: Any = "auto",
+        settings: CheckpointSettings | None = None,
+        **shortcuts: Any,
     ) -> None:
-        self._validate(optimizer_state, keyframe_every)
+        if settings is None:
+            settings = CheckpointSettings(config=config, **{"threshold": None, **shortcuts})
+        elif config is not None or shortcuts:
+            raise InvalidSettingError(
+                f"pass either settings= or the settings as keyword arguments, not both (got settings= and "
+                f"{', '.join(['config'] * (config is not None) + sorted(shortcuts))})"
+            )
+        self.settings = settings
+        metric = settings.quality_metric()
         self.search: ConfigurationSearch | None = None
-        if threshold is not None:
-            if metric is None:
-                if eval_data is None:
-                    raise ValueError("a threshold needs a metric or eval_data (batches for the default mean loss)")
-                metric = mean_loss(eval_data)
-            elif not isinstance(metric, QualityMetric):
-                metric = QualityMetric(metric, higher_is_better=higher_is_better)
-            self.search = ConfigurationSearch(metric, threshold, space=search_space, base=config)
+        if metric is not None:
+            self.search = ConfigurationSearch(metric, settings.threshold, space=settings.search_space, base=settings.config)
         self.last_search: SearchResult | None = None
         self.last_report: CheckpointReport | None = None
         self.model, self.optimizer = model, optimizer
-        self.optimizer_state, self.moment_quant = optimizer_state, moment_quant or MomentQuant()
+        self.moment_quant = settings.moment_quant or MomentQuant()
         self.store: CheckpointStore | None = (
             store if isinstance(store, CheckpointStore) or store is None else CheckpointStore(store)
         )
-        self.config = config or QuantConfig()
-        self.checkpoint_every, self.ema_steps = checkpoint_every, ema_steps
-        self.keyframe_every, self.delta_coding = keyframe_every, delta_coding
-        self.ema = GradientEMA(model.named_parameters(), beta=ema_beta)
+        self.config = settings.config or QuantConfig()  # rounding changes on a resume (resumed_from)
+        self.ema = GradientEMA(model.named_parameters(), beta=settings.ema_beta)
         self.step = 0  # optimizer steps seen (counted in before_gradient_flush)
         self.last_entry: str | None = None
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
         self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
-        self.pretrained = self._pretrained_weights(pretrained)
+        self.pretrained = self._pretrained_weights(settings.pretrained)
         # the last checkpoint's decoded quantizable weights (float32), for "previous" residuals;
         # None: not known in this process (read back from the store when needed)
         self._previous: dict[str, torch.Tensor] | None = None
 
     def _pretrained_weights(self, setting: Any) -> Any:
-        """The :class:`~hf_dynaquant.pretrained.PretrainedWeights` of a ``pretrained=`` setting
+        """The :class:`~hf_dynaquant.pretrained.weights.PretrainedWeights` of a ``pretrained=`` setting
         (``None`` when off, or when ``"auto"`` finds none)."""
         if setting is None or not self._residual_wanted("pretrained"):
             return None
-        from .pretrained import PretrainedWeights
+        from ..pretrained.weights import PretrainedWeights
 
         if isinstance(setting, PretrainedWeights):
             return setting
@@ -400,51 +373,17 @@ class Compressor:
             return kind in self.search.space.residuals
         return self.config.residual == kind
 
-    @classmethod
-    def from_settings(
-        cls,
-        model: torch.nn.Module,
-        store: CheckpointStore | None,
-        settings: Any,
-        *,
-        optimizer: torch.optim.Optimizer | None,
-        checkpoint_every: int | None,
-        eval_data: Iterable[Any] | None,
-        default_metric: QualityMetric | None = None,
-    ) -> Compressor:
-        """A compressor from an integration's settings object (``DynaQuantCallback``,
-        ``DynaQuantPlugin``): its attributes named like this class's keyword arguments.
-        ``default_metric`` is the integration's own metric where the settings give none."""
-        settings_kwargs = {name: getattr(settings, name) for name in _SETTING_NAMES}
-        if settings_kwargs["metric"] is None:
-            settings_kwargs["metric"] = default_metric
-        return cls(
-            model,
-            store,
-            settings.config,
-            optimizer=optimizer,
-            checkpoint_every=checkpoint_every,
-            eval_data=eval_data,
-            **settings_kwargs,
-        )
-
-    @staticmethod
-    def _validate(optimizer_state: str, keyframe_every: int) -> None:
-        if keyframe_every < 1:
-            raise ValueError(f"keyframe_every must be at least 1, got {keyframe_every}")
-        if optimizer_state not in OPTIMIZER_MODES:
-            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {optimizer_state!r}")
-
     def _writable(self) -> CheckpointStore:
         if self.store is None:
             raise CheckpointError("this Compressor has no store (a process that only takes part in the search)")
         return self.store
 
     def _collecting(self) -> bool:
-        if not self.checkpoint_every:
+        every = self.settings.checkpoint_every
+        if not every:
             return True
-        to_next = -(self.step + 1) % self.checkpoint_every
-        return to_next < self.ema_steps
+        to_next = -(self.step + 1) % every
+        return to_next < self.settings.ema_steps
 
     def on_backward_pass_end(self) -> None:
         """Call after ``loss.backward()``: starts copying gradients off the accelerator."""
@@ -497,7 +436,7 @@ class Compressor:
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
         optimizer = None
-        if self.optimizer is not None and self.optimizer_state != "drop":
+        if self.optimizer is not None and self.settings.optimizer_state != "drop":
             optimizer = _tree_to_cpu(self.optimizer.state_dict())
         ema = self.ema.take()
         # a fixed config with metric "sensitivity" has the planner warn; a search that offers it warns here
@@ -527,7 +466,7 @@ class Compressor:
         return self._skeleton
 
     def _next_is_keyframe(self) -> bool:
-        return self.last_entry is None or self._chain_length >= self.keyframe_every
+        return self.last_entry is None or self._chain_length >= self.settings.keyframe_every
 
     def references(self, snap: Snapshot) -> dict[str, Reference]:
         """The residual references available to the next checkpoint, by kind: ``"previous"``
@@ -535,8 +474,7 @@ class Compressor:
         over several processes, which do not all keep them) and ``"pretrained"``."""
         weights = {n: snap.state[n] for n in snap.params}
         out: dict[str, dict[str, torch.Tensor]] = {}
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if self._residual_wanted("previous") and not self._next_is_keyframe() and not distributed:
+        if self._residual_wanted("previous") and not self._next_is_keyframe() and not is_distributed():
             out["previous"] = self._previous_values(weights)
         if self._residual_wanted("pretrained") and self.pretrained is not None:
             have = set(self.pretrained.names())
@@ -547,8 +485,7 @@ class Compressor:
         """The codes of the entry the next checkpoint will be a delta on (known when this process
         wrote it), so the search sizes candidates as stored; not when the search is spread over
         several processes, which do not all keep them."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if self._next_is_keyframe() or distributed:
+        if self._next_is_keyframe() or is_distributed():
             return None
         return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
 
@@ -585,7 +522,7 @@ class Compressor:
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
         """The plan of the fixed configuration for a snapshot (without a threshold); a residual
         configuration codes against its reference where available, directly elsewhere. A hook:
-        :class:`~hf_dynaquant.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
+        :class:`~hf_dynaquant.training.sharded.ShardedCompressor` plans from sketches merged over the ranks."""
         weights = {n: snap.state[n] for n in snap.params}
         ref = self.references(snap).get(self.config.residual)
         config = self.config if ref is not None else replace(self.config, residual="none")
@@ -600,7 +537,7 @@ class Compressor:
 
     def optimizer_reductions(self) -> Reductions | None:
         """How the optimizer encoder combines processes' rows (None: one process holds all). A
-        hook: :class:`~hf_dynaquant.sharded.ShardedCompressor` reduces over the ranks."""
+        hook: :class:`~hf_dynaquant.training.sharded.ShardedCompressor` reduces over the ranks."""
         return None
 
     def search_snapshot(self, snap: Snapshot) -> SearchResult:
@@ -653,7 +590,7 @@ class Compressor:
         if snap.optimizer is not None:
             encoded = encode_optimizer_state(
                 snap.optimizer,
-                self.optimizer_state,
+                self.settings.optimizer_state,
                 self.moment_quant,
                 self.optimizer_reductions(),
                 non_finite=self.config.non_finite,
@@ -674,7 +611,7 @@ class Compressor:
             ref=ref or f"step-{snap.step}",
             metadata=meta,
             codecs=quantized_codecs(
-                QuantPlan(self.config, plans), delta_coding=self.delta_coding, key=lambda s, n: f"{s}/{n}"
+                QuantPlan(self.config, plans), delta_coding=self.settings.delta_coding, key=lambda s, n: f"{s}/{n}"
             ),
             progress=progress,
             base_states=self._states,
@@ -737,20 +674,6 @@ class Compressor:
                 )
             optimizer.load_state_dict(opt_state)
         return meta
-
-
-_SETTING_NAMES = (
-    "optimizer_state",
-    "moment_quant",
-    "ema_steps",
-    "keyframe_every",
-    "delta_coding",
-    "threshold",
-    "metric",
-    "higher_is_better",
-    "search_space",
-    "pretrained",
-)
 
 
 def _raw_optimizer_bytes(state: Any) -> int:

@@ -14,8 +14,8 @@ a DynaQuant checkpoint of such a model without ever gathering a full tensor:
   shard's codes are the rows of the full tensor's codes.
 * **Each rank writes its own shard** as an ordinary store entry (reference
   ``<name>.shard-<rank>-of-<world>``), a delta on its own previous shard entry between keyframes.
-  The optimizer state is encoded by :mod:`hf_dynaquant.optimizer_state` with
-  :class:`~hf_dynaquant.optimizer_state.Reductions` over the ranks: an Adam update's (or SGD
+  The optimizer state is encoded by :mod:`hf_dynaquant.training.optimizer_state` with
+  :class:`~hf_dynaquant.training.optimizer_state.Reductions` over the ranks: an Adam update's (or SGD
   momentum's) codebook comes from the merged sketches, the fidelity check that picks its bin
   count (or lossless) from dot products and squared norms summed over the ranks, a scale's grid
   from the maximum over the ranks; so every rank decides what one process encoding the full
@@ -29,7 +29,7 @@ a DynaQuant checkpoint of such a model without ever gathering a full tensor:
 * **Loading onto any number of processes.** With the same number of ranks and the same row
   split, each rank decodes only its own shard. Otherwise every rank decodes the rows it needs
   from all the shards (re-assembling full tensors) and keeps its new slice; a plain
-  single-process checkpoint (:class:`~hf_dynaquant.compressor.Compressor`) loads onto an FSDP2
+  single-process checkpoint (:class:`~hf_dynaquant.training.compressor.Compressor`) loads onto an FSDP2
   model the same way, and a sharded one into a plain model.
 * **Configuration search in lockstep.** Under FSDP every forward pass needs every rank, so the
   search evaluates each candidate on all ranks together (each on its own evaluation data), with
@@ -59,9 +59,9 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from .compressor import MODEL, OPTIMIZER, CheckpointReport, Compressor, Snapshot, _cpu_copies
-from .core.kmeans import approximate_kmeans
-from .core.quantizer import (
+from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
+from ..core.kmeans import approximate_kmeans
+from ..core.quantizer import (
     EMBEDDING,
     FIRST_CENTRE,
     QuantConfig,
@@ -73,9 +73,9 @@ from .core.quantizer import (
     plan_quantization,
     refuse_or_warn_non_finite,
 )
-from .core.ranking import GradientEMA
-from .core.sketch import LogSketch
-from .errors import (
+from ..core.ranking import GradientEMA
+from ..core.sketch import LogSketch
+from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     EntryNotFoundError,
@@ -83,9 +83,10 @@ from .errors import (
     NonFiniteTensorWarning,
     UnsupportedSetupError,
 )
+from ..search import Lockstep, SearchResult
+from ..store import CheckpointStore, EntryReader
+from .compressor import MODEL, OPTIMIZER, CheckpointReport, Compressor, Snapshot, _cpu_copies
 from .optimizer_state import Reductions, decode_optimizer_state
-from .search import Lockstep, SearchResult
-from .store import CheckpointStore, EntryReader
 
 __all__ = [
     "ShardedCompressor",
@@ -98,68 +99,17 @@ __all__ = [
     "SHARDED_FORMAT",
 ]
 
-SHARDED_FORMAT = "hf_dynaquant.sharded"
+SHARDED_FORMAT = "hf_dynaquant.sharded"  # the format name (the module it was first written by)
 SHARDED_VERSION = 1
 # the relative accuracy of the sketch approximate_kmeans builds from raw values (its default),
 # which plan_quantization clusters; merged shard sketches must use the same to give the same centres
 _KMEANS_ALPHA = 0.001
 
 
-# ---------------------------------------------------------------------------------------------
-# collectives (no-ops in a single process)
-
-
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _device() -> torch.device:
-    """Where tensors for collectives live: the current GPU under NCCL, else the CPU."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_sum(values: np.ndarray) -> np.ndarray:
-    """Element-wise float64 sum of ``values`` over the ranks (an all-reduce)."""
-    if _world()[1] == 1:
-        return np.asarray(values, dtype=np.float64)
-    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_device())
-    torch.distributed.all_reduce(t)
-    return t.cpu().numpy()
-
-
-def all_max(values: np.ndarray) -> np.ndarray:
-    """Element-wise float64 maximum of ``values`` over the ranks (an all-reduce)."""
-    if _world()[1] == 1:
-        return np.asarray(values, dtype=np.float64)
-    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.cpu().numpy()
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (picklable objects between the job's own processes;
-    nothing read from disk is ever unpickled)."""
-    world = _world()[1]
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _barrier() -> None:
-    if _world()[1] > 1:
-        torch.distributed.barrier()
-
-
 def merge_sketches(sketches: Mapping[Any, LogSketch]) -> dict[Any, LogSketch]:
     """The sketches of every rank merged by key (one all-gather for all of them). Merging adds
     bucket counts, so the result equals the sketch of all the ranks' values together, exactly."""
-    gathered = _all_gather({key: s.to_dict() for key, s in sketches.items()})
+    gathered = all_gather({key: s.to_dict() for key, s in sketches.items()})
     merged: dict[Any, LogSketch] = {}
     for part in gathered:
         for key, d in part.items():
@@ -208,12 +158,12 @@ class ShardLayout:
     def of_state(cls, state: Mapping[str, torch.Tensor]) -> ShardLayout:
         """The layout of a live state dict; collective when distributed (one all-gather of the
         local row counts)."""
-        rank, world = _world()
+        rank, world = rank_world()
         sharded = [n for n, t in state.items() if _is_dtensor(t)]
         for n in sharded:
             _check_placement(n, state[n], world)
         local_rows = [local_tensor(state[n]).shape[0] for n in sharded]
-        rows = np.array(_all_gather(local_rows), dtype=np.int64).reshape(world, len(sharded))
+        rows = np.array(all_gather(local_rows), dtype=np.int64).reshape(world, len(sharded))
         tensors = {n: {"shape": list(t.shape), "dtype": str(t.dtype), "rows": None} for n, t in state.items()}
         for i, n in enumerate(sharded):
             tensors[n]["rows"] = rows[:, i].tolist()
@@ -327,8 +277,8 @@ def plan_sharded(
         centres = approximate_kmeans(merged, k, sigma=config.sigma, seed=config.seed) if merged.count else np.zeros(1)
         tp.centres = centres.astype(np.float32)
     if config.rounding == "stochastic":  # a shard draws the random numbers of its rows of the full tensor
-        rows = _all_gather({n: int(selected[n].shape[0]) for n in plan.tensors})
-        rank = _world()[0]
+        rows = all_gather({n: int(selected[n].shape[0]) for n in plan.tensors})
+        rank = rank_world()[0]
         for n, tp in plan.tensors.items():
             tp.dither_offset = sum(r[n] for r in rows[:rank]) * int(np.prod(shapes[n][1:], dtype=np.int64))
     return QuantPlan(config, plan.tensors)
@@ -342,9 +292,9 @@ def open_shared_store(store: CheckpointStore | str | Path) -> CheckpointStore:
     """A store every rank writes to: rank 0 creates it, the others open it after."""
     if isinstance(store, CheckpointStore):
         return store
-    rank = _world()[0]
+    rank = rank_world()[0]
     opened = CheckpointStore(store) if rank == 0 else None
-    _barrier()
+    barrier()
     return opened or CheckpointStore(store, create=False)
 
 
@@ -360,7 +310,7 @@ class _LocalGradientEMA(GradientEMA):
 
 class ShardedCompressor(Compressor):
     """DynaQuant checkpoints of an FSDP2 model, each rank compressing its own shard (see the
-    module docstring). Same arguments and loop calls as :class:`~hf_dynaquant.compressor.Compressor`;
+    module docstring). Same arguments and loop calls as :class:`~hf_dynaquant.training.compressor.Compressor`;
     :meth:`compress` and :meth:`restore` are collective (call them on every rank).
 
     With ``threshold`` the configuration is searched at every checkpoint in lockstep: give each
@@ -371,13 +321,12 @@ class ShardedCompressor(Compressor):
     """
 
     def __init__(self, model: torch.nn.Module, store: CheckpointStore | str | Path, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("config", args[0] if args else None)
-        if (config is not None and config.residual != "none") or kwargs.get("pretrained", "auto") not in ("auto", None):
+        super().__init__(model, None, *args, **kwargs)
+        if self.config.residual != "none" or self.settings.pretrained not in ("auto", None):
             raise UnsupportedSetupError(
                 "ShardedCompressor codes the weights directly: residual coding (QuantConfig.residual, pretrained=) "
                 "is not available for sharded models"
             )
-        super().__init__(model, None, *args, **kwargs)
         self.store = open_shared_store(store)
         self.ema = _LocalGradientEMA(model.named_parameters(), beta=self.ema.beta)
         self.layout: ShardLayout | None = None
@@ -391,7 +340,7 @@ class ShardedCompressor(Compressor):
         """This rank's shards copied to the CPU (collective: the row layout is gathered). The
         search, if any, evaluates the live model (every rank together), so ``detach_model`` is
         ignored."""
-        rank, world = _world()
+        rank, world = rank_world()
         live = self.model.state_dict(keep_vars=True)
         self.layout = layout = ShardLayout.of_state(live)
         param_names = {id(p): n for n, p in self.model.named_parameters()}
@@ -399,7 +348,7 @@ class ShardedCompressor(Compressor):
         params = {n: param_names[id(t)] for n, t in live.items() if id(t) in param_names and layout.rows(n) is not None}
         state = _cpu_copies((n, local_tensor(t)) for n, t in live.items() if layout.stores(n, rank))
         optimizer = None
-        if self.optimizer is not None and self.optimizer_state != "drop":
+        if self.optimizer is not None and self.settings.optimizer_state != "drop":
             full = self.optimizer.state_dict()
             self._optimizer_sharded = {
                 str(pid): sorted(k for k, v in entry.items() if _is_dtensor(v)) for pid, entry in full["state"].items()
@@ -422,7 +371,7 @@ class ShardedCompressor(Compressor):
         weights = {n: snap.state[n] for n in snap.params}
         sens = snap.sensitivity()
         complete = sens is not None and len(sens) == len(weights)
-        everywhere = all_sum(np.array([float(complete)]))[0] == _world()[1]  # the ranks must agree
+        everywhere = all_sum(np.array([float(complete)]))[0] == rank_world()[1]  # the ranks must agree
         return weights, (sens if everywhere else None)
 
     def _shapes(self) -> dict[str, list[int]]:
@@ -450,7 +399,7 @@ class ShardedCompressor(Compressor):
                 weights, config, shapes=shapes, types=types, sensitivity=sens, sketch_cache=cache, where=where
             )
 
-        lockstep = Lockstep(plan=plan, all_sum=all_sum, ranks=_world()[1])
+        lockstep = Lockstep(plan=plan, all_sum=all_sum, ranks=rank_world()[1])
         self.last_search = self.search.search(
             snap.model, weights, types=types, sensitivity=sens, lockstep=lockstep, where=where
         )
@@ -460,11 +409,11 @@ class ShardedCompressor(Compressor):
     def write(self, snap: Snapshot, *, ref: str | None = None, **options: Any) -> CheckpointReport:
         """Write this rank's shard entry, then (rank 0, once every shard is durable) the index
         under ``ref`` (default ``step-<step>``). Collective. ``options``: those of
-        :meth:`Compressor.write <hf_dynaquant.compressor.Compressor.write>` (``searched``, ``progress``)."""
-        rank, world = _world()
+        :meth:`Compressor.write <hf_dynaquant.training.compressor.Compressor.write>` (``searched``, ``progress``)."""
+        rank, world = rank_world()
         name = ref or f"step-{snap.step}"
         report = super().write(snap, ref=shard_ref(name, rank, world), **options)
-        shards = _all_gather(report.entry)  # every shard entry is durable once this returns
+        shards = all_gather(report.entry)  # every shard entry is durable once this returns
         index = None
         if rank == 0:
             assert self.layout is not None
@@ -478,7 +427,7 @@ class ShardedCompressor(Compressor):
                 "optimizer": self._optimizer_sharded if snap.optimizer is not None else None,
             }
             index = self.store.write(metadata=meta, ref=name)
-        index = _all_gather(index)[0]  # also: nobody returns before the index is written
+        index = all_gather(index)[0]  # also: nobody returns before the index is written
         self.last_report = replace(report, entry=index)
         return self.last_report
 
@@ -486,7 +435,7 @@ class ShardedCompressor(Compressor):
         """How the optimizer encoder combines the ranks' rows: plans from merged sketches, sums
         and maxima over the ranks. A parameter's state counts on every rank when it is sharded
         (each rank holds its own rows), else on rank 0 only (every rank holds the same copy)."""
-        rank = _world()[0]
+        rank = rank_world()[0]
         sharded = {pid for pid, keys in self._optimizer_sharded.items() if keys}
         return Reductions(
             plan=plan_sharded, total=all_sum, maximum=all_max, counts=lambda pid: str(pid) in sharded or rank == 0
@@ -498,7 +447,7 @@ class ShardedCompressor(Compressor):
         next checkpoint is a delta on this rank's shard when the row split is the same."""
         ref = f"step-{step_or_ref}" if isinstance(step_or_ref, int) else step_or_ref
         meta = load_sharded(self.store, ref, model or self.model, optimizer or self.optimizer)
-        rank, world = _world()
+        rank, world = rank_world()
         own = meta.get("sharded", {}).get("shards", [])
         same_split = meta.get("_same_split", False)
         if same_split and len(own) == world:
@@ -622,7 +571,7 @@ def load_sharded(
     its slice. The decoded values are the same either way. The returned metadata also holds
     ``_same_split`` (whether this rank read only its own shard)."""
     store = store if isinstance(store, CheckpointStore) else CheckpointStore(store, create=False)
-    rank, world = _world()
+    rank, world = rank_world()
     live = model.state_dict(keep_vars=True)
     target = ShardLayout.of_state(live)
     shards = _Shards(store, ref)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import UnsupportedTensorError
+from ..errors import UnsupportedTensorError
 
 __all__ = [
     "RawTensor",

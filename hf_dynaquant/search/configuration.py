@@ -56,7 +56,7 @@ configuration that keeps to it, at every checkpoint, cheaply:
 * **Sharded models (lockstep).** Under FSDP every forward needs every rank, so candidates cannot
   be spread: with a :class:`Lockstep` all ranks plan (from sketches merged over the ranks),
   size and evaluate the same candidate together, sizes are summed over the ranks and metric
-  values averaged, so every rank takes the same decisions (see :mod:`hf_dynaquant.sharded`).
+  values averaged, so every rank takes the same decisions (see :mod:`hf_dynaquant.training.sharded`).
 * **Safe evaluation.** A candidate is evaluated by writing its dequantized values into the live
   model in place and copying the originals back from the checkpoint's CPU snapshot (which the
   compressor holds anyway: no deep copy of the model), under ``torch.no_grad``, in eval mode,
@@ -74,385 +74,31 @@ import itertools
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .core.entropy import order0_bits
-from .core.quantizer import (
+from ..core.collectives import all_gather, broadcast, rank_world
+from ..core.entropy import order0_bits
+from ..core.quantizer import (
     EMBEDDING,
     QuantConfig,
-    RESIDUALS,
     QuantPlan,
     decoded_values,
     plan_quantization,
     quantize,
     refuse_or_warn_non_finite,
 )
-from .core.rng import preserved_rng
-from .errors import InvalidSettingError
-
-__all__ = [
-    "held_out",
-    "QualityMetric",
-    "Measurement",
-    "paired_standard_error",
-    "SearchSpace",
-    "SearchResult",
-    "Reference",
-    "ConfigurationSearch",
-    "evaluate_plan",
-    "measured_bits",
-    "Lockstep",
-    "mean_loss",
-    "accuracy",
-    "perplexity",
-    "output_distortion",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# quality metrics
-
-
-@dataclass
-class Measurement:
-    """One evaluation of a model by a :class:`QualityMetric`: its value and, for a metric that can
-    say how precise it is, the per-example evidence that two evaluations on the same examples are
-    compared by (per-batch losses, cached predictions)."""
-
-    value: float
-    evidence: Any = field(default=None, repr=False)
-
-
-@dataclass
-class QualityMetric:
-    """A model-quality measure and its direction; :meth:`degradation` is relative (0.01 = 1%).
-
-    A metric made with ``measure`` (``model -> Measurement``) and ``paired_error`` (``(baseline,
-    candidate) -> standard error of the degradation``) tells the search how precisely a
-    degradation is known: the baseline and a candidate are evaluated on the same examples, so
-    the degradation is a paired difference whose standard error the evidence gives (see
-    :func:`mean_loss` and :func:`hf_dynaquant.integrations.trainer.trainer_metric`)."""
-
-    fn: Callable[[torch.nn.Module], float]
-    higher_is_better: bool = False
-    name: str = "metric"
-    relative: bool = True  # False for a metric that is itself a distortion (0 = perfect)
-    measure_fn: Callable[[torch.nn.Module], Measurement] | None = field(default=None, repr=False)
-    paired_error: Callable[[Measurement, Measurement], float] | None = field(default=None, repr=False)
-
-    def __call__(self, model: torch.nn.Module) -> float:
-        return float(self.fn(model))
-
-    def measure(self, model: torch.nn.Module) -> Measurement:
-        """The value on ``model`` with the evidence :meth:`compare` needs."""
-        return self.measure_fn(model) if self.measure_fn is not None else Measurement(self(model))
-
-    def degradation(self, baseline: float, value: float) -> float:
-        """How much worse ``value`` is than ``baseline``, relative to it (negative: better)."""
-        worse = baseline - value if self.higher_is_better else value - baseline
-        return worse / max(abs(baseline), 1e-12) if self.relative else worse
-
-    def compare(self, baseline: Measurement, value: Measurement) -> dict[str, tuple[float, float]]:
-        """``{measure name: (degradation, standard error)}`` of a candidate against the baseline;
-        a candidate passes only if every measure does. The standard error is 0 for a metric
-        without ``paired_error`` (nothing is known about its precision)."""
-        deg = self.degradation(baseline.value, value.value)
-        se = self.paired_error(baseline, value) if self.paired_error is not None and math.isfinite(deg) else 0.0
-        return {self.name: (deg, float(se))}
-
-
-def paired_standard_error(baseline: np.ndarray, value: np.ndarray, scale: float) -> float:
-    """Standard error of ``mean(value - baseline) / scale`` over paired units (examples or
-    batches of the same examples); 0 with fewer than 2 units (nothing to estimate it from)."""
-    diff = np.asarray(value, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)
-    if diff.size < 2:
-        return 0.0
-    return float(diff.std(ddof=1) / math.sqrt(diff.size) / max(abs(scale), 1e-12))
-
-
-def _batches(data: Iterable[Any]) -> list[Any]:
-    return list(data)
-
-
-def held_out(data: Iterable[Any], n: int) -> list[Any]:
-    """The first ``n`` batches of ``data`` (a DataLoader, a list, any iterable), materialised,
-    to evaluate candidates on; keep them out of training."""
-    return list(itertools.islice(iter(data), n))
-
-
-def _loss_of(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
-    if isinstance(batch, Mapping):
-        out = model(**batch)
-        return model_output_loss(out) if loss_fn is None else loss_fn(out, batch)
-    inputs, target = batch
-    out = model(inputs)
-    logits = getattr(out, "logits", out)
-    return (loss_fn or torch.nn.functional.cross_entropy)(logits, target)
-
-
-def model_output_loss(out: Any) -> torch.Tensor:
-    """The loss in a model's output, read as ``transformers.Trainer.compute_loss`` reads it: a
-    ``ModelOutput`` or a dict holds it under ``"loss"``, a tuple or list first."""
-    if isinstance(out, Mapping):  # ModelOutput is an OrderedDict
-        loss = out.get("loss")
-    elif isinstance(out, (tuple, list)):
-        loss = out[0] if out else None
-    else:
-        loss = getattr(out, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        keys = f" (keys: {', '.join(map(str, out.keys()))})" if isinstance(out, Mapping) else ""
-        raise InvalidSettingError(
-            f"the model returned no loss for an evaluation batch: got {type(out).__name__}{keys}; give the batches "
-            "their labels, or pass metric= (a callable model -> float) for the configuration search"
-        )
-    return loss
-
-
-def mean_loss(
-    data: Iterable[Any],
-    loss_fn: Callable | None = None,
-    *,
-    compute_loss: Callable[[torch.nn.Module, Mapping[str, Any]], torch.Tensor] | None = None,
-) -> QualityMetric:
-    """Mean loss over evaluation batches (lower is better). A batch is a dict for a Hugging Face
-    model (the loss of ``model(**batch)``: a ``ModelOutput``'s or dict's ``"loss"``, a tuple's
-    first element) or an ``(inputs, target)`` pair (cross-entropy by default). ``compute_loss``
-    (``(model, batch) -> loss``, e.g. a ``Trainer``'s own ``compute_loss``) replaces the default for
-    dict batches; it gets a shallow copy of each batch, so it may pop keys.
-
-    The batches are the paired units of the standard error (a loss function returns one mean
-    per batch): the degradation's standard error is that of the mean of per-batch differences,
-    so it needs at least 2 batches (with 1 it is reported as 0)."""
-    batches = _batches(data)
-
-    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        if compute_loss is not None and isinstance(batch, Mapping):
-            return compute_loss(model, dict(batch))
-        return _loss_of(model, batch, loss_fn)
-
-    def measure(model: torch.nn.Module) -> Measurement:
-        dev = _device_of(model)
-        losses = np.array([loss(model, _to(b, dev)).item() for b in batches], dtype=np.float64)
-        return Measurement(float(losses.mean()), losses)
-
-    return QualityMetric(
-        lambda model: measure(model).value,
-        higher_is_better=False,
-        name="loss",
-        measure_fn=measure,
-        paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
-    )
-
-
-def perplexity(data: Iterable[Any]) -> QualityMetric:
-    """``exp`` of the mean loss (lower is better)."""
-    loss = mean_loss(data)
-    return QualityMetric(lambda m: math.exp(loss(m)), higher_is_better=False, name="perplexity")
-
-
-def accuracy(data: Iterable[Any]) -> QualityMetric:
-    """Top-1 accuracy over ``(inputs, labels)`` batches (higher is better); the standard error
-    of a degradation from the per-example differences in correctness."""
-    batches = _batches(data)
-
-    def measure(model: torch.nn.Module) -> Measurement:
-        dev = _device_of(model)
-        right = [
-            (getattr(out, "logits", out).argmax(-1).cpu() == labels).reshape(-1)
-            for out, labels in ((model(_to(inputs, dev)), labels) for inputs, labels in batches)
-        ]
-        correct = torch.cat(right).numpy().astype(np.float64) if right else np.zeros(0)
-        return Measurement(float(correct.mean()) if correct.size else 0.0, correct)
-
-    return QualityMetric(
-        lambda model: measure(model).value,
-        higher_is_better=True,
-        name="accuracy",
-        measure_fn=measure,
-        paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
-    )
-
-
-def output_distortion(model: torch.nn.Module, data: Iterable[Any]) -> QualityMetric:
-    """Default calibration metric without labels: relative squared error of the model's outputs
-    against the original model's outputs on the same inputs (0 for the original)."""
-    batches = _batches(data)
-    with torch.no_grad():
-        reference = [_output(model, b) for b in batches]
-
-    def fn(m: torch.nn.Module) -> float:
-        num = den = 0.0
-        for b, ref in zip(batches, reference):
-            out = _output(m, b)
-            num += float((out - ref).pow(2).sum())
-            den += float(ref.pow(2).sum())
-        return num / max(den, 1e-30)
-
-    return QualityMetric(fn, higher_is_better=False, name="output_distortion", relative=False)
-
-
-def _output(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    dev = _device_of(model)
-    out = model(**_to(batch, dev)) if isinstance(batch, Mapping) else model(_to(batch, dev))
-    for attr in ("logits", "last_hidden_state"):
-        if hasattr(out, attr):
-            return getattr(out, attr).float().cpu()
-    return (out[0] if isinstance(out, (tuple, list)) else out).float().cpu()
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
-
-
-# ---------------------------------------------------------------------------------------------
-# the configuration cube
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """The configuration cube (the paper's Table 7, plus 3 bins). Each axis is listed from the
-    most compressive to the highest-quality value.
-
-    3 bins is our addition: on the Trainer benchmark (benchmarks/RESULTS.md, "Trainer
-    integration") the search takes it at the 1% threshold and the run ends as close to the
-    uncompressed one as with 4 bins (+0.3%) at 1.2x the weights ratio. 2 bins also passes the
-    per-checkpoint test there but ends +2% after 10 restores, so it is not offered by default.
-    """
-
-    bins: tuple[int, ...] = (3, 4, 6, 8, 12, 16, 32)
-    prune: tuple[float, ...] = (0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
-    protect: tuple[float, ...] = (0.0005, 0.005, 0.01)
-    metrics: tuple[str, ...] = ("magnitude", "sensitivity")
-    embedding_bins: tuple[int, ...] = (16, 32)
-    residuals: tuple[str, ...] = ("pretrained", "previous", "none")  # each offered where available
-
-    def __post_init__(self) -> None:
-        if bad := [r for r in self.residuals if r not in RESIDUALS]:
-            raise InvalidSettingError(f"SearchSpace.residuals: unknown {bad}; choose from {RESIDUALS}")
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return len(self.bins), len(self.prune), len(self.protect)
-
-    def config(
-        self, point: tuple[int, int, int], metric: str, base: QuantConfig, embedding_bins: int, residual: str = "none"
-    ) -> QuantConfig:
-        return replace(
-            base,
-            bins=self.bins[point[0]],
-            prune=self.prune[point[1]],
-            protect=self.protect[point[2]],
-            metric=metric,
-            embedding_bins=embedding_bins,
-            residual=residual,
-        )
-
-    def point_of(self, config: QuantConfig) -> tuple[int, int, int]:
-        return self.bins.index(config.bins), self.prune.index(config.prune), self.protect.index(config.protect)
-
-    def holds(self, config: QuantConfig) -> bool:
-        """Whether ``config`` is one of this cube's configurations (every searched knob on an axis)."""
-        on_axes = (
-            config.bins in self.bins
-            and config.prune in self.prune
-            and config.protect in self.protect
-            and config.embedding_bins in self.embedding_bins
-        )
-        return on_axes and config.metric in self.metrics and config.residual in self.residuals
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What residual candidates of one kind (``"previous"`` or ``"pretrained"``) code against:
-    reference values by tensor name (a tensor without one is coded directly), and the
-    sensitivity of the residual, ``|EMA(g) * (w - ref)|`` (``None`` without gradients)."""
-
-    values: Mapping[str, torch.Tensor]
-    sensitivity: Mapping[str, torch.Tensor] | None = None
-
-
-@dataclass
-class Candidate:
-    """One evaluated configuration."""
-
-    config: QuantConfig
-    degradation: float  # of the binding measure: the one with the largest degradation + z * standard error
-    bits: float  # measured: entropy of the codes + 16 per protected value, per quantized value
-    passed: bool
-    plan: QuantPlan | None = field(default=None, repr=False, compare=False)  # kept on the rank that made it
-    standard_error: float = 0.0  # of ``degradation`` (paired: baseline and candidate on the same examples)
-    measures: dict[str, tuple[float, float]] = field(default_factory=dict)  # every measure: (degradation, s.e.)
-    weight_error: float | None = None  # relative L2 error of the decoded quantized weights (what a resume loads)
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.config
-        return {
-            "bins": c.bins,
-            "prune": c.prune,
-            "protect": c.protect,
-            "metric": c.metric,
-            "embedding_bins": c.embedding_bins,
-            "residual": c.residual,
-            "degradation": self.degradation,
-            "standard_error": self.standard_error,
-            "measures": {k: list(v) for k, v in self.measures.items()},
-            "weight_error": self.weight_error,
-            "bits": self.bits,
-            "passed": self.passed,
-        }
-
-
-@dataclass
-class SearchResult:
-    """What the manager chose for one checkpoint and how."""
-
-    config: QuantConfig | None  # None: nothing passed; store this checkpoint losslessly
-    degradation: float | None
-    baseline: float
-    mode: str  # "exhaustive" | "neighbourhood" | "fallback" | "non-finite" (the metric was NaN or inf)
-    candidates: list[Candidate] = field(default_factory=list)
-    local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
-    plan: QuantPlan | None = field(default=None, repr=False)
-    sized: int = 0  # configurations planned and measured without evaluating the model, to order the candidates
-    standard_error: float | None = None  # of the chosen candidate's degradation: what the test could resolve
-    z: float = 0.0  # the pass rule: degradation + z * standard_error <= threshold
-    weight_error: float | None = None  # of the chosen candidate: relative L2 error of the weights a resume loads
-
-    @property
-    def evaluations(self) -> int:
-        return len(self.candidates)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config.to_dict() if self.config else None,
-            "residual": self.config.residual if self.config else None,
-            "degradation": self.degradation,
-            "standard_error": self.standard_error,
-            "z": self.z,
-            "weight_error": self.weight_error,
-            "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
-            "mode": self.mode,
-            "evaluations": self.evaluations,
-            "sized": self.sized,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
+from ..core.rng import preserved_rng
+from ..errors import InvalidSettingError
+from .quality import Measurement, QualityMetric
+from .space import Candidate, Reference, SearchResult, SearchSpace
+
+__all__ = ["ConfigurationSearch", "Lockstep", "evaluate_plan", "measured_bits"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,21 +216,6 @@ def _evaluate(
     return value, totals
 
 
-def _gather(local: list[Any]) -> list[Any]:
-    """All ranks' lists concatenated in rank order (or the local list without distribution)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return local
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, local)
-    return [x for part in out for x in part]
-
-
-def _world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 @dataclass(frozen=True)
 class Lockstep:
     """How a search runs when every evaluation needs every rank (a sharded model: under FSDP a
@@ -593,7 +224,7 @@ class Lockstep:
 
     Args:
         plan: the plan of a configuration, identical on every rank for the tensors it covers
-            (:func:`hf_dynaquant.sharded.plan_sharded`: from sketches merged over the ranks).
+            (:func:`hf_dynaquant.training.sharded.plan_sharded`: from sketches merged over the ranks).
             Called on every rank together (it may be collective).
         all_sum: element-wise sum of a float64 array over the ranks (an all-reduce).
         ranks: the number of ranks; a metric value is averaged over them, so that every rank
@@ -683,10 +314,7 @@ class ConfigurationSearch:
         calls it). After a resume only the writing rank reads the stored configuration
         (:meth:`continue_from`), while the next search is spread over all ranks, which must
         search alike."""
-        if _world()[1] > 1:
-            box = [self.last]
-            torch.distributed.broadcast_object_list(box, src=0)
-            self.last = box[0]
+        self.last = broadcast(self.last)
 
     def judge(
         self, config: QuantConfig, measures: Mapping[str, tuple[float, float]], bits: float, plan: QuantPlan | None
@@ -829,7 +457,7 @@ class _Context:
         self.residuals = ["none", *self.references]  # offered residual kinds (the search narrows them)
         self.base_codes: dict[str, np.ndarray] = {}  # the base entry's codes, for sizes as stored
         self.lockstep, self.where = lockstep, where
-        self.rank, self.world = (0, 1) if lockstep is not None else _world()  # in lockstep nothing is spread
+        self.rank, self.world = (0, 1) if lockstep is not None else rank_world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
         self.metrics = list(metrics)
         self.tried: list[Candidate] = []
@@ -883,7 +511,7 @@ class _Context:
         if self.lockstep is not None and totals:
             totals = list(self.lockstep.all_sum(np.stack(totals)))  # every rank sized every candidate
         mine = [(c, float(t[0] / max(t[1], 1.0))) for c, t in zip(todo[rank::world], totals)]
-        self._bits.update(_gather(mine) if world > 1 else mine)
+        self._bits.update([x for part in all_gather(mine) for x in part] if world > 1 else mine)
         self.sized += len(todo)
         return [self._bits[c] for c in configs]
 
@@ -906,7 +534,7 @@ class _Context:
                 cand.weight_error = float(math.sqrt(totals[2] / max(totals[3], 1e-300)))
                 mine.append(cand)
                 self.local += 1
-            gathered = _gather([replace(c, plan=None) for c in mine]) if world > 1 else mine
+            gathered = [x for part in all_gather([replace(c, plan=None) for c in mine]) for x in part] if world > 1 else mine
             for cand in gathered:
                 for other in self.tried:
                     if self.below(other.config, cand.config):

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .errors import FormatError, MissingPretrainedError
+from ..errors import FormatError, MissingPretrainedError
 
 __all__ = ["PretrainedWeights", "resolve_pretrained", "describe_pretrained", "file_sha256", "DESCRIPTOR_VERSION"]
 
@@ -253,7 +253,7 @@ class PretrainedWeights:
         folder, source, revision = _locate(source, revision, where)
         origin = None
         if _is_dynaquant_snapshot(folder):
-            from .integrations.hub import materialize  # heavy; only for snapshots
+            from ..integrations.hub import materialize  # heavy; only for snapshots
 
             origin = f"{source}@{revision}" if revision else source
             folder = materialize(folder)

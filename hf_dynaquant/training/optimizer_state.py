@@ -34,14 +34,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .core.moments import (
+from ..core.moments import (
     adam_to_update_scale,
     fidelity_from_sums,
     fidelity_sums,
     scale_plan,
     update_scale_to_adam,
 )
-from .core.quantizer import (
+from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
     TensorPlan,
@@ -50,8 +50,8 @@ from .core.quantizer import (
     quantize,
     refuse_or_warn_non_finite,
 )
-from .errors import FormatError
-from .store.tree import flatten_tree
+from ..errors import FormatError
+from ..store.tree import flatten_tree
 
 __all__ = [
     "OPTIMIZER_MODES",
@@ -165,7 +165,7 @@ class Reductions:
 
     Args:
         plan: the quantization plan of the full tensors from this process's part of each
-            (:func:`hf_dynaquant.sharded.plan_sharded`: thresholds and codebooks from sketches
+            (:func:`hf_dynaquant.training.sharded.plan_sharded`: thresholds and codebooks from sketches
             merged over the processes); identical on every process.
         total: element-wise float64 sum of an array over the processes (an all-reduce): tensor
             sizes and the sums the fidelity check is made of.
@@ -201,7 +201,7 @@ def encode_optimizer_state(
     """Prepare an optimizer ``state_dict`` for storage in ``mode`` (``None`` for ``"drop"``).
 
     ``reductions`` (default: one process's) make processes that each hold rows of the state
-    take the decisions of the full state (:class:`~hf_dynaquant.sharded.ShardedCompressor`).
+    take the decisions of the full state (:class:`~hf_dynaquant.training.sharded.ShardedCompressor`).
     Moments holding NaN or infinite values are stored losslessly with a warning, or refused
     (``non_finite="raise"``, see ``QuantConfig.non_finite``); ``where`` (e.g. ``"step 40"``)
     goes in the message."""

@@ -23,16 +23,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from .calibration import search_pretrained
-from .codecs.base import Codec
-from .codecs.dynaquant import DynaQuantCodec
-from .compressor import quantized_codecs
-from .core.quantizer import QuantConfig, plan_quantization
-from .dtypes import itemsize
-from .errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
-from .store import CheckpointStore
-from .store.atomic import TempDir, fsync_dir, remove_dead_leftovers
-from .store.safetensors_io import StreamingWriter, header_size_estimate
+from ..codecs.base import Codec
+from ..codecs.dynaquant import DynaQuantCodec
+from ..core.dtypes import itemsize
+from ..core.quantizer import QuantConfig, plan_quantization
+from ..errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
+from ..store import CheckpointStore
+from ..store.atomic import TempDir, fsync_dir, remove_dead_leftovers
+from ..store.safetensors_io import StreamingWriter, header_size_estimate
+from ..training.compressor import quantized_codecs
+from .calibration import PRETRAINED_BASE, search_pretrained
 
 __all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
 
@@ -168,10 +168,10 @@ def compress_folder(
     Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
     the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
     With ``codec="dynaquant"`` the weights are quantized with ``quant`` (default
-    :class:`QuantConfig`), or, given a ``threshold``, with the most compressive configuration
+    :data:`~hf_dynaquant.pretrained.calibration.PRETRAINED_BASE`), or, given a ``threshold``, with the most compressive configuration
     whose output distortion on calibration text stays within it (see
-    :mod:`hf_dynaquant.calibration`); without gradients, sensitivity means magnitude.
-    ``search`` passes further options to :func:`~hf_dynaquant.calibration.search_pretrained`
+    :mod:`hf_dynaquant.pretrained.calibration`); without gradients, sensitivity means magnitude.
+    ``search`` passes further options to :func:`~hf_dynaquant.pretrained.calibration.search_pretrained`
     (``metric``, ``data``, ``space``).
     """
     src, dst = Path(src), Path(dst)
@@ -206,7 +206,7 @@ def compress_folder(
                         "use codec='lossless' or a larger threshold="
                     )
                 quant = result.config
-            quant = quant or QuantConfig()
+            quant = quant or PRETRAINED_BASE
             plan = plan_quantization(_AllSections(sources), quant)
             metadata["quant_config"] = quant.to_dict()
             codecs = quantized_codecs(plan, key=_AllSections.key)

@@ -15,12 +15,33 @@ from typing import Any
 
 import torch
 
-from .core.quantizer import QuantConfig, layer_types
+from ..core.quantizer import QuantConfig, layer_types
+from ..errors import DynaQuantError
+from ..search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, output_distortion
 from .corpus import docstring_corpus
-from .errors import DynaQuantError
-from .search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, output_distortion
 
-__all__ = ["calibration_batches", "search_pretrained"]
+__all__ = ["DEFAULT_THRESHOLD", "PRETRAINED_BASE", "PRETRAINED_SPACE", "calibration_batches", "search_pretrained"]
+
+
+# Output distortion (relative squared error of the model's outputs on calibration text) a
+# snapshot may cost by default. On all-MiniLM-L6-v2 it admits ~13x; fine-tuning from that
+# snapshot lands within one standard deviation of fine-tuning from the original
+# (benchmarks/RESULTS.md, "Hub snapshots").
+DEFAULT_THRESHOLD = 0.4
+
+# The cube for pre-trained snapshots: Table 7's axes without 32 bins (a snapshot that needs 32
+# bins everywhere is better stored losslessly) and with embeddings fixed at 3 levels. Embedding
+# tables are half of a small encoder's bytes and, measured on MiniLM, the least sensitive part
+# (16 levels on the embeddings alone keep 0.999 sentence-embedding cosine); the search only tries
+# fewer embedding levels after settling the rest, when the budget is spent, so with the
+# paper's (16, 32) it stopped at 9.3x where fixing 3 levels reaches 12x at the same distortion
+# (measured before the rANS coder; 13.45x with it).
+PRETRAINED_SPACE = SearchSpace(bins=(4, 6, 8, 12, 16), embedding_bins=(3,))
+
+# Frequency-only K-means weighting (sigma = 1): it minimises the squared error of the weights,
+# which measured better output fidelity on pre-trained MiniLM than the paper's 0.2 (tuned for
+# training checkpoints) at every bin count we tried.
+PRETRAINED_BASE = QuantConfig(sigma=1.0)
 
 
 def calibration_batches(
@@ -52,7 +73,9 @@ def search_pretrained(
 ) -> SearchResult:
     """Search the configuration for the model in ``folder`` (loaded with transformers'
     ``AutoModel``). Quality is ``metric`` when given, else the output distortion on ``data``
-    (model-ready batches), by default calibration text through the model's ``AutoTokenizer``."""
+    (model-ready batches), by default calibration text through the model's ``AutoTokenizer``.
+    The cube and fixed knobs default to the pre-trained presets (:data:`PRETRAINED_SPACE`,
+    :data:`PRETRAINED_BASE`), whichever entry point searches (Python, the CLI, the Hub tools)."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -71,7 +94,7 @@ def search_pretrained(
             raise DynaQuantError(f"{folder}: no tokenizer for calibration text ({exc})") from None
         metric = output_distortion(model, calibration_batches(tokenizer))
     snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
-    search = ConfigurationSearch(metric, threshold, space=space, base=base)
+    search = ConfigurationSearch(metric, threshold, space=space or PRETRAINED_SPACE, base=base or PRETRAINED_BASE)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*needs gradients.*")  # a saved model has none
         with torch.no_grad():

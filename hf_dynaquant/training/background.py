@@ -19,8 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .core.pool import ForkSafePool, reset_after_fork
-from .errors import BackgroundCompressionError
+from ..core.pool import ForkSafePool, reset_after_fork
+from ..errors import BackgroundCompressionError
 
 __all__ = ["BackgroundWorker"]
 

@@ -1,0 +1,178 @@
+"""One run's checkpoints, from the framework's save to the rotated folder, and the resume.
+
+A framework (the Trainer, Accelerate) decides *when* a checkpoint is saved, writes its own small
+files into a ``checkpoint-N`` folder and rotates old folders. :class:`CheckpointManager` does
+everything else, the same way for every framework:
+
+1. :meth:`~CheckpointManager.take` (training thread, every rank): wait for the checkpoint in
+   flight (at most one), snapshot weights, optimizer state and the gradient EMA to the CPU; with
+   several processes run the configuration search right there on every rank (its collectives
+   would interleave with DDP's from a background thread; one process searches later, on a CPU
+   copy of the model, in the background).
+2. :meth:`~CheckpointManager.write` (the writing process, once the framework's files are on
+   disk): copy those small files into the entry's extras, then, on the background thread,
+   encode into the store, mark the folder complete (``dynaquant.json``), remove the uncompressed
+   files a plain framework save left there, release the references of folders the framework
+   rotated away, and report.
+3. :meth:`~CheckpointManager.resume` (every rank, after the decoded state was loaded): the next
+   checkpoint goes on with the loaded entry's delta chain, every rank rounds stochastically with
+   the same seed, and the search goes on from rank 0's stored configuration.
+
+Reports reach :attr:`CheckpointManager.reports` and the ``on_report`` callback in the training
+thread (a finished background job is collected at the next :meth:`check`, :meth:`take` or
+:meth:`wait`), so an integration can hand them to its loggers safely.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..core.collectives import is_distributed
+from ..search import SearchResult
+from .background import BackgroundWorker
+from .checkpoint_dir import collect_small_files, release_rotated, remove_uncompressed, write_marker
+from .compressor import CheckpointReport, Compressor, Snapshot
+
+__all__ = ["CheckpointManager", "PendingCheckpoint", "PROGRESS_BYTES"]
+
+PROGRESS_BYTES = 256 << 20  # checkpoints larger than this show a progress bar by default
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint taken but not yet handed to the writer."""
+
+    step: int
+    snapshot: Snapshot | None  # None on a process that does not write
+    searched: SearchResult | None  # the search's result when it ran in the training thread
+    started: float  # time.perf_counter() when the save began (for the stall figure)
+
+
+class CheckpointManager:
+    """The checkpoints of one run (see the module docstring).
+
+    Args:
+        compressor: does the numerics (snapshot, search, encode, restore).
+        background: encode and write on a background thread.
+        progress: show a progress bar while writing (``None``: for checkpoints over
+            :data:`PROGRESS_BYTES`).
+        on_report: called with each :class:`~hf_dynaquant.training.compressor.CheckpointReport`,
+            in the training thread.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        background: bool = True,
+        progress: bool | None = None,
+        on_report: Callable[[CheckpointReport], None] | None = None,
+    ) -> None:
+        self.compressor = compressor
+        self.progress = progress
+        self.on_report = on_report
+        self.worker = BackgroundWorker() if background else None
+        self.reports: list[CheckpointReport] = []  # one per checkpoint this process wrote
+        self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every searching rank
+
+    # -- saving -------------------------------------------------------------------------------
+    def take(self, step: int, *, writer: bool, metadata: Mapping[str, Any] | None = None) -> PendingCheckpoint:
+        """Snapshot checkpoint ``step`` (training thread, every rank; ``writer``: this process
+        writes it). Blocks until the previous checkpoint is written."""
+        started = time.perf_counter()
+        self.wait()  # at most one checkpoint in flight
+        distributed = is_distributed()
+        searching_here = distributed and self.compressor.search is not None
+        if not (writer or searching_here):
+            return PendingCheckpoint(step, None, None, started)
+        snap = self.compressor.snapshot(step, detach_model=not distributed, metadata=metadata)
+        searched = None
+        if searching_here:
+            searched = self.compressor.search_snapshot(snap)
+            self.chosen.append((step, searched.config.to_dict() if searched.config else None))
+        return PendingCheckpoint(step, snap if writer else None, searched, started)
+
+    def write(
+        self,
+        pending: PendingCheckpoint,
+        folder: Path,
+        *,
+        small_files: tuple[str, ...],
+        remove_plain_files: bool,
+        every_ref: bool = False,
+        stall_before: float = 0.0,
+    ) -> None:
+        """Hand a taken checkpoint to the writer (the writing process, once the framework's own
+        files are in ``folder``): ``small_files`` (glob patterns) are copied into the entry;
+        ``remove_plain_files`` deletes the weight and optimizer files a plain framework save
+        wrote there once the entry is durable; ``every_ref``: any reference in the store names a
+        folder beside ``folder`` (see :func:`~hf_dynaquant.training.checkpoint_dir.release_rotated`).
+        ``stall_before``: seconds the framework's save took before :meth:`take` (for the report)."""
+        snap = pending.snapshot
+        if snap is None:
+            raise ValueError(f"checkpoint {folder.name} was taken on a process that does not write it")
+        store = self.compressor.store
+        if store is None:
+            raise ValueError("the compressor has no store to write into")
+        snap.extras = collect_small_files(folder, small_files)
+        stall = time.perf_counter() - pending.started + stall_before
+        name, run_dir, searched = folder.name, folder.parent, pending.searched
+
+        def job() -> CheckpointReport:
+            progress = self.progress if self.progress is not None else snap.nbytes() > PROGRESS_BYTES
+            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
+            if searched is None and report.search is not None:
+                self.chosen.append((snap.step, report.search.get("config")))
+            if folder.is_dir():  # a rotation keeping one folder may already have removed it
+                write_marker(folder, store, name, report.entry, snap.step)
+                if remove_plain_files:
+                    remove_uncompressed(folder)
+            release_rotated(store, run_dir, keep={name}, every_ref=every_ref)
+            return replace(report, stall_seconds=stall)
+
+        if self.worker is not None:
+            self.worker.submit(name, job)
+        else:
+            self._collect(job())
+
+    def check(self) -> None:
+        """Collect the checkpoint in flight if it has finished (raising its error, if any)."""
+        if self.worker is not None:
+            self._collect(self.worker.check())
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is written (raising its error, if any)."""
+        if self.worker is not None:
+            self._collect(self.worker.wait())
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self.worker is not None:
+                self.worker.close()
+                self.worker = None
+
+    # -- resuming -----------------------------------------------------------------------------
+    def resume(self, entry: str, *, continue_chain: bool) -> None:
+        """Training goes on from stored ``entry`` (an id or a reference, the same on every rank),
+        whose decoded weights and optimizer state are loaded: with ``continue_chain`` (the
+        writing process, which has the store) the next checkpoint is a delta on it; every rank
+        rounds stochastically with the same seed and searches on from rank 0's configuration."""
+        if continue_chain:
+            self.compressor.continue_chain(entry)
+        self.compressor.resumed_from(entry)
+        if self.compressor.search is not None:
+            self.compressor.search.agree()
+
+    def _collect(self, report: CheckpointReport | None) -> None:
+        if report is None:
+            return
+        self.reports.append(report)
+        if self.on_report is not None:
+            self.on_report(report)
