@@ -54,7 +54,7 @@ from matplotlib.figure import Figure
 
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable
-from hf_dynaquant.training.compressor import MODEL, compress_state_dict
+from hf_dynaquant.pipeline import MODEL, compress_state_dict
 
 PLOT_PATH = Path(__file__).resolve().parent / "out" / "bins_vs_uniform.png"
 BINS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 254)

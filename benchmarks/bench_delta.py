@@ -53,7 +53,7 @@ from matplotlib.figure import Figure
 
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.training.compressor import MODEL, compress_state_dict
+from hf_dynaquant.pipeline import MODEL, compress_state_dict
 
 PLOT_PATH = Path(__file__).resolve().parent / "out" / "delta_variants.png"
 CONFIG = QuantConfig(bins=16, prune=0.2, protect=0.005)

@@ -76,7 +76,7 @@ from hf_dynaquant import CheckpointStore
 from hf_dynaquant.core.kmeans import approximate_kmeans, assign
 from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable, plan_quantization
 from hf_dynaquant.core.sketch import LogSketch
-from hf_dynaquant.training.compressor import compress_state_dict, quantized_codecs
+from hf_dynaquant.pipeline import compress_state_dict, for_section, write_planned
 
 T = TypeVar("T")
 
@@ -300,8 +300,7 @@ def bench_codec(
 def bench_throughput(state: Mapping[str, torch.Tensor], repeats: int, root: str) -> list[CodecResult]:
     results = []
     plan_s, plan = best_time(lambda: plan_quantization(state, CONFIG), repeats)
-    codecs = quantized_codecs(plan)
-    write_s = bench_codec(lambda st: st.write({"model": state}, codecs=codecs, ref="p"), repeats, root)[0]
+    write_s = bench_codec(lambda st: write_planned(st, {"model": state}, for_section(plan), ref="p"), repeats, root)[0]
     paths: list[tuple[str, Callable[[CheckpointStore], str], set[str], float | None, float | None]] = [
         (
             f"dynaquant bins={CONFIG.bins} prune={CONFIG.prune:g} protect={CONFIG.protect:g} {CONFIG.metric}",

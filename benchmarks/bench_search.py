@@ -49,7 +49,7 @@ and two thirds of a CNN one).
 Part 2, the sequence: one search object at ``--sequence-threshold`` over all ten checkpoints
 (exhaustive at the first, epsilon-neighbourhood with epsilon 1 after), each checkpoint written to
 a :class:`~hf_dynaquant.CheckpointStore` in a temporary folder with the chosen plan
-(``quantized_codecs``), delta-coded on the previous entry (the first is a keyframe). The ratio
+(:func:`~hf_dynaquant.pipeline.write_planned`), delta-coded on the previous entry (the first is a keyframe). The ratio
 is the ``model`` section's raw bytes over its stored blob bytes (``store.info``); the lossless
 column writes the same checkpoints losslessly (also as a delta chain) for comparison. Each entry
 is read back and its degradation measured again ("restored"). Metric calls are not memoised
@@ -88,6 +88,7 @@ from sklearn.model_selection import train_test_split
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.core.quantizer import EMBEDDING, QuantConfig, layer_types, plan_quantization
 from hf_dynaquant.core.ranking import GradientEMA
+from hf_dynaquant.pipeline import for_section, write_planned
 from hf_dynaquant.search import (
     ConfigurationSearch,
     QualityMetric,
@@ -96,7 +97,6 @@ from hf_dynaquant.search import (
     evaluate_plan,
     mean_loss,
 )
-from hf_dynaquant.training.compressor import quantized_codecs
 
 PLOT_PATH = Path(__file__).resolve().parent / "out" / "search.png"
 SPACE = SearchSpace(bins=(4, 6, 8, 12, 16, 32))  # the paper's Table 7 (our default adds 3 bins)
@@ -446,9 +446,9 @@ def sequence(w: Workload, threshold: float, folder: Path) -> tuple[list[Sequence
         start = time.perf_counter()
         result = search.search(w.model, snapshot, types=w.types, sensitivity=ckpt.sensitivity)
         searched = time.perf_counter()
-        codecs = quantized_codecs(result.plan) if result.plan is not None else "lossless"
+        plan = for_section(result.plan) if result.plan is not None else None
         state = w.model.state_dict()
-        entry = store.write({"model": state}, codecs=codecs, base=entry, ref=f"ckpt-{i}")
+        entry = write_planned(store, {"model": state}, plan, base=entry, ref=f"ckpt-{i}")
         written = time.perf_counter()
         lossless_entry = lossless.write({"model": state}, base=lossless_entry, ref=f"ckpt-{i}")
         raw, stored = store.info(entry).sections["model"]

@@ -36,16 +36,19 @@ from .errors import (
 )
 from .integrations import hf_quantizer as _hf_quantizer
 from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
+from .pipeline import compress_state_dict
 from .pretrained.folder import compress_folder, decompress_folder
 from .store import CheckpointStore, EntryInfo, EntryReader
 from .training.checkpoint_dir import materialize
-from .training.compressor import Compressor, compress_state_dict
+from .training.compressor import Compressor
+from .training.settings import CheckpointSettings
 from .training.optimizer_state import MomentQuant
 
 __all__ = [
     "__version__",
     "CheckpointStore",
     "Compressor",
+    "CheckpointSettings",
     "QuantConfig",
     "compress_state_dict",
     "EntryInfo",

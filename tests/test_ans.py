@@ -14,7 +14,7 @@ from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
 from hf_dynaquant.errors import CorruptCheckpointError
-from hf_dynaquant.training.compressor import compress_state_dict
+from hf_dynaquant.pipeline import compress_state_dict
 
 
 def _entropy_bytes(symbols: np.ndarray) -> float:

@@ -177,7 +177,7 @@ def test_compresses_real_weights_like_neuzip(minilm_dir) -> None:
 def test_compiled_kernels_match_numpy_reference(dtype: str) -> None:
     from hf_dynaquant.core import bitplanes
 
-    assert bitplanes._kernels is not None, "the compiled kernels were not built"
+    assert bitplanes.native is not None, "the compiled kernels were not built"
     layout = FLOAT_LAYOUTS[dtype]
     torch.manual_seed(6)
     values = torch.cat(
@@ -208,7 +208,7 @@ def test_bit_packing_matches_numpy_and_roundtrips(bits: int, monkeypatch) -> Non
         values = rng.integers(0, 1 << bits, n, dtype=np.uint8)
         fast = bitplanes.pack_bits(values, bits)
         assert np.array_equal(bitplanes.unpack_bits(fast, bits, n), values)
-        monkeypatch.setattr(bitplanes, "_kernels", None)  # the numpy reference
+        monkeypatch.setattr(bitplanes, "native", None)  # the numpy reference
         assert np.array_equal(bitplanes.pack_bits(values, bits), fast)
         assert np.array_equal(bitplanes.unpack_bits(fast, bits, n), values)
         monkeypatch.undo()

@@ -35,8 +35,9 @@ from hf_dynaquant.core.quantizer import (
 )
 from hf_dynaquant.core.ranking import GradientEMA
 from hf_dynaquant.errors import CodecError
+from hf_dynaquant.pipeline import compress_state_dict
 from hf_dynaquant.search import SearchSpace
-from hf_dynaquant.training.compressor import Compressor, compress_state_dict
+from hf_dynaquant.training.compressor import Compressor
 
 
 def toy_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,11 +80,11 @@ def test_codes_are_nearest_centre_and_protected_exact() -> None:
         bf16 = torch.from_numpy(w[codes == PROTECTED]).bfloat16().float().numpy()
         np.testing.assert_array_equal(values[codes == PROTECTED], bf16)
         # kernel and numpy reference agree
-        saved, quantizer_mod._kernels = quantizer_mod._kernels, None
+        saved, quantizer_mod.native = quantizer_mod.native, None
         try:
             assert np.array_equal(quantize(state[name], tp)[0], codes)
         finally:
-            quantizer_mod._kernels = saved
+            quantizer_mod.native = saved
 
 
 def test_sensitivity_protection_and_pruning() -> None:

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.core.rng import preserved_rng
 from hf_dynaquant.errors import InvalidSettingError
-from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer, draw_examples, trainer_metric
+from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer, draw_examples
 from hf_dynaquant.search import ConfigurationSearch, SearchSpace
 from hf_dynaquant.training.checkpoint_dir import checkpoint_store
 from hf_dynaquant.training.compressor import read_checkpoint

@@ -34,4 +34,4 @@ def test_wheel_builds_the_optional_extension_without_warnings(tmp_path: Path) ->
     assert "experimental" not in log and "BuildBackendWarning" not in log
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("hf_dynaquant/core/_bitplanes") and n.endswith(".so") for n in names)
+    assert any(n.startswith("hf_dynaquant/core/_kernels") and n.endswith(".so") for n in names)

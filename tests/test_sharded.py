@@ -25,7 +25,8 @@ from hf_dynaquant.core.kmeans import approximate_kmeans
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
 from hf_dynaquant.core.sketch import LogSketch
 from hf_dynaquant.errors import CheckpointError, CorruptCheckpointError, MissingShardError
-from hf_dynaquant.training.compressor import compress_state_dict, read_checkpoint
+from hf_dynaquant.pipeline import compress_state_dict
+from hf_dynaquant.training.compressor import read_checkpoint
 from hf_dynaquant.training.optimizer_state import encode_optimizer_state
 from hf_dynaquant.training.sharded import load_sharded, merge_sketches, plan_sharded, shard_ref
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..core.bitplanes import FloatPlanes, join_bytes, join_float, side_bits, split_bytes, split_float
-from ..core.dtypes import _BITS, FLOAT_LAYOUTS, RawTensor, itemsize
+from ..core.dtypes import FLOAT_LAYOUTS, UINT_DTYPES, RawTensor, itemsize
 from ..core.entropy import decode_stream, encode_stream, encode_symbols, packed_bits
 from ..core.pool import ForkSafePool
 from ..errors import CorruptCheckpointError
@@ -159,7 +159,7 @@ class LosslessCodec(Codec):
     ) -> RawTensor:
         infos, where = params["chunks"], blobs.where
         n = int(np.prod(shape, dtype=np.int64))
-        bits = np.empty(n, dtype=_BITS[itemsize(dtype)])
+        bits = np.empty(n, dtype=UINT_DTYPES[itemsize(dtype)])
         if sum(int(info["n"]) for info in infos) != n:
             raise CorruptCheckpointError(f"{where}: chunks hold a different element count than shape {list(shape)}")
         starts = np.cumsum([0] + [int(info["n"]) for info in infos])

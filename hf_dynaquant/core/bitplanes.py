@@ -24,19 +24,12 @@ small integers compressible.
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from .dtypes import FloatLayout
-
-try:  # compiled single-pass kernels (built at install); the numpy reference is used without them
-    from . import _bitplanes as _kernels
-except ImportError:  # pragma: no cover - depends on the build
-    _kernels = None
-if sys.byteorder != "little":  # pragma: no cover - the kernels assume little-endian memory
-    _kernels = None
+from .kernels import native
 
 __all__ = [
     "FloatPlanes",
@@ -171,17 +164,17 @@ def _rank_table(counts: np.ndarray, cap: int) -> tuple[list[int], np.ndarray]:
 
 def split_float(bits: np.ndarray, layout: FloatLayout) -> FloatPlanes:
     """Split raw float bits (``uint16/32/64``, flat, contiguous) into :class:`FloatPlanes`."""
-    if _kernels is None:
+    if native is None:
         return _split_float_numpy(bits, layout)
     width, exp, k = layout.width, layout.exponent_bits, head_bits(layout)
     x = np.ascontiguousarray(bits.view(_UINT[width]))
     n = x.size
     counts = np.zeros(1 << exp, dtype=np.int64)
-    _kernels.histogram(x, _stride(n), counts, width, exp)
+    native.histogram(x, _stride(n), counts, width, exp)
     table, rank = _rank_table(counts, (1 << (8 - k)) - 1)
     head, side = np.empty(n, np.uint8), np.empty(n, np.uint8)
     rest, escapes = np.empty(n * (width // 8 - 2), np.uint8), np.empty(n, "<u2")
-    found = _kernels.split(x, width, exp, k, rank, head, side, rest, escapes)
+    found = native.split(x, width, exp, k, rank, head, side, rest, escapes)
     return FloatPlanes(head, table, escapes[:found].copy(), side, rest)
 
 
@@ -190,7 +183,7 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
 
     Raises ``ValueError`` when the parts are inconsistent (the caller names the tensor).
     """
-    if _kernels is None:
+    if native is None:
         return _join_float_numpy(planes, layout, out)
     width, exp, k = layout.width, layout.exponent_bits, head_bits(layout)
     cap = (1 << (8 - k)) - 1
@@ -203,7 +196,7 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
     exponents[: len(planes.table)] = planes.table
     x = np.empty(n, dtype=_UINT[width]) if out is None else out
     escapes = np.ascontiguousarray(planes.escapes, dtype="<u2")
-    used = _kernels.join(
+    used = native.join(
         x,
         width,
         exp,
@@ -224,8 +217,8 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     """``bits``-bit values (one per byte) packed densely, least significant bit first."""
     values = np.ascontiguousarray(values, dtype=np.uint8)
     out = np.empty((values.size * bits + 7) // 8, dtype=np.uint8)
-    if _kernels is not None:
-        _kernels.pack(values, bits, out)
+    if native is not None:
+        native.pack(values, bits, out)
         return out
     planes = (values[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
     return np.packbits(planes.reshape(-1), bitorder="little")
@@ -236,9 +229,9 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     packed = np.ascontiguousarray(packed, dtype=np.uint8)
     if packed.size != (count * bits + 7) // 8:
         raise ValueError(f"{packed.size} packed bytes cannot hold exactly {count} values of {bits} bits")
-    if _kernels is not None:
+    if native is not None:
         out = np.empty(count, dtype=np.uint8)
-        _kernels.unpack(packed, bits, out)
+        native.unpack(packed, bits, out)
         return out
     planes = np.unpackbits(packed, bitorder="little", count=count * bits).reshape(count, bits)
     return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)

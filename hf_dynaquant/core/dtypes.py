@@ -46,7 +46,7 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 _BY_TORCH = {t: name for name, (t, _) in _DTYPES.items()}
 # the unsigned integer type that holds one element's bits
-_BITS = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+UINT_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _TORCH_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -131,14 +131,14 @@ def to_raw(tensor: torch.Tensor, name: str = "tensor") -> RawTensor:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    bits = flat.view(_TORCH_SIGNED[size]).numpy().view(_BITS[size])
+    bits = flat.view(_TORCH_SIGNED[size]).numpy().view(UINT_DTYPES[size])
     return RawTensor(dname, tuple(int(s) for s in tensor.shape), bits)
 
 
 def from_raw(raw: RawTensor) -> torch.Tensor:
     """Rebuild a torch tensor (CPU) from raw bits; the inverse of :func:`to_raw`."""
     size = itemsize(raw.dtype)
-    bits = np.ascontiguousarray(raw.bits).view(_BITS[size])
+    bits = np.ascontiguousarray(raw.bits).view(UINT_DTYPES[size])
     signed = torch.from_numpy(bits.view(np.dtype(f"<i{size}") if size > 1 else np.uint8))
     return signed.view(torch_dtype(raw.dtype)).reshape(raw.shape)
 
@@ -153,7 +153,7 @@ def storage_key(t: torch.Tensor) -> tuple | None:
 
 def raw_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview | np.ndarray) -> RawTensor:
     """Wrap a little-endian byte buffer as a :class:`RawTensor` (no copy where possible)."""
-    bits = np.frombuffer(data, dtype=_BITS[itemsize(dtype)])
+    bits = np.frombuffer(data, dtype=UINT_DTYPES[itemsize(dtype)])
     expected = int(np.prod(shape, dtype=np.int64))
     if bits.size != expected:
         raise UnsupportedTensorError(f"buffer holds {bits.size} elements of {dtype}, shape {shape} needs {expected}")

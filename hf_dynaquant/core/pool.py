@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 class _ForkAware(Protocol):
-    def _after_fork(self) -> None: ...
+    def after_fork(self) -> None: ...
 
 
 _REGISTERED: weakref.WeakSet[_ForkAware] = weakref.WeakSet()
@@ -34,7 +34,7 @@ _REGISTERED: weakref.WeakSet[_ForkAware] = weakref.WeakSet()
 
 def _reset_all() -> None:
     for obj in list(_REGISTERED):
-        obj._after_fork()
+        obj.after_fork()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
@@ -42,7 +42,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere there is no fork
 
 
 def reset_after_fork(obj: _ForkAware) -> None:
-    """Call ``obj._after_fork()`` in every forked child of this process (``obj`` is held weakly)."""
+    """Call ``obj.after_fork()`` in every forked child of this process (``obj`` is held weakly)."""
     _REGISTERED.add(obj)
 
 
@@ -61,7 +61,7 @@ class ForkSafePool:
         self._lock = threading.Lock()
         reset_after_fork(self)
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         # the parent's threads are gone and a lock one of them held would stay held: start afresh
         self._executor, self._lock = None, threading.Lock()
 

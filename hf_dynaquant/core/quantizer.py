@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
-from .bitplanes import _kernels
 from .dtypes import check_storable, storage_key
+from .kernels import native
 from .kmeans import approximate_kmeans
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
@@ -187,7 +187,7 @@ class TensorPlan:
 
     def target(self, w: torch.Tensor) -> np.ndarray:
         """The flat float32 values the codes quantize: the weights, or their residual."""
-        flat = _flat(w).numpy()
+        flat = flat_f32(w).numpy()
         return flat if self.reference is None else flat - self.reference
 
     def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -203,13 +203,13 @@ class TensorPlan:
 
     def _nearest_codes(self, w: np.ndarray, centres: np.ndarray) -> tuple[np.ndarray, int]:
         mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
-        sens = None if self.sensitivity is None else _flat(self.sensitivity).numpy()
+        sens = None if self.sensitivity is None else flat_f32(self.sensitivity).numpy()
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         by_sens = self.metric == "sensitivity" and sens is not None
-        if _kernels is not None:
+        if native is not None:
             codes = np.empty(w.size, dtype=np.uint8)
-            nprot = _kernels.partition_f32(
+            nprot = native.partition_f32(
                 w,
                 sens if sens is not None else w,
                 sens is not None,
@@ -274,7 +274,7 @@ def _finite(cache: dict, key: tuple, tensor: Callable[[], torch.Tensor], fresh: 
     return cache[key]
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_f32(t: torch.Tensor) -> torch.Tensor:
     """A flat float32 CPU view or copy (codes are computed on the host; sketches where the tensor lives)."""
     return t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
 
@@ -338,7 +338,7 @@ def plan_quantization(
         kinds[n] = kind
         mag_sketches[n] = sketch_of(n, "magnitude", lambda n=n, t=t: _residual(t, refs.get(n)), True)
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
-    sens = {n: _flat(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
+    sens = {n: flat_f32(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     sens_checked: list[tuple[tuple, bool]] = []
     sens = {n: s for n, s in sens.items() if _finite(cache, (n, "finite sensitivity"), lambda s=s: s, sens_checked)}
     if bad_sens := [k[0] for k, ok in sens_checked if not ok]:
@@ -400,7 +400,7 @@ def plan_quantization(
             sens.get(n),
             dither(n),
             residual=config.residual if ref is not None else "none",
-            reference=None if ref is None else _flat(ref).numpy(),
+            reference=None if ref is None else flat_f32(ref).numpy(),
         )
         w = plan.target(tensors[n])
         codes, _ = plan.codes(w, np.zeros(0, np.float32))
@@ -430,7 +430,7 @@ def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
     """``w - ref`` in float32 (``w`` itself without a reference), as :meth:`TensorPlan.target`."""
     if ref is None:
         return w
-    return (_flat(w) - _flat(ref)).view(w.shape)
+    return (flat_f32(w) - flat_f32(ref)).view(w.shape)
 
 
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:

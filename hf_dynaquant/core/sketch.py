@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .bitplanes import _kernels
+from .kernels import native
 from .pool import ForkSafePool
 
 __all__ = ["LogSketch"]
@@ -119,7 +119,7 @@ class LogSketch:
             signed.positive.add_counts(signed.negative.offset, signed.negative.counts)
             signed.negative = _Store()
             return self.merge(signed)
-        if x.device.type == "cpu" and _kernels is not None:
+        if x.device.type == "cpu" and native is not None:
             self._add_cpu(x.contiguous().numpy())
         else:
             self._add_torch(x)
@@ -130,7 +130,7 @@ class LogSketch:
 
         def part(i: int) -> tuple[int, int, np.ndarray, np.ndarray]:
             pos, neg = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
-            nans, zeros = _kernels.sketch_f32(
+            nans, zeros = native.sketch_f32(
                 x[i : i + _PART], table, _EXACT, self._inv_log_gamma, tiny, kmin, pos, neg
             )
             return nans, zeros, pos, neg

@@ -55,9 +55,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, UnsupportedSetupError
-from ..store import CheckpointStore
+from ..store import STORE_DIR, CheckpointStore
 from ..training.checkpoint_dir import (
-    STORE_DIRNAME,
     last_complete_checkpoint,
     marker_store,
     numbered_checkpoints,
@@ -311,7 +310,7 @@ class DynaQuantCheckpointing:
         if self.plugin.settings.store_dir is not None:
             return CheckpointStore(self.plugin.settings.store_dir)
         project_dir = self.accelerator.project_dir
-        return CheckpointStore(Path(project_dir) / STORE_DIRNAME if project_dir else folder.parent / STORE_DIRNAME)
+        return CheckpointStore(Path(project_dir) / STORE_DIR if project_dir else folder.parent / STORE_DIR)
 
     def _use_store(self, store: CheckpointStore, folder: Path) -> CheckpointStore:
         """Fix the run's store and folder directory (main process); they may not change."""
@@ -327,7 +326,7 @@ class DynaQuantCheckpointing:
         return store
 
     def _newest_complete(self, checkpoints: Path) -> Path:
-        store_path = Path(self.plugin.settings.store_dir or Path(self.accelerator.project_dir) / STORE_DIRNAME)
+        store_path = Path(self.plugin.settings.store_dir or Path(self.accelerator.project_dir) / STORE_DIR)
         store = CheckpointStore(store_path, create=False) if CheckpointStore.is_store(store_path) else None
         found = last_complete_checkpoint(checkpoints, store=store)
         if found is None:

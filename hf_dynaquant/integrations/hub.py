@@ -33,7 +33,15 @@ import torch
 from ..core.quantizer import QuantConfig
 from ..errors import CorruptCheckpointError, DynaQuantError
 from ..pretrained.calibration import DEFAULT_THRESHOLD, PRETRAINED_SPACE, calibration_batches
-from ..pretrained.folder import MODEL_REF, STORE_DIR, _publish, _staging, compress_folder, decompress_folder, find_store
+from ..pretrained.folder import (
+    MODEL_REF,
+    STORE_DIR,
+    compress_folder,
+    decompress_folder,
+    find_store,
+    publish_folder,
+    staged_folder,
+)
 from ..search import QualityMetric, SearchSpace
 from ..store.atomic import atomic_write_bytes
 from .hf_quantizer import QUANT_METHOD, transformers_sections
@@ -111,7 +119,7 @@ def compress_pretrained(
         source_config = _read_config(src)
         if metric is not None and not isinstance(metric, QualityMetric):
             metric = QualityMetric(metric, higher_is_better=False, name=getattr(metric, "__name__", "metric"))
-        with _staging(output_dir) as staging:
+        with staged_folder(output_dir) as staging:
             result = compress_folder(
                 src,
                 staging / "snapshot",
@@ -139,7 +147,7 @@ def compress_pretrained(
             _write_hub_config(folder, source_config, snapshot, sections)
             base = base_model or source_config.get("_name_or_path") or None
             _write_card(folder, snapshot, base, threshold, template)
-            _publish(folder, output_dir, overwrite)
+            publish_folder(folder, output_dir, overwrite)
     return snapshot
 
 
@@ -424,13 +432,13 @@ def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False
     """Write a snapshot folder back as a plain model folder (float safetensors; config.json
     without ``quantization_config`` and ``transformers_weights``) that any transformers loads."""
     dst = Path(dst)
-    with _staging(dst) as staging:
+    with staged_folder(dst) as staging:
         decompress_folder(src, staging / "plain", progress=False)
         config = _read_config(staging / "plain")
         config.pop("quantization_config", None)
         config.pop("transformers_weights", None)
         _write_json(staging / "plain" / _CONFIG, config)
-        _publish(staging / "plain", dst, overwrite)
+        publish_folder(staging / "plain", dst, overwrite)
     return dst
 
 

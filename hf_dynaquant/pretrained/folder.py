@@ -28,17 +28,16 @@ from ..codecs.dynaquant import DynaQuantCodec
 from ..core.dtypes import itemsize
 from ..core.quantizer import QuantConfig, plan_quantization
 from ..errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
-from ..store import CheckpointStore
+from ..pipeline import plan_key, write_planned
+from ..store import STORE_DIR, CheckpointStore
 from ..store.atomic import TempDir, fsync_dir, remove_dead_leftovers
 from ..store.safetensors_io import StreamingWriter, header_size_estimate
-from ..training.compressor import quantized_codecs
 from .calibration import PRETRAINED_BASE, search_pretrained
 
 __all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
 
 logger = logging.getLogger(__name__)
 
-STORE_DIR = "dynaquant"
 MODEL_REF = "model"
 _PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
@@ -89,16 +88,12 @@ class _AllSections(Mapping[str, torch.Tensor]):
     def __init__(self, sources: Mapping[str, _SafetensorsTensors]) -> None:
         self.sources = sources
 
-    @staticmethod
-    def key(section: str, name: str) -> str:
-        return f"{section}::{name}"
-
     def __getitem__(self, key: str) -> torch.Tensor:
         section, _, name = key.partition("::")
         return self.sources[section][name]
 
     def __iter__(self) -> Iterator[str]:
-        return (self.key(s, n) for s, tensors in self.sources.items() for n in tensors)
+        return (plan_key(s, n) for s, tensors in self.sources.items() for n in tensors)
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.sources.values())
@@ -122,7 +117,7 @@ def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
     return weights, others
 
 
-def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
+def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
     """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
     if dst.exists():
         if not overwrite:
@@ -137,7 +132,7 @@ def _publish(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def _staging(dst: Path) -> Iterator[Path]:
+def staged_folder(dst: Path) -> Iterator[Path]:
     """An empty folder to build ``dst`` in, inside a temporary folder beside ``dst`` that this
     process owns (``.tmp-<host>-<pid>-<token>-<dst name>``, see :mod:`.store.atomic`) and that is
     deleted on leaving, published or not. Leftovers of killed earlier runs for the same
@@ -185,7 +180,7 @@ def compress_folder(
         root, (weights, others) = src, _weight_files(src)
         if not weights:
             raise DynaQuantError(f"{src}: no .safetensors weight files found")
-    with _staging(dst) as tmp:
+    with staged_folder(dst) as tmp:
         for rel in others:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, tmp / rel)
@@ -195,7 +190,7 @@ def compress_folder(
             "kind": "model_folder",
             "files": {name: {"metadata": f.metadata} for name, f in sources.items()},
         }
-        codecs: Any = codec
+        plan, quant_config = None, None
         if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
             if threshold is not None:
                 result = search_pretrained(root, threshold, base=quant, **(search or {}))
@@ -206,13 +201,20 @@ def compress_folder(
                         "use codec='lossless' or a larger threshold="
                     )
                 quant = result.config
-            quant = quant or PRETRAINED_BASE
-            plan = plan_quantization(_AllSections(sources), quant)
-            metadata["quant_config"] = quant.to_dict()
-            codecs = quantized_codecs(plan, key=_AllSections.key)
-        entry = store.write(sources, codecs=codecs, ref=MODEL_REF, progress=progress, metadata=metadata)
+            quant_config = quant or PRETRAINED_BASE
+            plan = plan_quantization(_AllSections(sources), quant_config)
+        entry = write_planned(
+            store,
+            sources,
+            plan,
+            config=quant_config,
+            fallback="lossless" if plan is not None else codec,
+            metadata=metadata,
+            ref=MODEL_REF,
+            progress=progress,
+        )
         info = store.info(entry)
-        _publish(tmp, dst, overwrite)
+        publish_folder(tmp, dst, overwrite)
     return CompressResult(dst, entry, info.raw_nbytes, info.nbytes)
 
 
@@ -237,7 +239,7 @@ def decompress_folder(
     """Write a compressed folder back as a plain Hugging Face folder that ``from_pretrained`` loads."""
     src, dst = Path(src), Path(dst)
     store = find_store(src)
-    with _staging(dst) as tmp:
+    with staged_folder(dst) as tmp:
         if store.path != src:
             for p in sorted(src.rglob("*")):
                 rel = p.relative_to(src)
@@ -250,7 +252,7 @@ def decompress_folder(
             with tqdm(total=total, desc="decompressing", unit="tensor", disable=not progress) as bar:
                 for section, info in files.items():
                     _write_safetensors(entry, section, tmp / section, info.get("metadata") or None, bar)
-        _publish(tmp, dst, overwrite)
+        publish_folder(tmp, dst, overwrite)
     return dst
 
 

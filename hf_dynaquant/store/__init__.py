@@ -3,4 +3,8 @@
 from .store import CheckpointStore, EntryInfo, EntryReader
 from .tree import flatten_tree, unflatten_tree
 
-__all__ = ["CheckpointStore", "EntryInfo", "EntryReader", "flatten_tree", "unflatten_tree"]
+__all__ = ["STORE_DIR", "CheckpointStore", "EntryInfo", "EntryReader", "flatten_tree", "unflatten_tree"]
+
+# The name of the folder holding a store beside what it compresses: <output_dir>/dynaquant for a
+# training run's checkpoints, <model folder>/dynaquant for a compressed model folder.
+STORE_DIR = "dynaquant"

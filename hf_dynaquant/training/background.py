@@ -36,7 +36,7 @@ class BackgroundWorker:
         self.waited_seconds = 0.0  # time the caller spent blocked on an unfinished job
         reset_after_fork(self)
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         # in a forked child the parent's job never finishes here (its thread is not copied)
         self._future, self._label, self._lock = None, "", threading.Lock()
 

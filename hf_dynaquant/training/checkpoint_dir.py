@@ -36,13 +36,12 @@ import torch
 import zstandard
 
 from ..errors import FormatError, IncompleteCheckpointError, MissingOptimizerStateError
-from ..store import CheckpointStore
+from ..store import STORE_DIR, CheckpointStore
 from ..store.atomic import atomic_write_bytes
 from .compressor import read_checkpoint
 
 __all__ = [
     "MARKER",
-    "STORE_DIRNAME",
     "UNCOMPRESSED_FILES",
     "RESUME_FILES",
     "checkpoint_store",
@@ -60,7 +59,6 @@ __all__ = [
 ]
 
 MARKER = "dynaquant.json"
-STORE_DIRNAME = "dynaquant"
 MARKER_FORMAT = "hf_dynaquant.checkpoint"
 MARKER_VERSION = 1
 _CHECKPOINT_RE = re.compile(r"^checkpoint[-_](\d+)$")  # the Trainer's checkpoint-N, Accelerate's checkpoint_N
@@ -73,7 +71,7 @@ RESUME_FILES = ("trainer_state.json", "scheduler.pt", "scaler.pt", "rng_state*.p
 
 def checkpoint_store(run_dir: str | Path, *, create: bool = True) -> CheckpointStore:
     """The store of a run's compressed checkpoints (``<run_dir>/dynaquant``)."""
-    return CheckpointStore(Path(run_dir) / STORE_DIRNAME, create=create)
+    return CheckpointStore(Path(run_dir) / STORE_DIR, create=create)
 
 
 def read_marker(folder: str | Path) -> dict[str, Any] | None:
@@ -148,7 +146,7 @@ def last_complete_checkpoint(
     then, with ``repair``, the marker is written and the folder used. ``store``: the run's
     store when it is not ``<run_dir>/dynaquant`` (Accelerate keeps it beside ``checkpoints/``)."""
     run_dir = Path(run_dir)
-    if store is None and CheckpointStore.is_store(run_dir / STORE_DIRNAME):
+    if store is None and CheckpointStore.is_store(run_dir / STORE_DIR):
         store = checkpoint_store(run_dir, create=False)
     for _, folder in numbered_checkpoints(run_dir):
         if is_complete(folder):

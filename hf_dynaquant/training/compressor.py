@@ -32,7 +32,7 @@ import itertools
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from ..codecs.base import Codec
-from ..codecs.dynaquant import DEFAULT_DELTA_CODING, DynaQuantCodec, QuantState
+from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import check_storable, from_raw, storage_key
 from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
 from ..core.ranking import GradientEMA, sensitivity
 from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
+from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
 from ..store import CheckpointStore
 from ..store.tree import flatten_tree
@@ -62,70 +62,11 @@ __all__ = [
     "Compressor",
     "CheckpointReport",
     "Snapshot",
-    "compress_state_dict",
     "ModelSkeleton",
-    "quantized_codecs",
     "read_checkpoint",
 ]
 
-MODEL = "model"
 OPTIMIZER = "optimizer"
-
-
-def quantized_codecs(
-    plan: QuantPlan,
-    section: str = MODEL,
-    delta_coding: str = DEFAULT_DELTA_CODING,
-    key: Callable[[str, str], str] | None = None,
-) -> Callable[[str, str], Codec | str]:
-    """A ``codecs=`` function for :meth:`CheckpointStore.write`: the plan's tensors through
-    ``dynaquant``, everything else ``lossless``. A tensor's plan is ``plan.tensors[name]`` for
-    tensors of ``section``, or ``plan.tensors[key(section, name)]`` when ``key`` is given."""
-
-    def choose(sec: str, name: str) -> Codec | str:
-        planned = key(sec, name) if key is not None else (name if sec == section else None)
-        if planned in plan.tensors:
-            return DynaQuantCodec(plan.tensors[planned], delta_coding)
-        return "lossless"
-
-    return choose
-
-
-def compress_state_dict(
-    store: CheckpointStore,
-    state: Mapping[str, torch.Tensor],
-    config: QuantConfig,
-    *,
-    types: Mapping[str, str] | None = None,
-    sensitivity: Mapping[str, torch.Tensor] | None = None,
-    quantize_only: set[str] | None = None,
-    base: str | None = None,
-    ref: str | None = None,
-    trees: Mapping[str, Any] | None = None,
-    extras: Mapping[str, bytes] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    delta_coding: str = DEFAULT_DELTA_CODING,
-    progress: bool = False,
-    base_states: Mapping[tuple[str, str], Any] | None = None,
-    keep_states: dict[tuple[str, str], Any] | None = None,
-) -> str:
-    """Quantize a state dict with ``config`` and write it to ``store``; returns the entry id.
-    (``base_states`` / ``keep_states``: see :meth:`CheckpointStore.write`.)"""
-    selected = {n: t for n, t in state.items() if quantize_only is None or n in quantize_only}
-    plan = plan_quantization(selected, config, types=types, sensitivity=sensitivity)
-    meta = {"quant_config": config.to_dict(), "quantized_tensors": len(plan.tensors), **dict(metadata or {})}
-    return store.write(
-        {MODEL: state},
-        trees=trees,
-        extras=extras,
-        metadata=meta,
-        codecs=quantized_codecs(plan, MODEL, delta_coding),
-        base=base,
-        ref=ref,
-        progress=progress,
-        base_states=base_states,
-        keep_states=keep_states,
-    )
 
 
 @dataclass
@@ -251,7 +192,7 @@ class CheckpointReport:
         return self.weights_stored + self.optimizer_stored + self.other_stored
 
 
-def _cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """CPU copies of named tensors; names sharing one tensor (tied weights) share one copy."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
@@ -448,7 +389,7 @@ class Compressor:
             )
         return Snapshot(
             step=step,
-            state=_cpu_copies(live.items()),
+            state=cpu_copies(live.items()),
             params=params,
             types=layer_types(self.model),
             gradient_ema=ema,
@@ -576,14 +517,12 @@ class Compressor:
         search = None
         if self.search is None:
             plan: QuantPlan | None = self.plan_snapshot(snap)
-            meta["quant_config"] = plan.config.to_dict()
+            chosen: QuantConfig | None = plan.config
         else:
             result = searched if searched is not None else self.search_snapshot(snap)
             search = meta["search"] = result.to_dict()
-            if result.config is not None:
-                meta["quant_config"] = result.config.to_dict()
-            plan = result.plan
-        plans = {f"{MODEL}/{n}": tp for n, tp in (plan.tensors.items() if plan is not None else ())}
+            plan, chosen = result.plan, result.config
+        plans = dict(for_section(plan).tensors) if plan is not None else {}
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor
         trees = None
@@ -598,21 +537,22 @@ class Compressor:
             )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}
-            plans.update({f"{OPTIMIZER}/{n}": tp for n, tp in encoded.plans.items()})
+            plans.update({plan_key(OPTIMIZER, n): tp for n, tp in encoded.plans.items()})
             meta["optimizer_state"] = encoded.report
         elif self.optimizer is not None:
             meta["optimizer_state"] = {"mode": "drop"}
         states: dict[tuple[str, str], Any] = {}
-        entry = store.write(
+        entry = write_planned(
+            store,
             {MODEL: snap.state},
+            QuantPlan(self.config, plans),
+            config=chosen,
+            delta_coding=self.settings.delta_coding,
+            metadata=meta,
             trees=trees,
             extras=snap.extras,
             base=base,
             ref=ref or f"step-{snap.step}",
-            metadata=meta,
-            codecs=quantized_codecs(
-                QuantPlan(self.config, plans), delta_coding=self.settings.delta_coding, key=lambda s, n: f"{s}/{n}"
-            ),
             progress=progress,
             base_states=self._states,
             keep_states=states,

@@ -66,7 +66,7 @@ from ..core.quantizer import (
     FIRST_CENTRE,
     QuantConfig,
     QuantPlan,
-    _flat,
+    flat_f32,
     infer_layer_type,
     is_quantizable,
     layer_types,
@@ -83,9 +83,10 @@ from ..errors import (
     NonFiniteTensorWarning,
     UnsupportedSetupError,
 )
+from ..pipeline import MODEL
 from ..search import Lockstep, SearchResult
 from ..store import CheckpointStore, EntryReader
-from .compressor import MODEL, OPTIMIZER, CheckpointReport, Compressor, Snapshot, _cpu_copies
+from .compressor import OPTIMIZER, CheckpointReport, Compressor, Snapshot, cpu_copies
 from .optimizer_state import Reductions, decode_optimizer_state
 
 __all__ = [
@@ -266,7 +267,7 @@ def plan_sharded(
     plan = plan_quantization(
         selected, replace(config, min_numel=0), types=kinds, sensitivity=sens or None, sketch_cache=cache
     )
-    values = {n: _flat(selected[n]).numpy() for n in plan.tensors}
+    values = {n: flat_f32(selected[n]).numpy() for n in plan.tensors}
     rest = {
         n: LogSketch(_KMEANS_ALPHA).add(w[tp.codes(w, np.zeros(0, np.float32))[0] == FIRST_CENTRE])
         for (n, tp), w in zip(plan.tensors.items(), values.values())
@@ -346,7 +347,7 @@ class ShardedCompressor(Compressor):
         param_names = {id(p): n for n, p in self.model.named_parameters()}
         # quantized: the sharded parameters; the replicated tensors go to rank 0's entry, losslessly
         params = {n: param_names[id(t)] for n, t in live.items() if id(t) in param_names and layout.rows(n) is not None}
-        state = _cpu_copies((n, local_tensor(t)) for n, t in live.items() if layout.stores(n, rank))
+        state = cpu_copies((n, local_tensor(t)) for n, t in live.items() if layout.stores(n, rank))
         optimizer = None
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
             full = self.optimizer.state_dict()

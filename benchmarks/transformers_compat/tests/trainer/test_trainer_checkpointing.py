@@ -30,7 +30,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import unittest
@@ -40,7 +39,6 @@ from unittest.mock import Mock, patch
 
 import safetensors
 import torch
-from huggingface_hub import ModelCard, create_branch, list_repo_commits, list_repo_files
 from torch import nn
 from transformers import (
     AutoFeatureExtractor,
@@ -55,21 +53,15 @@ from transformers import (
     is_torch_available,
 )
 from transformers.testing_utils import (
-    ENDPOINT_STAGING,
-    TOKEN,
-    USER,
     CaptureLogger,
-    TemporaryHubRepo,
     TestCasePlus,
     backend_device_count,
     evaluate_side_effect_factory,
     get_steps_per_epoch,
-    is_staging_test,
     require_accelerate,
     require_deepspeed,
     require_non_hpu,
     require_peft,
-    require_tensorboard,
     require_torch,
     require_torch_non_multi_accelerator,
     require_torch_up_to_2_accelerators,
@@ -87,7 +79,7 @@ from transformers.trainer_utils import (
     set_seed,
     sort_checkpoints,
 )
-from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME, logging
+from transformers.utils import SAFE_WEIGHTS_NAME, logging
 
 from .trainer_test_utils import (
     PATH_SAMPLE_TEXT,

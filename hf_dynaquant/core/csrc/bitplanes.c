@@ -1,12 +1,6 @@
-/* Single-pass kernels for the float bit-plane split of bitplanes.py (see its docstring and
- * FORMAT.md section 8). They compute exactly what the numpy reference does, in one pass over
- * the data and with the GIL released, so chunks encode and decode in parallel threads.
- * Buffers are little-endian and contiguous; the Python wrapper checks sizes. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+/* The float bit-plane split and join of bitplanes.py (see its docstring and FORMAT.md section
+ * 8), and dense b-bit packing. */
+#include "kernels.h"
 
 /* exponent histogram of every `stride`-th element */
 #define HIST(W)                                                                              \
@@ -119,7 +113,7 @@ static void unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t *v) {
     }
 }
 
-static PyObject *py_pack(PyObject *self, PyObject *args) {
+PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_buffer v, out;
     int b;
     if (!PyArg_ParseTuple(args, "y*iw*", &v, &b, &out)) return NULL;
@@ -134,7 +128,7 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_unpack(PyObject *self, PyObject *args) {
+PyObject *py_unpack(PyObject *self, PyObject *args) {
     Py_buffer in, v;
     int b;
     if (!PyArg_ParseTuple(args, "y*iw*", &in, &b, &v)) return NULL;
@@ -149,105 +143,6 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Log-sketch bucket counts of float32 values (sketch.py). The key of |x| is
- * ceil(log(|x|) / log(gamma)); lut maps the top 20 bits of |x| (exponent and 12 mantissa bits)
- * to that key when the whole fine bucket shares it, else to `exact` (then log is computed).
- * Magnitudes below `tiny` count as zero; +-inf take the largest key. Returns the NaN count. */
-static Py_ssize_t sketch_f32(const uint32_t *x, Py_ssize_t n, const int32_t *lut, int32_t exact,
-                             double inv_log_gamma, uint32_t tiny, int32_t kmin, Py_ssize_t nkeys,
-                             int64_t *pos, int64_t *neg, int64_t *zeros) {
-    Py_ssize_t nans = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint32_t u = x[i] & 0x7FFFFFFFu;
-        if (u < tiny) { (*zeros)++; continue; }
-        int32_t key;
-        if (u >= 0x7F800000u) {
-            if (u > 0x7F800000u) { nans++; continue; }
-            key = kmin + (int32_t)nkeys - 1;
-        } else {
-            key = lut[u >> 11];
-            if (key == exact) {
-                float f;
-                memcpy(&f, &u, 4);
-                key = (int32_t)ceil(log((double)f) * inv_log_gamma);
-            }
-        }
-        Py_ssize_t slot = (Py_ssize_t)key - kmin;
-        if (slot < 0) slot = 0;
-        if (slot >= nkeys) slot = nkeys - 1;
-        (x[i] >> 31 ? neg : pos)[slot]++;
-    }
-    return nans;
-}
-
-static PyObject *py_sketch_f32(PyObject *self, PyObject *args) {
-    Py_buffer x, lut, pos, neg;
-    int exact, kmin;
-    double inv_log_gamma;
-    unsigned int tiny;
-    if (!PyArg_ParseTuple(args, "y*y*idIiw*w*", &x, &lut, &exact, &inv_log_gamma, &tiny, &kmin, &pos, &neg))
-        return NULL;
-    Py_ssize_t nans = -1;
-    int64_t zeros = 0;
-    if (lut.len != (1 << 20) * 4 || pos.len != neg.len || pos.len % 8)
-        PyErr_SetString(PyExc_ValueError, "sketch: bad table or count buffers");
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        nans = sketch_f32(x.buf, x.len / 4, lut.buf, exact, inv_log_gamma, tiny, kmin, pos.len / 8,
-                          pos.buf, neg.buf, &zeros);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&x); PyBuffer_Release(&lut); PyBuffer_Release(&pos); PyBuffer_Release(&neg);
-    if (nans < 0) return NULL;
-    return Py_BuildValue("(nL)", nans, (long long)zeros);
-}
-
-/* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights:
- * code 1 if protected (|w| > tau_mag, or sens > tau_sens), else 0 if pruned (metric <
- * tau_prune, or metric exactly 0, the metric being |w| or sens; tau_prune < 0 disables pruning),
- * else 2 + the nearest of the sorted centres (2 when there are none yet). Returns the number of
- * protected values. */
-static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
-                                double tau_sens, double tau_prune, int prune_by_sens,
-                                const float *mids, Py_ssize_t nmids, uint8_t *codes) {
-    Py_ssize_t nprot = 0, top = 1;
-    while (top * 2 <= nmids) top *= 2;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const double a = fabs((double)w[i]);
-        const double s = sens ? (double)sens[i] : 0.0;
-        if (a > tau_mag || (sens && s > tau_sens)) { codes[i] = 1; nprot++; continue; }
-        const double m = prune_by_sens && sens ? s : a;
-        if (tau_prune >= 0 && (m < tau_prune || m == 0)) { codes[i] = 0; continue; }
-        /* the number of midpoints below w is the nearest centre's index (branch-free search) */
-        const float x = w[i];
-        Py_ssize_t lo = 0;
-        for (Py_ssize_t step = top; step > 0; step >>= 1)
-            lo += (lo + step <= nmids && mids[lo + step - 1] < x) ? step : 0;
-        codes[i] = (uint8_t)(2 + lo);
-    }
-    return nprot;
-}
-
-static PyObject *py_partition_f32(PyObject *self, PyObject *args) {
-    Py_buffer w, sens, mids, codes;
-    double tau_mag, tau_sens, tau_prune;
-    int prune_by_sens, has_sens;
-    if (!PyArg_ParseTuple(args, "y*y*pdddpy*w*", &w, &sens, &has_sens, &tau_mag, &tau_sens, &tau_prune,
-                          &prune_by_sens, &mids, &codes))
-        return NULL;
-    Py_ssize_t n = w.len / 4, nprot = -1;
-    if (codes.len != n || (has_sens && sens.len != w.len) || mids.len / 4 > 253)
-        PyErr_SetString(PyExc_ValueError, "partition: buffers disagree in length or too many centres");
-    else {
-        Py_BEGIN_ALLOW_THREADS
-        nprot = partition_f32(w.buf, has_sens ? sens.buf : NULL, n, tau_mag, tau_sens, tau_prune,
-                              prune_by_sens, mids.buf, mids.len / 4, codes.buf);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&w); PyBuffer_Release(&sens); PyBuffer_Release(&mids); PyBuffer_Release(&codes);
-    return nprot < 0 ? NULL : PyLong_FromSsize_t(nprot);
-}
-
 static int check_width(int width) {
     if (width != 16 && width != 32 && width != 64) {
         PyErr_SetString(PyExc_ValueError, "width must be 16, 32 or 64");
@@ -256,7 +151,7 @@ static int check_width(int width) {
     return 1;
 }
 
-static PyObject *py_histogram(PyObject *self, PyObject *args) {
+PyObject *py_histogram(PyObject *self, PyObject *args) {
     Py_buffer x, counts;
     int width, e;
     Py_ssize_t stride;
@@ -275,7 +170,7 @@ fail:
     return NULL;
 }
 
-static PyObject *py_split(PyObject *self, PyObject *args) {
+PyObject *py_split(PyObject *self, PyObject *args) {
     Py_buffer x, rank, head, side, rest, esc;
     int width, e, k;
     if (!PyArg_ParseTuple(args, "y*iiiy*w*w*w*w*", &x, &width, &e, &k, &rank, &head, &side, &rest, &esc))
@@ -324,7 +219,7 @@ static Py_ssize_t join_all(int width, void *x, Py_ssize_t n, int e, int k, const
     return j;
 }
 
-static PyObject *py_join(PyObject *self, PyObject *args) {
+PyObject *py_join(PyObject *self, PyObject *args) {
     Py_buffer x, exps, head, side, rest, esc;
     int width, e, k, b;
     if (!PyArg_ParseTuple(args, "w*iiiy*y*y*iy*y*", &x, &width, &e, &k, &exps, &head, &side, &b, &rest, &esc))
@@ -341,24 +236,3 @@ static PyObject *py_join(PyObject *self, PyObject *args) {
     PyBuffer_Release(&side); PyBuffer_Release(&rest); PyBuffer_Release(&esc);
     return used == -2 ? NULL : PyLong_FromSsize_t(used);
 }
-
-static PyMethodDef methods[] = {
-    {"histogram", py_histogram, METH_VARARGS, "histogram(bits, stride, counts, width, exponent_bits)"},
-    {"split", py_split, METH_VARARGS,
-     "split(bits, width, exponent_bits, k, rank, head, side, rest, escapes) -> escape count"},
-    {"join", py_join, METH_VARARGS,
-     "join(out, width, exponent_bits, k, exponents, head, side, side_packed_bits, rest, escapes)"
-     " -> escapes used or -1"},
-    {"sketch_f32", py_sketch_f32, METH_VARARGS,
-     "sketch_f32(values, lut, exact, inv_log_gamma, tiny_bits, kmin, pos, neg) -> (nans, zeros)"},
-    {"partition_f32", py_partition_f32, METH_VARARGS,
-     "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
-     " -> protected count"},
-    {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
-    {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
-    {NULL, NULL, 0, NULL}};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bitplanes",
-                                    "Compiled kernels of hf_dynaquant.core.bitplanes.", -1, methods};
-
-PyMODINIT_FUNC PyInit__bitplanes(void) { return PyModule_Create(&module); }

@@ -1,0 +1,25 @@
+/* The compiled kernels of hf_dynaquant.core (the extension module hf_dynaquant.core._kernels).
+ * Each computes exactly what its numpy reference does, in one pass over the data and with the
+ * GIL released; buffers are little-endian and contiguous, and the Python wrappers check sizes.
+ *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
+ *                dense b-bit packing;
+ *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
+ *   partition.c  DynaQuant's partition and code assignment of float32 weights (quantizer.py);
+ *   module.c     the module's method table. */
+#ifndef HF_DYNAQUANT_KERNELS_H
+#define HF_DYNAQUANT_KERNELS_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+PyObject *py_histogram(PyObject *self, PyObject *args);
+PyObject *py_split(PyObject *self, PyObject *args);
+PyObject *py_join(PyObject *self, PyObject *args);
+PyObject *py_pack(PyObject *self, PyObject *args);
+PyObject *py_unpack(PyObject *self, PyObject *args);
+PyObject *py_sketch_f32(PyObject *self, PyObject *args);
+PyObject *py_partition_f32(PyObject *self, PyObject *args);
+
+#endif

@@ -1,0 +1,24 @@
+/* The method table of hf_dynaquant.core._kernels (the kernels are in the other files). */
+#include "kernels.h"
+
+static PyMethodDef methods[] = {
+    {"histogram", py_histogram, METH_VARARGS, "histogram(bits, stride, counts, width, exponent_bits)"},
+    {"split", py_split, METH_VARARGS,
+     "split(bits, width, exponent_bits, k, rank, head, side, rest, escapes) -> escape count"},
+    {"join", py_join, METH_VARARGS,
+     "join(out, width, exponent_bits, k, exponents, head, side, side_packed_bits, rest, escapes)"
+     " -> escapes used or -1"},
+    {"sketch_f32", py_sketch_f32, METH_VARARGS,
+     "sketch_f32(values, lut, exact, inv_log_gamma, tiny_bits, kmin, pos, neg) -> (nans, zeros)"},
+    {"partition_f32", py_partition_f32, METH_VARARGS,
+     "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
+     " -> protected count"},
+    {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
+    {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                    "Compiled kernels of hf_dynaquant.core (see hf_dynaquant.core.kernels).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

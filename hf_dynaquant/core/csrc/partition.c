@@ -1,0 +1,47 @@
+#include "kernels.h"
+
+/* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights:
+ * code 1 if protected (|w| > tau_mag, or sens > tau_sens), else 0 if pruned (metric <
+ * tau_prune, or metric exactly 0, the metric being |w| or sens; tau_prune < 0 disables pruning),
+ * else 2 + the nearest of the sorted centres (2 when there are none yet). Returns the number of
+ * protected values. */
+static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
+                                double tau_sens, double tau_prune, int prune_by_sens,
+                                const float *mids, Py_ssize_t nmids, uint8_t *codes) {
+    Py_ssize_t nprot = 0, top = 1;
+    while (top * 2 <= nmids) top *= 2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const double a = fabs((double)w[i]);
+        const double s = sens ? (double)sens[i] : 0.0;
+        if (a > tau_mag || (sens && s > tau_sens)) { codes[i] = 1; nprot++; continue; }
+        const double m = prune_by_sens && sens ? s : a;
+        if (tau_prune >= 0 && (m < tau_prune || m == 0)) { codes[i] = 0; continue; }
+        /* the number of midpoints below w is the nearest centre's index (branch-free search) */
+        const float x = w[i];
+        Py_ssize_t lo = 0;
+        for (Py_ssize_t step = top; step > 0; step >>= 1)
+            lo += (lo + step <= nmids && mids[lo + step - 1] < x) ? step : 0;
+        codes[i] = (uint8_t)(2 + lo);
+    }
+    return nprot;
+}
+
+PyObject *py_partition_f32(PyObject *self, PyObject *args) {
+    Py_buffer w, sens, mids, codes;
+    double tau_mag, tau_sens, tau_prune;
+    int prune_by_sens, has_sens;
+    if (!PyArg_ParseTuple(args, "y*y*pdddpy*w*", &w, &sens, &has_sens, &tau_mag, &tau_sens, &tau_prune,
+                          &prune_by_sens, &mids, &codes))
+        return NULL;
+    Py_ssize_t n = w.len / 4, nprot = -1;
+    if (codes.len != n || (has_sens && sens.len != w.len) || mids.len / 4 > 253)
+        PyErr_SetString(PyExc_ValueError, "partition: buffers disagree in length or too many centres");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        nprot = partition_f32(w.buf, has_sens ? sens.buf : NULL, n, tau_mag, tau_sens, tau_prune,
+                              prune_by_sens, mids.buf, mids.len / 4, codes.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&w); PyBuffer_Release(&sens); PyBuffer_Release(&mids); PyBuffer_Release(&codes);
+    return nprot < 0 ? NULL : PyLong_FromSsize_t(nprot);
+}
