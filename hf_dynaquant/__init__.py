@@ -5,8 +5,7 @@ as checksummed safetensors payloads with a JSON manifest, never pickle; entries 
 chains. Codecs (:mod:`hf_dynaquant.codecs`) turn tensors into compact blobs.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .codecs import Codec, codec_names, get_codec, register_codec
 from .core.quantizer import QuantConfig
 from .errors import (

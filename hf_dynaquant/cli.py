@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .codecs import codec_names
 from .core.quantizer import QuantConfig
 from .errors import DynaQuantError, InvalidSettingError

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
@@ -92,12 +93,6 @@ class EntryInfo:
         return self.raw_nbytes / self.nbytes if self.nbytes else float("inf")
 
 
-def _library_version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
 class _EntryWriter:
     """Builds one entry in a temporary directory; :meth:`finish` publishes it atomically."""
 
@@ -153,7 +148,7 @@ class _EntryWriter:
         manifest = {
             "format": ENTRY_FORMAT,
             "format_version": FORMAT_VERSION,
-            "library": {"name": "hf_dynaquant", "version": _library_version()},
+            "library": {"name": "hf_dynaquant", "version": __version__},
             "base": base if self.uses_base else None,
             "files": [PAYLOAD],
             "checksum": "sha256",
