@@ -36,16 +36,27 @@ from .errors import (
 from .integrations import hf_quantizer as _hf_quantizer
 from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
 from .pretrained.folder import compress_folder, decompress_folder
+from .pretrained.weights import PretrainedWeights
+from .search import QualityMetric, SearchSpace
 from .store import CheckpointStore, EntryInfo, EntryReader
-from .training.checkpoint_dir import materialize
+from .training.checkpoint_dir import materialize_checkpoint
 from .training.compressor import Compressor, compress_state_dict
 from .training.optimizer_state import MomentQuant
+from .training.settings import CheckpointSettings
+from .training.sharded import ShardedCompressor
+
+materialize = materialize_checkpoint  # the short name of the README's resume recipe
 
 __all__ = [
     "__version__",
     "CheckpointStore",
     "Compressor",
+    "ShardedCompressor",
+    "CheckpointSettings",
     "QuantConfig",
+    "QualityMetric",
+    "SearchSpace",
+    "PretrainedWeights",
     "compress_state_dict",
     "EntryInfo",
     "EntryReader",
@@ -56,6 +67,7 @@ __all__ = [
     "compress_folder",
     "decompress_folder",
     "materialize",
+    "materialize_checkpoint",
     "MomentQuant",
     "DynaQuantCallback",
     "DynaQuantTrainer",
@@ -89,7 +101,11 @@ __all__ = [
     "from_pretrained",
 ]
 
-_hf_quantizer.register()  # AutoModel.from_pretrained(<DynaQuant snapshot>) after `import hf_dynaquant`
+# The one place hf_dynaquant registers with transformers, and it must be at import: the README and
+# tests promise that `AutoModel.from_pretrained(<DynaQuant snapshot>)` works after
+# `import hf_dynaquant` alone, and that call goes through transformers, not through us (see
+# hf_quantizer.register for what is touched).
+_hf_quantizer.register()
 
 
 def __getattr__(name: str):
