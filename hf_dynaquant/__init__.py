@@ -5,8 +5,7 @@ as checksummed safetensors payloads with a JSON manifest, never pickle; entries 
 chains. Codecs (:mod:`hf_dynaquant.codecs`) turn tensors into compact blobs.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .codecs import Codec, codec_names, get_codec, register_codec
 from .core.quantizer import QuantConfig
 from .errors import (
@@ -38,18 +37,27 @@ from .integrations import hf_quantizer as _hf_quantizer
 from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
 from .pipeline import compress_state_dict
 from .pretrained.folder import compress_folder, decompress_folder
+from .pretrained.weights import PretrainedWeights
+from .search import QualityMetric, SearchSpace
 from .store import CheckpointStore, EntryInfo, EntryReader
-from .training.checkpoint_dir import materialize
+from .training.checkpoint_dir import materialize_checkpoint
 from .training.compressor import Compressor
-from .training.settings import CheckpointSettings
 from .training.optimizer_state import MomentQuant
+from .training.settings import CheckpointSettings
+from .training.sharded import ShardedCompressor
+
+materialize = materialize_checkpoint  # the short name of the README's resume recipe
 
 __all__ = [
     "__version__",
     "CheckpointStore",
     "Compressor",
+    "ShardedCompressor",
     "CheckpointSettings",
     "QuantConfig",
+    "QualityMetric",
+    "SearchSpace",
+    "PretrainedWeights",
     "compress_state_dict",
     "EntryInfo",
     "EntryReader",
@@ -60,6 +68,7 @@ __all__ = [
     "compress_folder",
     "decompress_folder",
     "materialize",
+    "materialize_checkpoint",
     "MomentQuant",
     "DynaQuantCallback",
     "DynaQuantTrainer",
@@ -93,7 +102,11 @@ __all__ = [
     "from_pretrained",
 ]
 
-_hf_quantizer.register()  # AutoModel.from_pretrained(<DynaQuant snapshot>) after `import hf_dynaquant`
+# The one place hf_dynaquant registers with transformers, and it must be at import: the README and
+# tests promise that `AutoModel.from_pretrained(<DynaQuant snapshot>)` works after
+# `import hf_dynaquant` alone, and that call goes through transformers, not through us (see
+# hf_quantizer.register for what is touched).
+_hf_quantizer.register()
 
 
 def __getattr__(name: str):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .cli import inspect_table
 from .core.quantizer import QuantConfig
 from .errors import DynaQuantError
+from .inspection import inspect_table
 from .pretrained.folder import compress_folder, decompress_folder, find_store
 
 

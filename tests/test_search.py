@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hf_dynaquant import Compressor, QuantConfig
-from hf_dynaquant.cli import inspect_table
 from hf_dynaquant.core.quantizer import plan_quantization
+from hf_dynaquant.inspection import inspect_table
 from hf_dynaquant.search import (
     ConfigurationSearch,
     QualityMetric,

@@ -22,7 +22,6 @@ This rides on transformers' v5 loading internals (``get_load_operations``-era we
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -38,13 +37,13 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..codecs import get_codec
 from ..core.dtypes import from_raw
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, DynaQuantError, FormatError
+from ..errors import CorruptCheckpointError, DynaQuantError, FormatError
+from ..pretrained.snapshot import QUANT_METHOD
 from ..store.manifest import MANIFEST, manifest_file, parse_manifest, read_manifest_bytes
-from ..store.safetensors_io import open_safetensors, read_blob
+from ..store.safetensors_io import open_safetensors, read_checked_blob
 
 __all__ = ["QUANT_METHOD", "TESTED_TRANSFORMERS", "DynaQuantConfig", "DynaQuantHfQuantizer", "transformers_sections"]
 
-QUANT_METHOD = "dynaquant"
 TESTED_TRANSFORMERS = SpecifierSet(">=5.23,<5.25")
 
 
@@ -110,12 +109,7 @@ class _Entry:
         for section, records in self.records.items():
             for name, rec in records.items():
                 for blob, info in rec.get("blobs", {}).items():
-                    data = read_blob(handle, self.payload, info["key"], f"{section}/{name}")
-                    actual = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
-                    if actual != info["sha256"] or data.size != info["nbytes"]:
-                        raise ChecksumMismatchError(
-                            str(self.payload), f"{section}/{name}", blob, info["sha256"], actual
-                        )
+                    read_checked_blob(handle, self.payload, info, f"{section}/{name}", blob)
 
     def decode(self, name: str, blobs: dict[str, list[torch.Tensor]], prefix: str) -> torch.Tensor:
         """Decode one tensor from the blobs transformers gathered for it (verified beforehand)."""
@@ -246,7 +240,14 @@ class DynaQuantHfQuantizer(HfQuantizer):
 
 
 def register() -> None:
-    """Make transformers route ``quant_method: dynaquant`` to this module (idempotent)."""
+    """Make transformers route ``quant_method: dynaquant`` to this module (idempotent): adds
+    :class:`DynaQuantConfig` and :class:`DynaQuantHfQuantizer` to transformers' quantization
+    mappings, through its public ``register_quantization_config`` / ``register_quantizer``.
+
+    ``hf_dynaquant/__init__.py`` calls it when the package is imported, and nothing else does: a
+    user's own ``AutoModel.from_pretrained(<snapshot>)`` never passes through hf_dynaquant, so
+    registering on first use of our functions would leave that call (which the README and the
+    tests promise after ``import hf_dynaquant``) failing."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(DynaQuantConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:

@@ -19,8 +19,6 @@ Nothing is ever unpickled: weights are safetensors, everything else JSON. ``HF_T
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -33,18 +31,18 @@ import torch
 from ..core.quantizer import QuantConfig
 from ..errors import CorruptCheckpointError, DynaQuantError
 from ..pretrained.calibration import DEFAULT_THRESHOLD, PRETRAINED_SPACE, calibration_batches
-from ..pretrained.folder import (
-    MODEL_REF,
-    STORE_DIR,
-    compress_folder,
-    decompress_folder,
-    find_store,
-    publish_folder,
-    staged_folder,
+from ..pretrained.folder import MODEL_REF, STORE_DIR, compress_folder, find_store
+from ..pretrained.snapshot import (
+    CONFIG,
+    QUANT_METHOD,
+    cached_decode,
+    is_snapshot,
+    materialize_local_snapshot,
+    read_config,
 )
 from ..search import QualityMetric, SearchSpace
-from ..store.atomic import atomic_write_bytes
-from .hf_quantizer import QUANT_METHOD, transformers_sections
+from ..store.atomic import atomic_write_json, publish_folder, staging_folder
+from .hf_quantizer import transformers_sections
 
 __all__ = [
     "DEFAULT_THRESHOLD",
@@ -54,12 +52,10 @@ __all__ = [
     "push_to_hub",
     "pull",
     "from_pretrained",
-    "materialize",
-    "decode_snapshot",
+    "materialize_snapshot",
 ]
 
 _TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dynaquant.md"  # package data
-_CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -116,10 +112,10 @@ def compress_pretrained(
     output_dir = Path(output_dir)
     with tempfile.TemporaryDirectory(prefix="hf-dynaquant-src-") as tmp:
         src = _as_folder(model_or_path, Path(tmp), tokenizer)
-        source_config = _read_config(src)
+        source_config = read_config(src)
         if metric is not None and not isinstance(metric, QualityMetric):
             metric = QualityMetric(metric, higher_is_better=False, name=getattr(metric, "__name__", "metric"))
-        with staged_folder(output_dir) as staging:
+        with staging_folder(output_dir) as staging:
             result = compress_folder(
                 src,
                 staging / "snapshot",
@@ -155,8 +151,8 @@ def _as_folder(model_or_path: Any, tmp: Path, tokenizer: Any) -> Path:
     """A model folder for ``model_or_path`` (a ``PreTrainedModel`` is saved into ``tmp``)."""
     if isinstance(model_or_path, (str, Path)):
         path = Path(model_or_path)
-        if not (path / _CONFIG).is_file():
-            raise DynaQuantError(f"{path}: not a Hugging Face model folder (no {_CONFIG})")
+        if not (path / CONFIG).is_file():
+            raise DynaQuantError(f"{path}: not a Hugging Face model folder (no {CONFIG})")
         return path
     if not hasattr(model_or_path, "save_pretrained"):
         raise DynaQuantError(f"expected a model folder or a transformers PreTrainedModel, got {type(model_or_path)}")
@@ -164,20 +160,6 @@ def _as_folder(model_or_path: Any, tmp: Path, tokenizer: Any) -> Path:
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     return tmp
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / _CONFIG
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DynaQuantError(f"{folder}: no {_CONFIG}; not a Hugging Face model folder") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({exc})") from None
-
-
-def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _output_cosine(src: Path, decoded: Mapping[str, Mapping[str, torch.Tensor]]) -> float:
@@ -234,7 +216,7 @@ def _write_hub_config(folder: Path, source: dict[str, Any], snap: HubSnapshot, s
     }
     config["transformers_weights"] = f"{STORE_DIR}/entries/{snap.entry}/payload.safetensors"
     config.setdefault("dtype", config.get("torch_dtype") or "float32")
-    _write_json(folder / _CONFIG, config)
+    atomic_write_json(folder / CONFIG, config, sort_keys=True)
 
 
 def _write_card(folder: Path, snap: HubSnapshot, base_model: str | None, threshold: float, template: Any) -> None:
@@ -270,14 +252,6 @@ def _write_card(folder: Path, snap: HubSnapshot, base_model: str | None, thresho
 # push and pull
 
 
-def _is_snapshot(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / _CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
-
-
 def _endpoint(endpoint: str | None) -> str | None:
     return endpoint or os.environ.get("HF_ENDPOINT") or None
 
@@ -303,7 +277,7 @@ def push_to_hub(
 
     with tempfile.TemporaryDirectory(prefix="hf-dynaquant-push-") as tmp:
         folder = Path(folder_or_model) if isinstance(folder_or_model, (str, Path)) else None
-        if folder is None or not _is_snapshot(folder):
+        if folder is None or not is_snapshot(folder):
             folder = compress_pretrained(folder_or_model, Path(tmp) / "snapshot", **compress).path
         elif compress:
             raise DynaQuantError(f"{folder} is already compressed; compression options {sorted(compress)} do not apply")
@@ -353,7 +327,7 @@ def pull(
         )
     except HfHubHTTPError as exc:
         raise DynaQuantError(f"{where}: download failed ({exc})") from None
-    if not _is_snapshot(path):
+    if not is_snapshot(path):
         raise DynaQuantError(f"{where}: not a DynaQuant snapshot (config.json names no quant_method {QUANT_METHOD!r})")
     try:
         problems = find_store(path).verify(pretrained=False)
@@ -368,12 +342,7 @@ def pull(
 # load
 
 
-def _decode_cache(cache_dir: str | Path | None) -> Path:
-    root = cache_dir or os.environ.get("HF_DYNAQUANT_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "hf_dynaquant" / "decoded"
-
-
-def materialize(
+def materialize_snapshot(
     repo_id_or_path: str | Path,
     *,
     revision: str | None = None,
@@ -383,63 +352,20 @@ def materialize(
     endpoint: str | None = None,
 ) -> Path:
     """A plain model folder (float safetensors, config without the quantization entries) for a
-    snapshot, decoded once and kept in ``cache_dir`` (default ``$HF_DYNAQUANT_CACHE`` or
-    ``~/.cache/hf_dynaquant/decoded``).
+    snapshot (a local folder or a Hub repo), decoded once and kept in ``cache_dir`` (default
+    ``$HF_DYNAQUANT_CACHE`` or ``~/.cache/hf_dynaquant/decoded``).
 
     Every call checks the snapshot first (every blob checksum; a local folder is checked where it
-    is, a repo by :func:`pull`), and the decoded copy is keyed by everything it is made of
-    (:func:`_snapshot_key`), so an edited ``config.json`` or tokenizer is decoded afresh and a
-    damaged payload is a :class:`CorruptCheckpointError`, never an earlier decode."""
+    is, by :func:`~hf_dynaquant.pretrained.snapshot.materialize_local_snapshot`, a repo by
+    :func:`pull`), and the decoded copy is keyed by everything it is made of
+    (:func:`~hf_dynaquant.pretrained.snapshot.snapshot_key`), so an edited ``config.json`` or
+    tokenizer is decoded afresh and a damaged payload is a :class:`CorruptCheckpointError`, never
+    an earlier decode."""
     local = Path(repo_id_or_path)
     if local.is_dir():
-        config = _read_config(local)  # a missing or unreadable config.json is named as such
-        quantization = config.get("quantization_config") if isinstance(config, dict) else None
-        if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
-            raise DynaQuantError(f"{local}: not a DynaQuant snapshot (config.json names no quant_method dynaquant)")
-        # damage only: a dead writer's files harm no read, and a decode names missing pre-trained weights itself
-        problems = find_store(local).verify(leftovers=False, pretrained=False)
-        if problems:
-            raise CorruptCheckpointError(f"{local}: the snapshot is damaged: " + "; ".join(problems))
-        src, prefix = local, Path("local")
-    else:
-        src = pull(str(repo_id_or_path), revision=revision, token=token, cache_dir=hub_cache_dir, endpoint=endpoint)
-        prefix = Path(str(repo_id_or_path).replace("/", "--")) / src.name  # src.name: the commit
-    target = _decode_cache(cache_dir) / prefix / _snapshot_key(src)
-    if not target.is_dir():
-        try:
-            decode_snapshot(src, target)
-        except DynaQuantError:
-            if not target.is_dir():  # not merely decoded meanwhile by another process
-                raise
-    return target
-
-
-def _snapshot_key(folder: Path) -> str:
-    """What a decoded copy of the snapshot ``folder`` is made of, as one hex key: its entry id
-    (a hash of the manifest, which lists every payload blob's SHA-256) and the path and SHA-256
-    of every other file that decoding copies (config, tokenizer, ...)."""
-    key = hashlib.sha256(find_store(folder).resolve(MODEL_REF).encode())
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if rel.parts[0] != STORE_DIR and path.is_file():
-            with open(path, "rb") as fh:
-                digest = hashlib.file_digest(fh, "sha256").digest()
-            key.update(rel.as_posix().encode() + b"\0" + digest)
-    return key.hexdigest()[:32]
-
-
-def decode_snapshot(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
-    """Write a snapshot folder back as a plain model folder (float safetensors; config.json
-    without ``quantization_config`` and ``transformers_weights``) that any transformers loads."""
-    dst = Path(dst)
-    with staged_folder(dst) as staging:
-        decompress_folder(src, staging / "plain", progress=False)
-        config = _read_config(staging / "plain")
-        config.pop("quantization_config", None)
-        config.pop("transformers_weights", None)
-        _write_json(staging / "plain" / _CONFIG, config)
-        publish_folder(staging / "plain", dst, overwrite)
-    return dst
+        return materialize_local_snapshot(local, cache_dir=cache_dir)
+    src = pull(str(repo_id_or_path), revision=revision, token=token, cache_dir=hub_cache_dir, endpoint=endpoint)
+    return cached_decode(src, Path(str(repo_id_or_path).replace("/", "--")) / src.name, cache_dir)  # name: commit
 
 
 def from_pretrained(
@@ -453,7 +379,9 @@ def from_pretrained(
     **kwargs: Any,
 ) -> Any:
     """``model_class.from_pretrained`` on a DynaQuant snapshot (repo id or folder), with public
-    APIs only: download, decode once into the cache (:func:`materialize`), then load the plain
-    folder. ``kwargs`` go to ``model_class.from_pretrained`` (``num_labels=3``, ``dtype``...)."""
-    folder = materialize(repo_id_or_path, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint)
+    APIs only: download, decode once into the cache (:func:`materialize_snapshot`), then load the
+    plain folder. ``kwargs`` go to ``model_class.from_pretrained`` (``num_labels=3``, ``dtype``...)."""
+    folder = materialize_snapshot(
+        repo_id_or_path, revision=revision, token=token, cache_dir=cache_dir, endpoint=endpoint
+    )
     return model_class.from_pretrained(str(folder), **kwargs)

@@ -9,11 +9,9 @@ Weights stored as pickle (``pytorch_model*.bin``) are refused: we never unpickle
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ from ..core.quantizer import QuantConfig, plan_quantization
 from ..errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
 from ..pipeline import plan_key, write_planned
 from ..store import STORE_DIR, CheckpointStore
-from ..store.atomic import TempDir, fsync_dir, remove_dead_leftovers
+from ..store.atomic import publish_folder, staging_folder
 from ..store.safetensors_io import StreamingWriter, header_size_estimate
 from .calibration import PRETRAINED_BASE, search_pretrained
 
@@ -117,36 +115,6 @@ def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
     return weights, others
 
 
-def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Move a finished temporary folder to ``dst`` (replacing it only when ``overwrite``)."""
-    if dst.exists():
-        if not overwrite:
-            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True")
-        old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        tmp.rename(dst)
-    fsync_dir(dst.parent)
-
-
-@contextlib.contextmanager
-def staged_folder(dst: Path) -> Iterator[Path]:
-    """An empty folder to build ``dst`` in, inside a temporary folder beside ``dst`` that this
-    process owns (``.tmp-<host>-<pid>-<token>-<dst name>``, see :mod:`.store.atomic`) and that is
-    deleted on leaving, published or not. Leftovers of killed earlier runs for the same
-    destination are deleted first; a live run's are left alone."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_leftovers(dst.parent, dst.name)
-    owner = TempDir(dst.parent, dst.name)
-    try:
-        (owner.path / dst.name).mkdir()
-        yield owner.path / dst.name
-    finally:
-        owner.discard()
-
-
 def compress_folder(
     src: str | Path,
     dst: str | Path,
@@ -180,7 +148,7 @@ def compress_folder(
         root, (weights, others) = src, _weight_files(src)
         if not weights:
             raise DynaQuantError(f"{src}: no .safetensors weight files found")
-    with staged_folder(dst) as tmp:
+    with staging_folder(dst) as tmp:
         for rel in others:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(root / rel, tmp / rel)
@@ -239,7 +207,7 @@ def decompress_folder(
     """Write a compressed folder back as a plain Hugging Face folder that ``from_pretrained`` loads."""
     src, dst = Path(src), Path(dst)
     store = find_store(src)
-    with staged_folder(dst) as tmp:
+    with staging_folder(dst) as tmp:
         if store.path != src:
             for p in sorted(src.rglob("*")):
                 rel = p.relative_to(src)

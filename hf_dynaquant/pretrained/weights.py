@@ -14,8 +14,10 @@ process, weeks later. :class:`PretrainedWeights` is that reference:
 
 :func:`resolve_pretrained` turns a descriptor back into the weights, checking every file's size
 and SHA-256; anything missing or different is a :class:`MissingPretrainedError` that names the
-source, the file and the entry. Only safetensors files are read: ``pytorch_model.bin`` (pickle)
-is never loaded.
+source, the file and the entry. It is registered with the store when this module is imported
+(:func:`~hf_dynaquant.store.set_pretrained_resolver`), so entry readers decode residuals with it
+without the store importing this layer. Only safetensors files are read: ``pytorch_model.bin``
+(pickle) is never loaded.
 
 Names are matched as transformers matches them when it loads a checkpoint: the same name, or the
 name with or without the model's ``base_model_prefix`` (a head model such as
@@ -28,8 +30,9 @@ A model loaded with :func:`hf_dynaquant.from_pretrained` from a DynaQuant snapsh
 model loaded from the decoded folder in the decode cache, so that folder (the decoded snapshot
 weights, which the model starts from) is its reference. A model loaded with
 ``AutoModel.from_pretrained(<snapshot>)`` after ``import hf_dynaquant`` names the snapshot itself:
-it is decoded once into the same cache (:func:`hf_dynaquant.materialize`, local files only) and
-that decoded folder is the reference.
+it is decoded once into the same cache
+(:func:`~hf_dynaquant.pretrained.snapshot.materialize_local_snapshot`, local files only) and that
+decoded folder is the reference.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import FormatError, MissingPretrainedError
+from ..store import set_pretrained_resolver
+from .snapshot import is_snapshot, materialize_local_snapshot
 
 __all__ = ["PretrainedWeights", "resolve_pretrained", "describe_pretrained", "file_sha256", "DESCRIPTOR_VERSION"]
 
@@ -252,11 +257,9 @@ class PretrainedWeights:
     ) -> PretrainedWeights:
         folder, source, revision = _locate(source, revision, where)
         origin = None
-        if _is_dynaquant_snapshot(folder):
-            from ..integrations.hub import materialize  # heavy; only for snapshots
-
+        if is_snapshot(folder):
             origin = f"{source}@{revision}" if revision else source
-            folder = materialize(folder)
+            folder = materialize_local_snapshot(folder)
             source, revision = str(folder.resolve()), None
         available = _float_keys(folder, _weight_files(folder, source, revision, where))
         tensors = _match(names, available, prefix)
@@ -273,15 +276,6 @@ class PretrainedWeights:
             if hit is not None:
                 for name in group:
                     self._tensors.setdefault(name, hit)
-
-
-def _is_dynaquant_snapshot(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(quant, dict) and quant.get("quant_method") == "dynaquant"
 
 
 def _hub_cache() -> str:
@@ -471,3 +465,6 @@ def resolve_pretrained(
     with _lock:
         _RESOLVED[key] = weights
     return weights
+
+
+set_pretrained_resolver(resolve_pretrained)  # how store entries find their pre-trained weights (see the store's hook)

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -32,17 +33,23 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from ..errors import DynaQuantError
 
 __all__ = [
     "LOCK_FILE",
     "TempDir",
     "atomic_write_bytes",
+    "atomic_write_json",
     "dead_leftovers",
     "fsync_dir",
     "fsync_file",
     "owner_is_dead",
+    "publish_folder",
     "remove_dead_leftovers",
     "size_on_disk",
+    "staging_folder",
     "target_name",
     "temp_name",
 ]
@@ -273,3 +280,42 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = False) -> None:
+    """Replace ``path`` with ``obj`` as indented JSON (two spaces, a final newline), atomically and
+    durably (:func:`atomic_write_bytes`): the small JSON files people read, such as a checkpoint
+    folder's marker or a snapshot's ``config.json``. (Store references and manifests are canonical
+    JSON instead, see :mod:`.manifest`.)"""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n").encode())
+
+
+@contextlib.contextmanager
+def staging_folder(dst: Path) -> Iterator[Path]:
+    """An empty folder to build ``dst`` in, inside a temporary folder beside ``dst`` that this
+    process owns (``.tmp-<host>-<pid>-<token>-<dst name>``, see the module docstring) and that is
+    deleted on leaving, published (:func:`publish_folder`) or not. Leftovers of killed earlier runs
+    for the same destination are deleted first; a live run's are left alone."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_leftovers(dst.parent, dst.name)
+    owner = TempDir(dst.parent, dst.name)
+    try:
+        (owner.path / dst.name).mkdir()
+        yield owner.path / dst.name
+    finally:
+        owner.discard()
+
+
+def publish_folder(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Move a finished folder built in :func:`staging_folder` to ``dst`` (replacing it only when
+    ``overwrite``; :class:`~hf_dynaquant.errors.DynaQuantError` when it exists otherwise)."""
+    if dst.exists():
+        if not overwrite:
+            raise DynaQuantError(f"{dst} already exists; choose another destination or pass overwrite=True")
+        old = dst.with_name(f".old-{uuid.uuid4().hex[:8]}-{dst.name}")
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        tmp.rename(dst)
+    fsync_dir(dst.parent)

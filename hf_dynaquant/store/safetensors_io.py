@@ -10,6 +10,7 @@ safetensors files; we read them back with the ``safetensors`` library itself.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,9 +21,9 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ..errors import CorruptCheckpointError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
-__all__ = ["StreamingWriter", "header_size_estimate", "open_safetensors", "read_blob"]
+__all__ = ["StreamingWriter", "header_size_estimate", "open_safetensors", "read_blob", "read_checked_blob"]
 
 # Unused header reservation kept as padding: beyond this (and 1% of the data) the file is
 # rewritten with an exact header, which costs a copy of the data (cheap when it is that small).
@@ -119,3 +120,15 @@ def read_blob(handle: Any, path: Path, key: str, tensor: str) -> np.ndarray:
         return handle.get_tensor(key)
     except (SafetensorError, KeyError, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: blob {key!r} of tensor {tensor!r} cannot be read ({exc})") from None
+
+
+def read_checked_blob(handle: Any, path: Path, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
+    """One uint8 blob from an open payload file, checked against its manifest record ``info``
+    (``key``, ``nbytes``, ``sha256``; FORMAT.md): a :class:`ChecksumMismatchError` naming the
+    file, tensor and blob when its bytes are not the recorded ones. The one checksum check of
+    every reader of a payload (entry readers, and transformers loading a Hub snapshot)."""
+    data = read_blob(handle, path, info["key"], tensor)
+    actual = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+    if actual != info["sha256"] or data.size != info["nbytes"]:
+        raise ChecksumMismatchError(str(path), tensor, blob, info["sha256"], actual)
+    return data

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
 from ..errors import (
-    ChecksumMismatchError,
     CodecError,
     CorruptCheckpointError,
     DynaQuantError,
@@ -66,14 +66,36 @@ from .manifest import (
     read_manifest_bytes,
     store_marker,
 )
-from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_blob
+from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_checked_blob
 from .tree import flatten_tree, unflatten_tree
 
-__all__ = ["CheckpointStore", "EntryReader", "EntryInfo"]
+__all__ = ["CheckpointStore", "EntryReader", "EntryInfo", "PretrainedResolver", "set_pretrained_resolver"]
 
 PAYLOAD = "payload.safetensors"
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+PretrainedResolver = Callable[[Mapping[str, Any], str], Any]
+"""``resolver(descriptor, where)``: the pre-trained weights an entry's ``metadata["pretrained"]``
+descriptor names (an object whose ``tensor(name)`` is a model tensor's pre-trained value), found
+again and checked; ``where`` names the entry in errors."""
+
+_pretrained_resolver: PretrainedResolver | None = None
+
+
+def set_pretrained_resolver(resolver: PretrainedResolver) -> None:
+    """Name the function :meth:`EntryReader.pretrained` finds an entry's pre-trained weights with.
+
+    Why a hook: a residual entry is decoded against the pre-trained weights its fine-tune started
+    from, and finding those (a local folder, the Hugging Face cache, a decoded DynaQuant snapshot,
+    each file's SHA-256 checked) is the job of the pre-trained layer above the store, which the
+    store must not import. :mod:`hf_dynaquant.pretrained.weights` registers
+    :func:`~hf_dynaquant.pretrained.weights.resolve_pretrained` when it is imported, and importing
+    ``hf_dynaquant`` or any module of it (``hf_dynaquant.store`` included) imports it, so every
+    reader finds it. Registering again replaces it (a test double, say)."""
+    global _pretrained_resolver
+    _pretrained_resolver = resolver
 
 
 @dataclass(frozen=True)
@@ -90,12 +112,6 @@ class EntryInfo:
     @property
     def ratio(self) -> float:
         return self.raw_nbytes / self.nbytes if self.nbytes else float("inf")
-
-
-def _library_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 class _EntryWriter:
@@ -153,7 +169,7 @@ class _EntryWriter:
         manifest = {
             "format": ENTRY_FORMAT,
             "format_version": FORMAT_VERSION,
-            "library": {"name": "hf_dynaquant", "version": _library_version()},
+            "library": {"name": "hf_dynaquant", "version": __version__},
             "base": base if self.uses_base else None,
             "files": [PAYLOAD],
             "checksum": "sha256",
@@ -266,11 +282,7 @@ class EntryReader:
     def read_checked(self, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
         """Read one blob and check its SHA-256 against the manifest."""
         path = self.path / self.manifest["files"][info["file"]]
-        data = read_blob(self._handle(info["file"]), path, info["key"], tensor)
-        actual = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
-        if actual != info["sha256"] or data.size != info["nbytes"]:
-            raise ChecksumMismatchError(str(path), tensor, blob, info["sha256"], actual)
-        return data
+        return read_checked_blob(self._handle(info["file"]), path, info, tensor, blob)
 
     # -- tensors ---------------------------------------------------------------------------
     def base_reader(self) -> EntryReader:
@@ -294,9 +306,13 @@ class EntryReader:
                     f"{self.manifest_path}: a tensor is a residual against pre-trained weights, but the entry's "
                     "metadata names none"
                 )
-            from ..pretrained.weights import resolve_pretrained
-
-            self._pretrained = resolve_pretrained(descriptor, f"entry {self.id[:16]} in store {self.store.path}")
+            where = f"entry {self.id[:16]} in store {self.store.path}"
+            if _pretrained_resolver is None:
+                raise DynaQuantError(
+                    f"{where}: its tensors are residuals against pre-trained weights, and nothing that finds "
+                    "those weights is registered (import hf_dynaquant.pretrained, which registers it)"
+                )
+            self._pretrained = _pretrained_resolver(descriptor, where)
         return self._pretrained
 
     def state(self, section: str, name: str) -> Any:

@@ -37,7 +37,7 @@ import zstandard
 
 from ..errors import FormatError, IncompleteCheckpointError, MissingOptimizerStateError
 from ..store import STORE_DIR, CheckpointStore
-from ..store.atomic import atomic_write_bytes
+from ..store.atomic import atomic_write_bytes, atomic_write_json
 from .compressor import read_checkpoint
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
     "remove_uncompressed",
     "release_rotated",
     "collect_small_files",
-    "materialize",
+    "materialize_checkpoint",
     "rebuild_folder",
     "restore_optimizer",
 ]
@@ -100,7 +100,7 @@ def write_marker(folder: Path, store: CheckpointStore, ref: str, entry: str, ste
         "entry": entry,
         "step": step,
     }
-    atomic_write_bytes(folder / MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+    atomic_write_json(folder / MARKER, marker)
 
 
 def _relative(target: Path, start: Path) -> str:
@@ -201,9 +201,10 @@ def collect_small_files(folder: Path, patterns: tuple[str, ...] = RESUME_FILES) 
     return out
 
 
-def materialize(folder: str | Path, *, allow_missing_optimizer: bool = False) -> Path:
+def materialize_checkpoint(folder: str | Path, *, allow_missing_optimizer: bool = False) -> Path:
     """Write a compressed checkpoint back as the plain files a framework reads
-    (``model.safetensors`` and ``optimizer.pt``), so an unmodified ``Trainer`` can resume from it.
+    (``model.safetensors`` and ``optimizer.pt``), so an unmodified ``Trainer`` can resume from it;
+    ``hf_dynaquant.materialize`` is this function (the name the README's resume recipe uses).
 
     ``folder`` may also be a run directory: its newest complete checkpoint is used. A folder
     lost to a crash or an early rotation is rebuilt from the store's copy of its small files.
