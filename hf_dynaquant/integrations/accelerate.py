@@ -142,7 +142,7 @@ class DynaQuantCheckpointing:
             raise UnsupportedSetupError(
                 f"parameter {sharded!r} is a DTensor (an FSDP2 / fully_shard model): accelerator.prepare wraps such a "
                 "model in DDP on CPUs, which breaks it, so the plugin does not take it; checkpoint it with "
-                "hf_dynaquant.training.sharded.ShardedCompressor, where each rank compresses its own shard (see the README)"
+                "hf_dynaquant.ShardedCompressor, where each rank compresses its own shard (see the README)"
             )
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != accelerator.num_processes:

@@ -131,7 +131,8 @@ def compress_folder(
     Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
     the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
     With ``codec="dynaquant"`` the weights are quantized with ``quant`` (default
-    :data:`~hf_dynaquant.pretrained.calibration.PRETRAINED_BASE`), or, given a ``threshold``, with the most compressive configuration
+    :data:`~hf_dynaquant.pretrained.calibration.PRETRAINED_BASE`), or, given a ``threshold``, with the
+    most compressive configuration
     whose output distortion on calibration text stays within it (see
     :mod:`hf_dynaquant.pretrained.calibration`); without gradients, sensitivity means magnitude.
     ``search`` passes further options to :func:`~hf_dynaquant.pretrained.calibration.search_pretrained`

@@ -534,7 +534,8 @@ class _Context:
                 cand.weight_error = float(math.sqrt(totals[2] / max(totals[3], 1e-300)))
                 mine.append(cand)
                 self.local += 1
-            gathered = [x for part in all_gather([replace(c, plan=None) for c in mine]) for x in part] if world > 1 else mine
+            shared = [replace(c, plan=None) for c in mine]
+            gathered = [x for part in all_gather(shared) for x in part] if world > 1 else mine
             for cand in gathered:
                 for other in self.tried:
                     if self.below(other.config, cand.config):

@@ -138,11 +138,13 @@ class ModelSkeleton:
                 continue
             if name in state_names:
                 empty = torch.empty(0, dtype=t.dtype)
-                memo[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(t, torch.nn.Parameter) else empty
+                is_param = isinstance(t, torch.nn.Parameter)
+                memo[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if is_param else empty
                 self._slots.append((memo[id(t)], name))
             else:
                 host = t.detach().to("cpu", copy=True)
-                memo[id(t)] = torch.nn.Parameter(host, requires_grad=False) if isinstance(t, torch.nn.Parameter) else host
+                is_param = isinstance(t, torch.nn.Parameter)
+                memo[id(t)] = torch.nn.Parameter(host, requires_grad=False) if is_param else host
         self.module = copy.deepcopy(model, memo)
 
     @staticmethod
@@ -273,7 +275,9 @@ class Compressor:
         metric = settings.quality_metric()
         self.search: ConfigurationSearch | None = None
         if metric is not None:
-            self.search = ConfigurationSearch(metric, settings.threshold, space=settings.search_space, base=settings.config)
+            self.search = ConfigurationSearch(
+                metric, settings.threshold, space=settings.search_space, base=settings.config
+            )
         self.last_search: SearchResult | None = None
         self.last_report: CheckpointReport | None = None
         self.model, self.optimizer = model, optimizer

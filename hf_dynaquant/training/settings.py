@@ -134,7 +134,9 @@ class CheckpointSettings:
         _boolean,
     )
     delta_coding: str = _setting(
-        DEFAULT_DELTA_CODING, "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'.", str
+        DEFAULT_DELTA_CODING,
+        "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'.",
+        str,
     )
     progress: bool | None = _setting(
         None, "Show a progress bar while a checkpoint is written (default: for checkpoints over 256 MB).", None
