@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.collectives import is_distributed
+from ..errors import CheckpointError
 from ..search import SearchResult
 from .background import BackgroundWorker
 from .checkpoint_dir import collect_small_files, release_rotated, remove_uncompressed, write_marker
@@ -114,10 +115,10 @@ class CheckpointManager:
         ``stall_before``: seconds the framework's save took before :meth:`take` (for the report)."""
         snap = pending.snapshot
         if snap is None:
-            raise ValueError(f"checkpoint {folder.name} was taken on a process that does not write it")
+            raise CheckpointError(f"checkpoint {folder.name} was taken on a process that does not write it")
         store = self.compressor.store
         if store is None:
-            raise ValueError("the compressor has no store to write into")
+            raise CheckpointError(f"checkpoint {folder.name}: the compressor has no store to write into")
         snap.extras = collect_small_files(folder, small_files)
         stall = time.perf_counter() - pending.started + stall_before
         name, run_dir, searched = folder.name, folder.parent, pending.searched

@@ -51,12 +51,10 @@ def _optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _boolean(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on", "y", "t"):
-        return True
-    if value in ("0", "false", "no", "off", "n", "f"):
-        return False
-    raise ValueError(f"not a boolean: {raw!r}")
+    """An environment flag as Accelerate reads its own (``true``/``1``/``yes``/...)."""
+    from accelerate.utils import str_to_bool  # imported when a variable is read: accelerate is heavy
+
+    return bool(str_to_bool(raw))
 
 
 def _setting(default: Any, help: str, env: Callable[[str], Any] | None = None) -> Any:
