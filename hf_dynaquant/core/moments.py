@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 MAX_SCALE_LEVELS = 254  # centres a uint8 code can name (0 and 1 are the pruned/protected levels)
+_FIDELITY_CHUNK = 1 << 20  # values per float64 chunk of fidelity_sums (24 MiB of temporaries)
 
 
 def scale_floor(eps: float) -> float:
@@ -56,12 +57,15 @@ def adam_to_update_scale(m: torch.Tensor, v: torch.Tensor, eps: float) -> tuple[
 
 
 def update_scale_to_adam(
-    u: torch.Tensor, s: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32
+    u: torch.Tensor, s: torch.Tensor, eps: float, dtype: torch.dtype = torch.float32, *, inplace: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, v)`` back from an update and a scale (see the module docstring)."""
-    denom = s.float().exp()
-    m = u.float() * denom
-    v = (denom - scale_floor(eps)).clamp_min(0).square()
+    """``(m, v)`` back from an update and a scale (see the module docstring). ``inplace``: ``u``
+    and ``s`` (float32, the caller's to give up) become ``m`` and ``v``, with no temporaries."""
+    if not (inplace and u.dtype == s.dtype == torch.float32):
+        u, s = u.float().clone(), s.float().clone()
+    denom = s.exp_()
+    m = u.mul_(denom)
+    v = denom.sub_(scale_floor(eps)).clamp_min_(0).square_()
     return m.to(dtype), v.to(dtype)
 
 
@@ -88,9 +92,14 @@ def fidelity_sums(original: torch.Tensor, decoded: torch.Tensor) -> np.ndarray:
     """``[a.b, a.a, b.b, (a-b).(a-b)]`` in float64 for ``a = original``, ``b = decoded``: the sums
     :func:`fidelity` is made of. They add over any split of the values (row shards of one tensor:
     sum each rank's, then :func:`fidelity_from_sums`)."""
-    a, b = original.reshape(-1).double(), decoded.reshape(-1).double()
-    d = a - b
-    return np.array([float(a @ b), float(a @ a), float(b @ b), float(d @ d)], dtype=np.float64)
+    a_all, b_all = original.reshape(-1), decoded.reshape(-1)
+    sums = np.zeros(4, dtype=np.float64)
+    for start in range(0, a_all.numel(), _FIDELITY_CHUNK):  # float64 copies of one chunk at a time
+        a = a_all[start : start + _FIDELITY_CHUNK].double()
+        b = b_all[start : start + _FIDELITY_CHUNK].double()
+        d = a - b
+        sums += [float(a @ b), float(a @ a), float(b @ b), float(d @ d)]
+    return sums
 
 
 def fidelity_from_sums(sums: np.ndarray) -> tuple[float, float]:

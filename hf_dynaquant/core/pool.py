@@ -16,13 +16,15 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ForkSafePool", "reset_after_fork", "default_workers"]
+__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class _ForkAware(Protocol):
@@ -87,3 +89,23 @@ class ForkSafePool:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=wait)
+
+
+def ordered_map(pool: ForkSafePool, fn: Callable[[U], T], items: Iterable[U], ahead: int) -> Iterator[T]:
+    """``fn(item)`` for each item, in order, computed on ``pool`` with at most ``ahead`` items
+    in flight: unlike ``Executor.map``, which submits every item at once, the items (and what
+    ``fn`` makes of them) are held ``ahead`` at a time, so memory stays bounded while the pool's
+    threads work on several tensors at once. ``items`` is consumed in the calling thread."""
+    if ahead < 1:
+        raise ValueError(f"ahead must be at least 1, got {ahead}")
+    pending: deque[Future[T]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:  # a failure or an abandoned loop: no work goes on for nobody
+            future.cancel()

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
-from .dtypes import check_storable, storage_key
+from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
 from .kmeans import approximate_kmeans
 from .rounding import stochastic_codes, tensor_seed, uniform
@@ -269,7 +269,7 @@ def _finite(cache: dict, key: tuple, tensor: Callable[[], torch.Tensor], fresh: 
     """Whether a tensor holds only finite values, computed once per ``cache`` (the result of a
     new check is appended to ``fresh`` as ``(key, finite)``)."""
     if key not in cache:
-        cache[key] = bool(torch.isfinite(tensor()).all())
+        cache[key] = all_finite(tensor())
         fresh.append((key, cache[key]))
     return cache[key]
 

@@ -54,7 +54,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..errors import CheckpointError, IncompleteCheckpointError, InvalidSettingError, UnsupportedSetupError
+from ..errors import IncompleteCheckpointError, InvalidSettingError, UnsupportedSetupError
 from ..store import STORE_DIR, CheckpointStore
 from ..training.checkpoint_dir import (
     last_complete_checkpoint,
@@ -63,7 +63,7 @@ from ..training.checkpoint_dir import (
     read_marker,
     restore_optimizer,
 )
-from ..training.compressor import CheckpointReport, Compressor, read_checkpoint
+from ..training.compressor import CheckpointReport, Compressor, load_weights, read_optimizer_state
 from ..training.manager import CheckpointManager, PendingCheckpoint
 from ..training.settings import ENV_PREFIX, CheckpointSettings, SettingsView
 
@@ -283,13 +283,12 @@ class DynaQuantCheckpointing:
             return
         models.pop(index)  # a list of load_state's own: Accelerate loads the other models
         store = marker_store(input_dir, marker)
-        state, optimizer_state, meta = read_checkpoint(store, marker["entry"])
-        try:
-            self.model.load_state_dict(state)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{input_dir}: the stored weights do not fit the model: {exc}") from exc
-        if self.optimizer is not None:
-            restore_optimizer(self.optimizer, optimizer_state, meta, input_dir)
+        with store.open(marker["entry"]) as entry:
+            meta = dict(entry.metadata)
+            load_weights(self.model, entry, input_dir)
+            if self.optimizer is not None:
+                optimizer_state = read_optimizer_state(entry, f"{input_dir} (optimizer state)")
+                restore_optimizer(self.optimizer, optimizer_state, meta, input_dir)
         self.compressor.step = int(meta.get("step", 0))
         if self.accelerator.is_main_process:
             self._use_store(store, Path(input_dir))

@@ -68,7 +68,7 @@ from ..training.checkpoint_dir import (
     read_marker,
     restore_optimizer,
 )
-from ..training.compressor import CheckpointReport, Compressor, read_checkpoint
+from ..training.compressor import CheckpointReport, Compressor, load_weights, read_optimizer_state
 from ..training.manager import CheckpointManager
 from ..training.settings import DEFAULT_EVAL_EXAMPLES, CheckpointSettings, SettingsView
 
@@ -357,15 +357,16 @@ class DynaQuantTrainer(Trainer):
         if marker is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = model if model is not None else self.model
-        state, _, _ = read_checkpoint(marker_store(resume_from_checkpoint, marker), marker["entry"])
-        _load_weights(model, state, resume_from_checkpoint)
+        with marker_store(resume_from_checkpoint, marker).open(marker["entry"]) as entry:
+            load_weights(model, entry, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         marker = read_marker(checkpoint) if checkpoint is not None else None
         if marker is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        _, optimizer_state, meta = read_checkpoint(marker_store(checkpoint, marker), marker["entry"])
-        restore_optimizer(self.optimizer, optimizer_state, meta, checkpoint)
+        with marker_store(checkpoint, marker).open(marker["entry"]) as entry:
+            optimizer_state = read_optimizer_state(entry, f"{checkpoint} (optimizer state)")
+            restore_optimizer(self.optimizer, optimizer_state, entry.metadata, checkpoint)
         scheduler = os.path.join(checkpoint, "scheduler.pt")
         if not os.path.isfile(scheduler):
             raise IncompleteCheckpointError(f"{checkpoint}: scheduler.pt is missing")
@@ -378,8 +379,8 @@ class DynaQuantTrainer(Trainer):
         marker = read_marker(best) if best is not None else None
         if marker is None:
             return super()._load_best_model()
-        state, _, _ = read_checkpoint(marker_store(best, marker), marker["entry"])
-        _load_weights(self.model, state, best)
+        with marker_store(best, marker).open(marker["entry"]) as entry:
+            load_weights(self.model, entry, best)
 
     # -- saving ---------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
@@ -621,23 +622,3 @@ class _PredictionMetric(QualityMetric):
         loss_scale = float(b_loss.mean())
         loss_deg = (float(c_loss.mean()) - loss_scale) / max(abs(loss_scale), 1e-12)
         return {self.key: (deg, se), "loss": (loss_deg, paired_standard_error(b_loss, c_loss, loss_scale))}
-
-
-def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k not in _tied_names(model)]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(
-            f"{where}: the stored weights do not fit the model (missing {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]})"
-        )
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.add(name)
-        seen.setdefault(id(p), name)
-    return tied

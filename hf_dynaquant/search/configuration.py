@@ -83,6 +83,7 @@ import numpy as np
 import torch
 
 from ..core.collectives import all_gather, broadcast, rank_world
+from ..core.dtypes import all_finite
 from ..core.entropy import order0_bits
 from ..core.quantizer import (
     EMBEDDING,
@@ -422,7 +423,7 @@ class ConfigurationSearch:
         """The result for a checkpoint whose unquantized model scores NaN or inf: stored losslessly,
         after the tensors at fault are named (in lockstep: those with NaN or inf on any rank)."""
         names = [n for n, t in snapshot.items() if t.is_floating_point()]
-        flags = np.array([0.0 if bool(torch.isfinite(snapshot[n]).all()) else 1.0 for n in names])
+        flags = np.array([0.0 if all_finite(snapshot[n]) else 1.0 for n in names])
         if lockstep is not None and names:
             flags = lockstep.all_sum(flags)
         bad = [repr(n) for n, flag in zip(names, flags) if flag > 0]

@@ -35,6 +35,7 @@ from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
+from ..core.pool import ForkSafePool, default_workers, ordered_map
 from ..errors import (
     CodecError,
     CorruptCheckpointError,
@@ -74,6 +75,11 @@ __all__ = ["CheckpointStore", "EntryReader", "EntryInfo", "PretrainedResolver", 
 PAYLOAD = "payload.safetensors"
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _ID = re.compile(r"^[0-9a-f]{64}$")
+# Tensors are encoded (and decoded) on a pool, one per core, each in full: the numeric kernels,
+# torch, zstd and hashing release the GIL, so the cores overlap; _AHEAD tensors at a time bounds
+# the memory held by encodings waiting for their turn in the payload (which stays in order).
+_TENSOR_POOL = ForkSafePool("dq-tensors")
+_AHEAD = default_workers() + 1
 
 
 PretrainedResolver = Callable[[Mapping[str, Any], str], Any]
@@ -352,14 +358,37 @@ class EntryReader:
 
     def load_section(self, section: str, *, progress: bool = False) -> dict[str, torch.Tensor]:
         """All tensors of a section; aliases (tied weights) come back as the same tensor object."""
-        out: dict[str, torch.Tensor] = {}
         records = self._section(section)
-        for name in tqdm(list(records), desc=f"decoding {section}", unit="tensor", disable=not progress):
-            target = records[name].get("alias_of", name)
-            if target not in out:
-                out[target] = self.tensor(section, target)
-            out[name] = out[target]
+        out = dict(self.iter_section(section, progress=progress))
         return {name: out[name] for name in records}
+
+    def iter_section(self, section: str, *, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every tensor of a section, decoded a few at a time on the
+        pool (so a caller that consumes each tensor as it comes holds only those few); an alias
+        (a tied weight) comes after its target, as the same tensor object."""
+        records = self._section(section)
+        targets = [n for n, rec in records.items() if "alias_of" not in rec]
+        aliases: dict[str, list[str]] = {}
+        for name, rec in records.items():
+            if "alias_of" in rec:
+                aliases.setdefault(rec["alias_of"], []).append(name)
+        self._prepare_bases()
+        with tqdm(total=len(records), desc=f"decoding {section}", unit="tensor", disable=not progress) as bar:
+            tensors = ordered_map(_TENSOR_POOL, lambda n: self.tensor(section, n), targets, _AHEAD)
+            for name, tensor in zip(targets, tensors):
+                for each in (name, *aliases.pop(name, [])):
+                    yield each, tensor
+                    bar.update()
+            for names in aliases.values():  # aliases of no stored tensor: decoding raises what is wrong
+                for name in names:
+                    yield name, self.tensor(section, name)
+
+    def _prepare_bases(self) -> None:
+        """Open the chain of bases (and resolve pre-trained weights) in this thread, before
+        tensors are decoded on several threads at once."""
+        reader = self
+        while reader.base is not None:
+            reader = reader.base_reader()
 
     def tree(self, name: str) -> Any:
         """A nested structure stored with ``trees=`` (an optimizer state dict, say)."""
@@ -367,7 +396,8 @@ class EntryReader:
             skeleton = self.manifest["trees"][name]
         except KeyError:
             raise EntryNotFoundError(f"entry {self.id[:16]} has no tree {name!r} (has: {self.trees})") from None
-        return unflatten_tree(skeleton, lambda key: self.tensor(name, key))
+        tensors = dict(self.iter_section(name)) if name in self.manifest["sections"] else {}
+        return unflatten_tree(skeleton, lambda key: tensors[key] if key in tensors else self.tensor(name, key))
 
     def extra(self, name: str) -> bytes:
         """Opaque bytes stored with ``extras=``."""
@@ -586,38 +616,42 @@ class CheckpointStore:
             if isinstance(exc, OSError):
                 raise StoreWriteError(f"store {self.path}", exc) from exc
             raise
+        def jobs() -> Iterator[tuple[str, str, RawTensor, Codec, Any]]:
+            """The tensors to encode, in order (tied weights recorded as aliases on the way)."""
+            for section, group in groups.items():
+                seen = {}
+                for name, tensor in group.items():
+                    bar.update()
+                    key = storage_key(tensor)
+                    if key in seen:
+                        alias_like = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+                        writer.add_alias(section, name, seen[key], alias_like)
+                        continue
+                    if key is not None:
+                        seen[key] = name
+                    raw = to_raw(tensor, f"{section}/{name}")
+                    if base_reader is not None and base_states is not None and (section, name) in base_states:
+                        base_state = base_states[(section, name)]
+                    else:
+                        base_state = _base_state(base_reader, section, name, raw)
+                    yield section, name, raw, codec_for(section, name), base_state
+
+        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> tuple[str, str, RawTensor, Codec, Encoded]:
+            section, name, raw, codec, base_state = job
+            return section, name, raw, codec, codec.encode(raw, base_state)
+
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
-                for section, group in groups.items():
-                    seen = {}
-                    for name, tensor in group.items():
-                        bar.update()
-                        key = storage_key(tensor)
-                        if key in seen:
-                            writer.add_alias(
-                                section,
-                                name,
-                                seen[key],
-                                {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)},
-                            )
-                            continue
-                        if key is not None:
-                            seen[key] = name
-                        codec = codec_for(section, name)
-                        raw = to_raw(tensor, f"{section}/{name}")
-                        if base_reader is not None and base_states is not None and (section, name) in base_states:
-                            base_state = base_states[(section, name)]
-                        else:
-                            base_state = _base_state(base_reader, section, name, raw)
-                        encoded = codec.encode(raw, base_state)
-                        if encoded.uses_base and base_reader is None:
-                            raise CodecError(
-                                f"tensor {section}/{name} was coded against a base entry, but the write names none"
-                            )
-                        writer.add_encoded(section, name, raw, codec, encoded)
-                        if keep_states is not None and codec.stable_state:
-                            keep_states[(section, name)] = encoded.state
+                # tensors are encoded _AHEAD at a time on the pool; their blobs go to the payload in order
+                for section, name, raw, codec, encoded in ordered_map(_TENSOR_POOL, encode, jobs(), _AHEAD):
+                    if encoded.uses_base and base_reader is None:
+                        raise CodecError(
+                            f"tensor {section}/{name} was coded against a base entry, but the write names none"
+                        )
+                    writer.add_encoded(section, name, raw, codec, encoded)
+                    if keep_states is not None and codec.stable_state:
+                        keep_states[(section, name)] = encoded.state
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))
             return_id = writer.finish(base_id, skeletons, dict(metadata or {}))

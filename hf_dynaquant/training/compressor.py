@@ -32,7 +32,7 @@ import itertools
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,7 +48,7 @@ from ..core.ranking import GradientEMA, sensitivity
 from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
 from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
-from ..store import CheckpointStore
+from ..store import CheckpointStore, EntryReader
 from ..store.tree import flatten_tree
 from .optimizer_state import (
     MomentQuant,
@@ -64,6 +64,8 @@ __all__ = [
     "Snapshot",
     "ModelSkeleton",
     "read_checkpoint",
+    "load_weights",
+    "read_optimizer_state",
 ]
 
 OPTIMIZER = "optimizer"
@@ -194,27 +196,91 @@ class CheckpointReport:
         return self.weights_stored + self.optimizer_stored + self.other_stored
 
 
-def cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """CPU copies of named tensors; names sharing one tensor (tied weights) share one copy."""
+def cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """CPU copies of named tensors; names sharing one tensor (tied weights) share one copy.
+    ``copy=False``: tensors already on the CPU are taken as they are (detached, not copied)."""
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
     for name, t in tensors:
         check_storable(t, name)
         key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen or t.numel() == 0:
-            seen[key] = t.detach().to("cpu", copy=True)
+            seen[key] = t.detach().to("cpu", copy=copy)
         out[name] = seen[key]
     return out
 
 
-def _tree_to_cpu(tree: Any) -> Any:
+def cpu_tree(tree: Any, *, copy: bool = True, local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """A nested state (an optimizer's ``state_dict``) with every tensor on the CPU: copied, or
+    with ``copy=False`` as it is where it is there already; ``local`` first maps each tensor
+    (a DTensor to its local shard)."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
+        return (local(tree) if local is not None else tree).detach().to("cpu", copy=copy)
     if isinstance(tree, dict):
-        return {k: _tree_to_cpu(v) for k, v in tree.items()}
+        return {k: cpu_tree(v, copy=copy, local=local) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_tree_to_cpu(v) for v in tree)
+        return type(tree)(cpu_tree(v, copy=copy, local=local) for v in tree)
     return tree
+
+
+# Bytes of decoded weights handed to ``load_state_dict`` at once by :func:`load_weights`: each call
+# walks the module tree (milliseconds), and this much is all a restore holds besides the model.
+_LOAD_CHUNK = 64 << 20
+
+
+def load_weights(model: torch.nn.Module, entry: EntryReader, where: str, *, progress: bool = False) -> None:
+    """Load a stored checkpoint's weights into ``model``, streaming: tensors are decoded a few
+    at a time and copied into the model in chunks of :data:`_LOAD_CHUNK` bytes, so a restore
+    holds no second copy of the weights. Raises :class:`~hf_dynaquant.errors.CheckpointError`
+    naming ``where`` when the stored weights do not fit the model (a tied weight the entry
+    stores once may be missing under its other names)."""
+    expected = set(model.state_dict(keep_vars=True))
+    loaded: set[str] = set()
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        try:
+            model.load_state_dict(chunk, strict=False)
+        except RuntimeError as exc:  # a shape that does not fit
+            raise CheckpointError(f"{where}: the stored weights do not fit the model: {exc}") from exc
+        chunk.clear()
+
+    for name, tensor in entry.iter_section(MODEL, progress=progress):
+        loaded.add(name)
+        if name not in expected:
+            continue
+        chunk[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= _LOAD_CHUNK:
+            flush()
+            size = 0
+    flush()
+    missing = sorted(expected - loaded - _tied_names(model))
+    unexpected = sorted(loaded - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: the stored weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter appears a second time (tied weights)."""
+    seen: set[int] = set()
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.add(id(p))
+    return tied
+
+
+def read_optimizer_state(entry: EntryReader, where: str) -> dict[str, Any] | None:
+    """The optimizer state of a stored checkpoint (``None``: saved with ``optimizer_state="drop"``
+    or without an optimizer; the metadata says which)."""
+    if OPTIMIZER not in entry.trees:
+        return None
+    return decode_optimizer_state(entry.tree(OPTIMIZER), where=where, consume=True)
 
 
 def read_checkpoint(
@@ -227,12 +293,7 @@ def read_checkpoint(
     with store.open(ref) as entry:
         model_state = entry.load_section(MODEL, progress=progress)
         meta = dict(entry.metadata)
-        optimizer = None
-        if OPTIMIZER in entry.trees:
-            optimizer = decode_optimizer_state(
-                entry.tree(OPTIMIZER), where=f"optimizer state of {ref!r} in {store.path}"
-            )
-        return model_state, optimizer, meta
+        return model_state, read_optimizer_state(entry, f"optimizer state of {ref!r} in {store.path}"), meta
 
 
 class Compressor:
@@ -373,16 +434,26 @@ class Compressor:
         if self.search is not None:
             self.search.base = replace(self.search.base, rounding="stochastic", rounding_seed=seed)
 
-    def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:
+    def snapshot(
+        self,
+        step: int,
+        *,
+        detach_model: bool = False,
+        copy: bool = True,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Snapshot:
         """Copy what checkpoint ``step`` needs to the CPU. With ``detach_model`` the search (if
         any) evaluates a CPU copy of the model, so :meth:`write` may run while training goes on;
-        otherwise it evaluates the live model (restored bit-exactly afterwards)."""
+        otherwise it evaluates the live model (restored bit-exactly afterwards). ``copy=False``
+        takes tensors already on the CPU as they are, with no copy: only for a :meth:`write`
+        that finishes before training changes them (a foreground save), which then holds no
+        second copy of the checkpoint."""
         live = self.model.state_dict(keep_vars=True)
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
         optimizer = None
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
-            optimizer = _tree_to_cpu(self.optimizer.state_dict())
+            optimizer = cpu_tree(self.optimizer.state_dict(), copy=copy)
         ema = self.ema.take()
         # a fixed config with metric "sensitivity" has the planner warn; a search that offers it warns here
         if not ema and self.search is not None and "sensitivity" in self.search.space.metrics:
@@ -393,7 +464,7 @@ class Compressor:
             )
         return Snapshot(
             step=step,
-            state=cpu_copies(live.items()),
+            state=cpu_copies(live.items(), copy=copy),
             params=params,
             types=layer_types(self.model),
             gradient_ema=ema,
@@ -589,7 +660,7 @@ class Compressor:
         self, step: int, *, extras: Mapping[str, bytes] | None = None, metadata: Mapping[str, Any] | None = None
     ) -> str:
         """Write checkpoint ``step`` (reference ``step-<step>``) now; returns the entry id."""
-        snap = self.snapshot(step, metadata=metadata)
+        snap = self.snapshot(step, copy=False, metadata=metadata)  # written before this returns
         snap.extras = dict(extras or {})
         return self.write(snap).entry
 
@@ -605,18 +676,22 @@ class Compressor:
         ref = f"step-{step_or_ref}" if isinstance(step_or_ref, int) else step_or_ref
         model = model or self.model
         optimizer = optimizer or self.optimizer
-        state, opt_state, meta = read_checkpoint(self._writable(), ref)
-        model.load_state_dict(state)
-        if model is self.model:
-            self.resumed_from(self._writable().resolve(ref))
-        if optimizer is not None:
-            if opt_state is None:
+        store = self._writable()
+        where = f"checkpoint {ref!r} in {store.path}"
+        with store.open(ref) as entry:
+            meta = dict(entry.metadata)
+            if optimizer is not None and OPTIMIZER not in entry.trees:
                 raise MissingOptimizerStateError(
-                    f"checkpoint {ref!r} in {self._writable().path} holds no optimizer state "
+                    f"{where} holds no optimizer state "
                     f"(optimizer_state={meta.get('optimizer_state', {}).get('mode', 'absent')!r}); "
                     "pass optimizer=None to restore the weights alone"
                 )
-            optimizer.load_state_dict(opt_state)
+            load_weights(model, entry, where)
+            if optimizer is not None:
+                optimizer.load_state_dict(read_optimizer_state(entry, f"optimizer state of {where}"))
+            entry_id = entry.id
+        if model is self.model:
+            self.resumed_from(entry_id)
         return meta
 
 

@@ -90,7 +90,9 @@ class CheckpointManager:
         searching_here = distributed and self.compressor.search is not None
         if not (writer or searching_here):
             return PendingCheckpoint(step, None, None, started)
-        snap = self.compressor.snapshot(step, detach_model=not distributed, metadata=metadata)
+        # a foreground write finishes before training goes on: it reads the live CPU tensors
+        background = self.worker is not None
+        snap = self.compressor.snapshot(step, detach_model=not distributed, copy=background, metadata=metadata)
         searched = None
         if searching_here:
             searched = self.compressor.search_snapshot(snap)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..core.dtypes import all_finite
 from ..core.moments import (
     adam_to_update_scale,
     fidelity_from_sums,
@@ -247,7 +248,7 @@ def encode_optimizer_state(
             candidates[pid] = (SGD, t.detach().to("cpu", torch.float32).reshape(-1), None)
     # moments holding NaN or inf (in any process's rows) cannot be quantized: kept as they are
     local_bad = [
-        red.counts(pid) and not all(bool(torch.isfinite(x).all()) for x in c[1:] if x is not None)
+        red.counts(pid) and not all(all_finite(x) for x in c[1:] if x is not None)
         for pid, c in candidates.items()
     ]
     totals = red.total(np.array(local_bad, dtype=np.float64)) if candidates else []
@@ -323,11 +324,18 @@ def encode_optimizer_state(
     return OptimizerEncoding(tree, plans, report)
 
 
-def decode_optimizer_state(tree: Mapping[str, Any], *, where: str = "optimizer state") -> dict[str, Any]:
-    """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``)."""
+def decode_optimizer_state(
+    tree: Mapping[str, Any], *, where: str = "optimizer state", consume: bool = False
+) -> dict[str, Any]:
+    """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``).
+    ``consume``: the tree is the caller's to give up (freshly read): each parameter's stored
+    form is taken out of it as it is converted, so the two forms of the whole state are never
+    held at once."""
     eps_of = _group_eps(tree)
     state: dict[Any, Any] = {}
-    for pid, entry in tree.get("state", {}).items():
+    stored = tree.get("state", {})
+    for pid in list(stored):
+        entry = stored.pop(pid) if consume else stored[pid]
         kind = entry.get("dq_moments") if isinstance(entry, Mapping) else None
         if kind is None:
             state[pid] = entry
@@ -338,7 +346,7 @@ def decode_optimizer_state(tree: Mapping[str, Any], *, where: str = "optimizer s
         if kind == ADAM:
             if eps_of.get(pid) is None:
                 raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
-            m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype)
+            m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=consume)
             state[pid] = {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
         elif kind == SGD:
             state[pid] = {"momentum_buffer": entry["dq_momentum"].to(dtype)}

@@ -60,6 +60,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
+from ..core.dtypes import all_finite
 from ..core.kmeans import approximate_kmeans
 from ..core.quantizer import (
     EMBEDDING,
@@ -86,7 +87,7 @@ from ..errors import (
 from ..pipeline import MODEL
 from ..search import Lockstep, SearchResult
 from ..store import CheckpointStore, EntryReader
-from .compressor import OPTIMIZER, CheckpointReport, Compressor, Snapshot, cpu_copies
+from .compressor import OPTIMIZER, CheckpointReport, Compressor, Snapshot, cpu_copies, cpu_tree
 from .optimizer_state import Reductions, decode_optimizer_state
 
 __all__ = [
@@ -239,7 +240,7 @@ def plan_sharded(
         n: t for n, t in local.items() if is_quantizable(torch.empty(shapes[n], dtype=t.dtype, device="meta"), config)
     }
     if (non_finite := cache.get("non-finite")) is None:  # tensors with NaN or inf on any rank: lossless
-        flags = all_sum(np.array([0.0 if bool(torch.isfinite(t).all()) else 1.0 for t in selected.values()]))
+        flags = all_sum(np.array([0.0 if all_finite(t) else 1.0 for t in selected.values()]))
         flags = flags if selected else []
         non_finite = cache["non-finite"] = [n for n, flag in zip(selected, flags) if flag > 0]
         refuse_or_warn_non_finite(map(repr, non_finite), config.non_finite, where)
@@ -247,7 +248,7 @@ def plan_sharded(
     kinds = {n: (types or {}).get(n) or infer_layer_type(n, shapes[n]) for n in selected}
     sens = {n: sensitivity[n] for n in selected if sensitivity is not None and n in sensitivity}
     if (sens_ok := cache.get("finite sensitivity")) is None:  # NaN/inf sensitivity on any rank: magnitude everywhere
-        bad = [n for n, t in sens.items() if not bool(torch.isfinite(t).all())]
+        bad = [n for n, t in sens.items() if not all_finite(t)]
         sens_ok = cache["finite sensitivity"] = all_sum(np.array([float(bool(bad))]))[0] == 0
         if not sens_ok:
             warnings.warn(
@@ -337,24 +338,31 @@ class ShardedCompressor(Compressor):
         return False  # direct coding only (see the module docstring)
 
     # -- snapshot ---------------------------------------------------------------------------
-    def snapshot(self, step: int, *, detach_model: bool = False, metadata: Mapping[str, Any] | None = None) -> Snapshot:
+    def snapshot(
+        self,
+        step: int,
+        *,
+        detach_model: bool = False,
+        copy: bool = True,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Snapshot:
         """This rank's shards copied to the CPU (collective: the row layout is gathered). The
         search, if any, evaluates the live model (every rank together), so ``detach_model`` is
-        ignored."""
+        ignored; ``copy``: see :meth:`Compressor.snapshot`."""
         rank, world = rank_world()
         live = self.model.state_dict(keep_vars=True)
         self.layout = layout = ShardLayout.of_state(live)
         param_names = {id(p): n for n, p in self.model.named_parameters()}
         # quantized: the sharded parameters; the replicated tensors go to rank 0's entry, losslessly
         params = {n: param_names[id(t)] for n, t in live.items() if id(t) in param_names and layout.rows(n) is not None}
-        state = cpu_copies((n, local_tensor(t)) for n, t in live.items() if layout.stores(n, rank))
+        state = cpu_copies(((n, local_tensor(t)) for n, t in live.items() if layout.stores(n, rank)), copy=copy)
         optimizer = None
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
             full = self.optimizer.state_dict()
             self._optimizer_sharded = {
                 str(pid): sorted(k for k, v in entry.items() if _is_dtensor(v)) for pid, entry in full["state"].items()
             }
-            optimizer = _local_tree(full)
+            optimizer = cpu_tree(full, copy=copy, local=local_tensor)
         return Snapshot(
             step=step,
             state=state,
@@ -459,17 +467,6 @@ class ShardedCompressor(Compressor):
             self.resumed_from(self.store.resolve(ref))  # one rounding seed on every rank: the index's
         self.step = int(meta.get("step", self.step))
         return meta
-
-
-def _local_tree(tree: Any) -> Any:
-    """A CPU copy of a nested state with every DTensor replaced by its local shard."""
-    if isinstance(tree, torch.Tensor):
-        return local_tensor(tree).detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _local_tree(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local_tree(v) for v in tree)
-    return tree
 
 
 # ---------------------------------------------------------------------------------------------

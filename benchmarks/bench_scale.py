@@ -1,0 +1,251 @@
+"""Compressed saves and restores at real scale, against torch.save / torch.load and safetensors.
+
+Run it with::
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_scale.py            # --sizes 7M,45M,124M,350M --json PATH
+
+For each size, a GPT-2 built from its config (no download; random init) takes one AdamW step
+on random tokens, so the optimizer holds both Adam moments. The checkpoint is the weights plus
+the optimizer state (fp32, 3x the weights' bytes). In the same process, on the same disk:
+
+* **torch.save** of ``{"model": state_dict, "optimizer": optimizer.state_dict()}`` and
+  **torch.load** of it (``weights_only=True``, then ``load_state_dict`` into a model and an
+  optimizer: what a resume does); the same with **safetensors** (every tensor flattened into one
+  file, the tied head once);
+* our **keyframe** (``Compressor.compress`` with the fixed configuration of the issue: bins 8,
+  prune 0.1, protect 0.005, optimizer state compressed), two more training steps, then a
+  **delta** on it, and a **restore** of the delta into a fresh model and optimizer (decoding the
+  chain: the keyframe, then the delta).
+
+Every operation is timed and its **peak extra host memory** measured: the peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident set before it, in units
+of the checkpoint's bytes. Prints a markdown table and the growth exponent of each time with
+size (1.0 is linear), and writes ``benchmarks/out/scale.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_dynaquant import Compressor, QuantConfig
+
+OUT = Path(__file__).resolve().parent / "out"
+
+# GPT-2 shapes by parameter count (vocabulary 50257, context 1024): the issue's four sizes
+SIZES = {
+    "7M": dict(n_layer=2, n_embd=128, n_head=4),
+    "45M": dict(n_layer=6, n_embd=512, n_head=8),
+    "124M": dict(n_layer=12, n_embd=768, n_head=12),
+    "350M": dict(n_layer=24, n_embd=1024, n_head=16),
+}
+CONFIG = QuantConfig(bins=8, prune=0.1, protect=0.005)
+
+_libc = ctypes.CDLL("libc.so.6")
+
+
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident set in bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def measure(fn: Callable[[], object]) -> tuple[float, int, object]:
+    """(seconds, peak extra resident bytes, result) of ``fn()``."""
+    gc.collect()
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    before, _ = _rss()
+    started = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - started
+    return seconds, _rss()[1] - before, result
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def fresh(config: GPT2Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = GPT2LMHeadModel(config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Weights (tied head once) and optimizer moments as one flat dict, for safetensors."""
+    out = {f"model.{n}": t for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    for pid, state in optimizer.state_dict()["state"].items():
+        out.update({f"optim.{pid}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def unflat(tensors: dict[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model.load_state_dict({n[6:]: t for n, t in tensors.items() if n.startswith("model.")}, strict=False)
+    sd = optimizer.state_dict()
+    for name, t in tensors.items():
+        if name.startswith("optim."):
+            _, pid, key = name.split(".", 2)
+            sd["state"].setdefault(int(pid), {})[key] = t
+    optimizer.load_state_dict(sd)
+
+
+@dataclass
+class Row:
+    size: str
+    params: int
+    checkpoint_mb: float
+    seconds: dict[str, float]
+    peak_extra: dict[str, float]  # in checkpoints
+    stored_mb: dict[str, float]
+
+
+def bench(size: str, folder: Path) -> Row:
+    config = GPT2Config(**SIZES[size])
+    torch.manual_seed(0)
+    model, optimizer = fresh(config)
+    train_step(model, optimizer, 0)
+    params = sum(p.numel() for p in model.parameters())
+    ckpt = sum(t.numel() * t.element_size() for t in flat(model, optimizer).values())
+    seconds, peak, stored = {}, {}, {}
+
+    def record(name: str, fn: Callable[[], object], path: Path | None = None) -> object:
+        seconds[name], extra, result = measure(fn)
+        peak[name] = extra / ckpt
+        if path is not None:
+            stored[name] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6 if path.is_dir() else (
+                path.stat().st_size / 1e6
+            )
+        print(f"  {size} {name}: {seconds[name]:.2f} s, peak extra {peak[name]:.2f}x", flush=True)
+        return result
+
+    pt = folder / "plain.pt"
+    record("torch.save", lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt), pt)
+    m2, o2 = fresh(config)
+
+    def torch_restore() -> None:
+        sd = torch.load(pt, weights_only=True)
+        m2.load_state_dict(sd["model"])
+        o2.load_state_dict(sd["optimizer"])
+
+    record("torch.load", torch_restore)
+    st = folder / "plain.safetensors"
+    record("safetensors save", lambda: save_file(flat(model, optimizer), st), st)
+    record("safetensors load", lambda: unflat(load_file(st), m2, o2))
+    del m2, o2
+
+    store = folder / "dynaquant"
+    compressor = Compressor(model, store, CONFIG, optimizer=optimizer)
+    record("keyframe", lambda: compressor.compress(1), store)
+    key_mb = stored["keyframe"]
+    train_step(model, optimizer, 1)
+    train_step(model, optimizer, 2)
+    record("delta", lambda: compressor.compress(3), store)
+    stored["delta"] -= key_mb
+    m3, o3 = fresh(config)
+    reader = Compressor(m3, store, optimizer=o3)
+    record("restore", lambda: reader.restore(3))
+    return Row(size, params, ckpt / 1e6, seconds, peak, stored)
+
+
+def exponent(rows: list[Row], key: str, by: str = "params") -> float:
+    """Least-squares slope of log(seconds) on log(params): 1.0 is linear growth."""
+    xs = [math.log(r.params) for r in rows]
+    ys = [math.log(max(r.seconds[key], 1e-6)) for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def table(rows: list[Row]) -> str:
+    ops = ["torch.save", "keyframe", "delta", "safetensors save", "torch.load", "restore", "safetensors load"]
+    head = "| size | params | checkpoint | " + " | ".join(ops) + " | keyframe / save | restore / load |"
+    lines = [head, "|" + "---|" * (len(ops) + 5)]
+    for r in rows:
+        cells = [f"{r.seconds[o]:.2f} s ({r.peak_extra[o]:.2f}x)" for o in ops]
+        lines.append(
+            f"| {r.size} | {r.params / 1e6:.1f}M | {r.checkpoint_mb:,.0f} MB | " + " | ".join(cells)
+            + f" | {r.seconds['keyframe'] / r.seconds['torch.save']:.2f}x"
+            + f" | {r.seconds['restore'] / r.seconds['torch.load']:.2f}x |"
+        )
+    if len(rows) > 1:
+        lines.append("")
+        lines.append("growth exponent of time with size (1.0 = linear): " + ", ".join(
+            f"{o} {exponent(rows, o):.2f}" for o in ops
+        ))
+    lines.append("")
+    lines.append("stored MB: " + "; ".join(
+        f"{r.size}: torch.save {r.stored_mb['torch.save']:,.0f}, keyframe {r.stored_mb['keyframe']:,.1f} "
+        f"({r.checkpoint_mb / r.stored_mb['keyframe']:.1f}x), delta {r.stored_mb['delta']:,.1f}"
+        for r in rows
+    ))
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(fig)
+    times, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    x = [r.params / 1e6 for r in rows]
+    for op, style in [("torch.save", "k--"), ("torch.load", "k:"), ("safetensors save", "c--"),
+                      ("keyframe", "b-o"), ("delta", "g-o"), ("restore", "r-o")]:
+        times.plot(x, [r.seconds[op] for r in rows], style, label=op)
+        mem.plot(x, [r.peak_extra[op] for r in rows], style, label=op)
+    for ax, title in [(times, "seconds"), (mem, "peak extra host memory (checkpoints)")]:
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    times.set_yscale("log")
+    mem.axhline(1.0, color="grey", lw=0.8)
+    times.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of " + ", ".join(SIZES))
+    parser.add_argument("--json", type=Path, help="write the raw figures here")
+    parser.add_argument("--plot", type=Path, default=OUT / "scale.png")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    rows = []
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory(dir=OUT if OUT.exists() else None) as tmp:
+            rows.append(bench(size, Path(tmp)))
+        gc.collect()
+    print(table(rows))
+    plot(rows, args.plot)
+    print(f"plot: {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
