@@ -15,7 +15,7 @@ setup(
     ext_modules=[
         Extension(
             "hf_dynaquant.core._kernels",
-            sources=[f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition")],
+            sources=[f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments")],
             depends=[f"{CSRC}/kernels.h"],
             optional=True,
         ),

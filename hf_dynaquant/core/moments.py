@@ -26,7 +26,8 @@ import math
 import numpy as np
 import torch
 
-from .quantizer import TensorPlan
+from .kernels import native
+from .quantizer import TensorPlan, flat_f32
 
 __all__ = [
     "MAX_SCALE_LEVELS",
@@ -92,7 +93,9 @@ def fidelity_sums(original: torch.Tensor, decoded: torch.Tensor) -> np.ndarray:
     """``[a.b, a.a, b.b, (a-b).(a-b)]`` in float64 for ``a = original``, ``b = decoded``: the sums
     :func:`fidelity` is made of. They add over any split of the values (row shards of one tensor:
     sum each rank's, then :func:`fidelity_from_sums`)."""
-    a_all, b_all = original.reshape(-1), decoded.reshape(-1)
+    a_all, b_all = flat_f32(original), flat_f32(decoded)
+    if native is not None:
+        return np.array(native.fidelity_f32(a_all.numpy(), b_all.numpy()), dtype=np.float64)
     sums = np.zeros(4, dtype=np.float64)
     for start in range(0, a_all.numel(), _FIDELITY_CHUNK):  # float64 copies of one chunk at a time
         a = a_all[start : start + _FIDELITY_CHUNK].double()

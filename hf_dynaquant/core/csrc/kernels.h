@@ -5,6 +5,7 @@
  *                dense b-bit packing;
  *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
  *   partition.c  DynaQuant's partition and code assignment of float32 weights (quantizer.py);
+ *   moments.c    the float64 sums of the optimizer moments' fidelity check (moments.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
 #define HF_DYNAQUANT_KERNELS_H
@@ -21,5 +22,6 @@ PyObject *py_pack(PyObject *self, PyObject *args);
 PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
+PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 
 #endif

@@ -13,6 +13,7 @@ static PyMethodDef methods[] = {
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
+    {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
     {NULL, NULL, 0, NULL}};
