@@ -34,7 +34,7 @@ In one run it measures three things and prints a markdown table for each:
 3. **Whole-model encode and decode** of all-MiniLM-L6-v2's state dict (103 float32 tensors and
    an int64 buffer, 90.86 MB) into a fresh :class:`CheckpointStore` in a temporary directory
    (on ``/dev/shm``, a tmpfs, when it exists): encode is ``compress_state_dict`` with
-   ``QuantConfig(bins=16, prune=0.2, protect=0.005, metric="magnitude")`` (planning: sketches,
+   ``QuantConfig(bins=16, prune=0.2, protect=0.005, prune_by="magnitude")`` (planning: sketches,
    thresholds, k-means; then quantization, entropy coding, the written files), decode is
    ``store.open(ref)`` + ``load_section("model")``. Encode is also split into
    ``plan_quantization`` and the ``store.write`` that quantizes and codes with that plan. The
@@ -91,7 +91,7 @@ CLUSTER_VALUES = 3_000_000
 SIGMAS = (1.0, 0.2)
 SEEDS = (0, 1, 2)
 TOP_FRACTION = 0.01
-CONFIG = QuantConfig(bins=16, prune=0.2, protect=0.005, metric="magnitude")
+CONFIG = QuantConfig(bins=16, prune=0.2, protect=0.005, prune_by="magnitude")
 SKLEARN = "sklearn KMeans"
 
 # the issue's bars
@@ -303,7 +303,7 @@ def bench_throughput(state: Mapping[str, torch.Tensor], repeats: int, root: str)
     write_s = bench_codec(lambda st: write_planned(st, {"model": state}, for_section(plan), ref="p"), repeats, root)[0]
     paths: list[tuple[str, Callable[[CheckpointStore], str], set[str], float | None, float | None]] = [
         (
-            f"dynaquant bins={CONFIG.bins} prune={CONFIG.prune:g} protect={CONFIG.protect:g} {CONFIG.metric}",
+            f"dynaquant bins={CONFIG.bins} prune={CONFIG.prune:g} protect={CONFIG.protect:g} {CONFIG.prune_by}",
             lambda st: compress_state_dict(st, state, CONFIG, ref="m"),
             set(plan.tensors),
             plan_s,

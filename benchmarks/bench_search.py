@@ -27,7 +27,7 @@ pruning, 16 or 32 embedding bins):
 
 Part 1, guided search against brute force, at each checkpoint of ``--brute-checkpoints`` and
 each threshold of ``--thresholds`` (relative degradation of the metric): the brute force
-evaluates every point of the cube under both pruning metrics and, for a model with embeddings,
+evaluates every point of the cube under both pruning criteria and, for a model with embeddings,
 both embedding bin counts (432 points for GPT-2, 216 for the CNN), one evaluation each
 (``evaluate_plan``); its optimum is the passing point of fewest measured bits per quantized
 value (entropy of the codes plus 16 bits per protected value; ties by degradation). The guided
@@ -123,7 +123,7 @@ class Workload:
     model: torch.nn.Module
     checkpoints: list[Checkpoint]
     metric: QualityMetric
-    base: QuantConfig  # fixed knobs of every candidate
+    config: QuantConfig  # fixed knobs of every candidate
 
     @property
     def types(self) -> dict[str, str]:
@@ -282,7 +282,7 @@ class BruteForce:
 
 
 def brute_force(w: Workload, index: int, metric: QualityMetric) -> BruteForce:
-    """Every point of the cube, under both pruning metrics (and both embedding bin counts)."""
+    """Every point of the cube, under both pruning criteria (and both embedding bin counts)."""
     snapshot = w.load(index)
     types, sensitivity = w.types, w.checkpoints[index].sensitivity
     embedding_bins = SPACE.embedding_bins if w.has_embeddings else SPACE.embedding_bins[-1:]
@@ -292,8 +292,8 @@ def brute_force(w: Workload, index: int, metric: QualityMetric) -> BruteForce:
         baseline = metric(w.model)
     points = []
     for point in itertools.product(*(range(n) for n in SPACE.shape)):
-        for pruning, emb in itertools.product(SPACE.metrics, embedding_bins):
-            config = SPACE.config(point, pruning, w.base, emb)
+        for prune_by, emb in itertools.product(SPACE.prune_by, embedding_bins):
+            config = SPACE.config(point, prune_by, w.config, emb)
             plan = plan_quantization(snapshot, config, types=types, sensitivity=sensitivity)
             value, bits = evaluate_plan(w.model, snapshot, plan, metric)
             points.append(Point(config, metric.degradation(baseline, value), bits))
@@ -301,7 +301,7 @@ def brute_force(w: Workload, index: int, metric: QualityMetric) -> BruteForce:
 
 
 def config_dict(config: QuantConfig) -> dict[str, Any]:
-    return {k: getattr(config, k) for k in ("bins", "prune", "protect", "metric", "embedding_bins")}
+    return {k: getattr(config, k) for k in ("bins", "prune", "protect", "prune_by", "embedding_bins")}
 
 
 def steps_apart(a: QuantConfig, b: QuantConfig) -> int:
@@ -310,7 +310,7 @@ def steps_apart(a: QuantConfig, b: QuantConfig) -> int:
         (SPACE.bins, "bins"),
         (SPACE.prune, "prune"),
         (SPACE.protect, "protect"),
-        (SPACE.metrics, "metric"),
+        (SPACE.prune_by, "prune_by"),
         (SPACE.embedding_bins, "embedding_bins"),
     ]
     return max(abs(values.index(getattr(a, k)) - values.index(getattr(b, k))) for values, k in axes)
@@ -355,10 +355,10 @@ class Comparison:
 
 
 def dominated(p: Point, failing: list[Point]) -> bool:
-    """Whether a failing point with the same metric and embedding bins is better on every cube axis."""
+    """Whether a failing point with the same pruning criterion and embedding bins is better on every cube axis."""
     at = SPACE.point_of(p.config)
     return any(
-        f.config.metric == p.config.metric
+        f.config.prune_by == p.config.prune_by
         and f.config.embedding_bins == p.config.embedding_bins
         and all(a <= b for a, b in zip(at, SPACE.point_of(f.config)))
         for f in failing
@@ -367,7 +367,7 @@ def dominated(p: Point, failing: list[Point]) -> bool:
 
 def compare(w: Workload, brute: BruteForce, threshold: float, metric: QualityMetric) -> Comparison:
     snapshot = w.load(brute.checkpoint)
-    search = ConfigurationSearch(metric, threshold, space=SPACE, base=w.base)
+    search = ConfigurationSearch(metric, threshold, search_space=SPACE, config=w.config)
     result = search.search(w.model, snapshot, types=w.types, sensitivity=w.checkpoints[brute.checkpoint].sensitivity)
     passing = [p for p in brute.points if p.degradation <= threshold]
     failing = [p for p in brute.points if p.degradation > threshold]
@@ -437,7 +437,7 @@ def restore(w: Workload, store: CheckpointStore, entry: str, baseline: float) ->
 
 def sequence(w: Workload, threshold: float, folder: Path) -> tuple[list[SequenceRow], int]:
     """One search over the whole run, each checkpoint written with its plan; (rows, fallbacks)."""
-    search = ConfigurationSearch(w.metric, threshold, space=SPACE, base=w.base)
+    search = ConfigurationSearch(w.metric, threshold, search_space=SPACE, config=w.config)
     store, lossless = CheckpointStore(folder / w.name), CheckpointStore(folder / f"{w.name}-lossless")
     entry = lossless_entry = None
     rows = []
@@ -480,7 +480,7 @@ def sequence(w: Workload, threshold: float, folder: Path) -> tuple[list[Sequence
 def fmt_config(c: Mapping[str, Any] | None, embeddings: bool) -> str:
     if c is None:
         return "none (lossless)"
-    text = f"{c['bins']} / {c['prune']:g} / {c['protect']:g} / {c['metric'][:4]}"
+    text = f"{c['bins']} / {c['prune']:g} / {c['protect']:g} / {c['prune_by'][:4]}"
     return f"{text} / {c['embedding_bins']}" if embeddings else text
 
 
@@ -560,7 +560,8 @@ def sequence_verdict(rows: list[SequenceRow], fallbacks: int) -> str:
         f"first checkpoint: {rows[0].evaluations} evaluations ({rows[0].mode}); later checkpoints: "
         f"{', '.join(f'{n} {m}' for m, n in modes.items() if n)}; evaluations {evals} "
         f"(median {statistics.median(evals):g}, mean {statistics.mean(evals):.1f}; a first round is the last choice "
-        f"under both metrics, 2 evaluations); the cube point (bins, prune, protect) was kept at {kept}/{len(later)}; "
+        f"under both pruning criteria, 2 evaluations); the cube point (bins, prune, protect) was kept at "
+        f"{kept}/{len(later)}; "
         f"{fallbacks} exhaustive fallback(s). Checkpoints read back from the store reproduce the searched "
         f"degradation: {'yes' if exact else 'NO'}."
     )

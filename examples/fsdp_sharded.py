@@ -100,7 +100,7 @@ def main() -> None:
     dq = ShardedCompressor(
         model,
         out / "store",
-        QuantConfig(bins=16, prune=0.1, metric="sensitivity"),
+        QuantConfig(bins=16, prune=0.1, prune_by="sensitivity"),
         optimizer=optimizer,
         checkpoint_every=args.every,
         ema_steps=10,

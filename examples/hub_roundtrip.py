@@ -47,7 +47,7 @@ def main() -> None:
             if args.search
             else {
                 "threshold": None,
-                "quant": QuantConfig(bins=8, prune=0.2, protect=0.0005, embedding_bins=3, sigma=1.0),
+                "config": QuantConfig(bins=8, prune=0.2, protect=0.0005, embedding_bins=3, sigma=1.0),
             }
         )
         snap = hf_dynaquant.compress_pretrained(src, Path(tmp) / "snapshot", progress=False, **options)

@@ -41,7 +41,7 @@ def main() -> None:
         compressor = Compressor(
             model,
             args.out or tmp,
-            QuantConfig(bins=16, prune=0.2, protect=0.005, metric="sensitivity"),
+            QuantConfig(bins=16, prune=0.2, protect=0.005, prune_by="sensitivity"),
             optimizer=optimizer,
             checkpoint_every=args.every,
         )

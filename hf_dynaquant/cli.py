@@ -13,11 +13,12 @@ from typing import Any
 
 from ._version import __version__
 from .codecs import codec_names
-from .core.quantizer import QuantConfig
+from .core.quantizer import PRUNE_BY, QuantConfig
 from .errors import DynaQuantError, InvalidSettingError
 from .inspection import human_bytes, inspect_table
 from .pretrained.calibration import PRETRAINED_BASE
 from .pretrained.folder import MODEL_REF, compress_folder, decompress_folder, find_store
+from .renames import take_renamed
 
 _DESCRIPTION = """\
 Compress deep-learning checkpoints and Hugging Face model folders.
@@ -38,14 +39,21 @@ _QUANT_FLAGS = {
     "embedding_bins": "--embedding-bins",
     "prune": "--prune",
     "protect": "--protect",
-    "metric": "--metric",
+    "prune_by": "--prune-by",
 }
-_SEARCHED = ("bins", "prune", "protect", "metric")
+_SEARCHED = ("bins", "prune", "protect", "prune_by")
+_RENAMED_FLAGS = {"metric": "prune_by"}  # old dest -> new dest: hidden flags that still work, with a FutureWarning
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def _cmd_compress(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    given = {dest: getattr(args, dest) for dest in _QUANT_FLAGS if getattr(args, dest) is not None}
+    dests = (*_QUANT_FLAGS, *_RENAMED_FLAGS)
+    given = {dest: getattr(args, dest) for dest in dests if getattr(args, dest) is not None}
+    take_renamed(given, _RENAMED_FLAGS, "hf-dynaquant compress", spell=_flag)
     if args.codec != "dynaquant" and (given or args.threshold is not None):
         flags = [_QUANT_FLAGS[dest] for dest in given] + (["--threshold"] if args.threshold is not None else [])
         raise InvalidSettingError(
@@ -55,12 +63,12 @@ def _cmd_compress(args: argparse.Namespace) -> int:
     searched = [_QUANT_FLAGS[dest] for dest in given if dest in _SEARCHED]
     if args.threshold is not None and searched:
         raise InvalidSettingError(f"--threshold searches {' and '.join(searched)} itself: give one or the other")
-    quant = replace(PRETRAINED_BASE, **given) if args.codec == "dynaquant" else None  # the same presets as Python
+    config = replace(PRETRAINED_BASE, **given) if args.codec == "dynaquant" else None  # the same presets as Python
     res = compress_folder(
         args.src,
         args.dst,
         codec=args.codec,
-        quant=quant,
+        config=config,
         threshold=args.threshold,
         overwrite=args.overwrite,
         progress=not args.quiet,
@@ -178,18 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"fraction of weights kept in bfloat16 (default {defaults.protect})",
     )
     q.add_argument(
-        "--metric",
-        choices=["magnitude", "sensitivity"],
-        help=f"pruning metric (default {defaults.metric}); sensitivity needs gradients, so for a saved model "
+        "--prune-by",
+        choices=PRUNE_BY,
+        help=f"pruning criterion (default {defaults.prune_by}); sensitivity needs gradients, so for a saved model "
         "it means magnitude",
     )
+    q.add_argument("--metric", choices=PRUNE_BY, help=argparse.SUPPRESS)  # the old name of --prune-by
     q.add_argument(
         "--threshold",
         type=float,
         default=None,
         help="search the configuration instead: the most compressive one whose output distortion (relative "
         "squared error of the model's outputs on calibration text) stays within this value, e.g. 0.01; "
-        "--bins, --prune, --protect and --metric are then chosen by the search",
+        "--bins, --prune, --protect and --prune-by are then chosen by the search",
     )
 
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -295,7 +304,7 @@ def _cli_spelling(message: str, parser: argparse.ArgumentParser) -> str:
     ``--codec lossless``)."""
     for action in parser._actions:
         flags = [o for o in action.option_strings if o.startswith("--")]
-        if not flags:
+        if not flags or action.help == argparse.SUPPRESS:  # a hidden old name is never suggested
             continue
         flag, dest = flags[0], re.escape(action.dest)
         message = re.sub(rf"\b{dest}=True\b", flag, message)

@@ -64,7 +64,7 @@ def run_demo(workdir: str | None = None) -> int:
             codec="dynaquant",
             overwrite=True,
             progress=False,
-            quant=QuantConfig(bins=16, prune=0.0, sigma=1.0),
+            config=QuantConfig(bins=16, prune=0.0, sigma=1.0),
         )
         decompress_folder(base / "minilm-dynaquant-q", base / "minilm-quantized", overwrite=True, progress=False)
         print(

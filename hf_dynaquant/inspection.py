@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .core.quantizer import read_config_record
 from .pretrained.folder import MODEL_REF, find_store
 from .pretrained.weights import describe_pretrained
 
@@ -84,23 +85,25 @@ def inspect_table(path: str | Path, ref: str = MODEL_REF, limit: int | None = No
 
 
 def search_lines(record: dict | None) -> list[str]:
-    """The configuration search's record of an entry, for ``inspect``."""
+    """The configuration search's record of an entry, for ``inspect`` (with the key names of any
+    version: see :func:`~hf_dynaquant.core.quantizer.read_config_record`)."""
     if not record:
         return []
     chosen = record.get("config")
+    chosen = None if chosen is None else read_config_record(chosen)
     head = f"search: {record['mode']}, {record['evaluations']} evaluations; "
     if chosen is None:
         head += "nothing passed, stored losslessly"
     else:
         head += (
             f"chosen bins={chosen['bins']} prune={chosen['prune']} protect={chosen['protect']} "
-            f"metric={chosen['metric']} embedding_bins={chosen['embedding_bins']}, "
+            f"prune_by={chosen['prune_by']} embedding_bins={chosen['embedding_bins']}, "
             f"degradation {record['degradation']:.3%} (baseline {record['baseline']:.4g})"
         )
-    out = [head, f"  {'bins':>4} {'prune':>5} {'protect':>7} {'metric':<11} {'degradation':>11} {'bits':>6}  passed"]
-    for c in record["candidates"]:
+    out = [head, f"  {'bins':>4} {'prune':>5} {'protect':>7} {'prune_by':<11} {'degradation':>11} {'bits':>6}  passed"]
+    for c in map(read_config_record, record["candidates"]):
         out.append(
-            f"  {c['bins']:>4} {c['prune']:>5} {c['protect']:>7} {c['metric']:<11} {c['degradation']:>11.3%} "
+            f"  {c['bins']:>4} {c['prune']:>5} {c['protect']:>7} {c['prune_by']:<11} {c['degradation']:>11.3%} "
             f"{c['bits']:>6.2f}  {'yes' if c['passed'] else 'no'}"
         )
     return out

@@ -64,7 +64,7 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude", "sensitivity"))
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), prune_by=("magnitude", "sensitivity"))
     cb = DynaQuantCallback(0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2)
     start = SearchStart(cb)
     trainer = Probe(model=model, args=args, train_dataset=train, eval_dataset=held, callbacks=[cb, start])

@@ -35,7 +35,7 @@ from hf_dynaquant.training.optimizer_state import MomentQuant
 from hf_dynaquant.training.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
 
 THRESHOLD = 0.02
-CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, metric="sensitivity", min_numel=1024)
+CONFIG = QuantConfig(bins=8, prune=0.2, protect=0.01, prune_by="sensitivity", min_numel=1024)
 # pruned updates: one threshold over all the moment tensors, which a copy counted twice would move
 MOMENTS = MomentQuant(min_numel=256)  # the moments of the three weight matrices are quantized, the rest lossless
 PRUNED_MOMENTS = MomentQuant(prune=0.2, min_numel=256)
@@ -229,7 +229,7 @@ def main(out: Path, phase: str) -> None:
         }
         data = batches(0, 2) + batches(1, 2)
         # z=0: the standard errors differ (per-rank batches pooled vs all batches), the walk must not
-        single = ConfigurationSearch(mean_loss(data), THRESHOLD, base=CONFIG, z=0.0)
+        single = ConfigurationSearch(mean_loss(data), THRESHOLD, config=CONFIG, z=0.0)
         result = single.search(unsharded, weights, types=_layer_types(model), sensitivity=sens)
         report["unsharded_chosen"] = result.config.to_dict() if result.config else None
         comp.compress(2)

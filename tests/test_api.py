@@ -19,6 +19,7 @@ PACKAGE = Path(hf_dynaquant.__file__).parent
 LAYERS = {
     "_version": 0,
     "errors": 0,
+    "renames": 0,
     "core": 1,
     "codecs": 2,
     "store": 3,

@@ -106,7 +106,7 @@ def test_cli_dynaquant_minilm(minilm_dir: Path, tmp_path: Path, capsys) -> None:
         "0.05",
         "--protect",
         "0.005",
-        "--metric",
+        "--prune-by",
         "sensitivity",
         "--quiet",
     ]
@@ -173,7 +173,7 @@ def test_quant_options_need_the_dynaquant_codec(tmp_path: Path, capsys) -> None:
     from safetensors.torch import save_file
 
     save_file({"a": torch.randn(100, 10)}, str(src))
-    for option in (["--bins", "8"], ["--prune", "0.1"], ["--protect", "0.01"], ["--metric", "magnitude"]):
+    for option in (["--bins", "8"], ["--prune", "0.1"], ["--protect", "0.01"], ["--prune-by", "magnitude"]):
         assert main(["compress", str(src), str(tmp_path / "out"), "--quiet", *option]) == 1
         err = capsys.readouterr().err
         assert option[0] in err and "add --codec dynaquant" in err and "Traceback" not in err

@@ -84,7 +84,7 @@ def test_compressor_on_cuda_model_round_trips_like_cpu(tmp_path) -> None:
         model = _mlp().to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         comp = Compressor(
-            model, tmp_path / dev, QuantConfig(bins=8, prune=0.1, metric="sensitivity", min_numel=256), optimizer=opt
+            model, tmp_path / dev, QuantConfig(bins=8, prune=0.1, prune_by="sensitivity", min_numel=256), optimizer=opt
         )
         for _ in range(3):
             torch.nn.functional.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
@@ -115,8 +115,8 @@ def test_search_on_cuda_model_leaves_weights_bit_identical() -> None:
     search = ConfigurationSearch(
         QualityMetric(loss),
         0.01,
-        space=SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005,), metrics=("magnitude",)),
-        base=QuantConfig(min_numel=256),
+        search_space=SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005,), prune_by=("magnitude",)),
+        config=QuantConfig(min_numel=256),
     )
     result = search.search(model, snapshot)
     assert result.evaluations >= 1
@@ -157,7 +157,7 @@ def test_trainer_on_cuda_saves_in_background_and_resumes(tmp_path) -> None:
             str(tmp_path), max_steps=steps, per_device_train_batch_size=8, save_steps=4, report_to=[], seed=0
         )
 
-    space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude", "sensitivity"))
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), prune_by=("magnitude", "sensitivity"))
     cb = DynaQuantCallback(0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2)
     trainer = DynaQuantTrainer(
         model=model(), args=args(8), train_dataset=_Blocks(), eval_dataset=_Blocks(32), callbacks=[cb]

@@ -93,7 +93,7 @@ def test_sensitivity_protection_and_pruning() -> None:
     sens["w"][0, :50] = 1.0  # 50 very sensitive weights, whatever their magnitude
     sens["w"] += torch.rand(100, 100) * 1e-3
     plan = plan_quantization(
-        state, QuantConfig(prune=0.2, protect=0.01, metric="sensitivity", min_numel=100), sensitivity=sens
+        state, QuantConfig(prune=0.2, protect=0.01, prune_by="sensitivity", min_numel=100), sensitivity=sens
     )
     codes, _ = quantize(state["w"], plan.tensors["w"])
     assert np.all(codes.reshape(100, 100)[0, :50] == PROTECTED)
@@ -105,8 +105,8 @@ def test_config_validation() -> None:
         QuantConfig(bins=300)
     with pytest.raises(ValueError, match="prune"):
         QuantConfig(prune=1.0)
-    with pytest.raises(ValueError, match="metric"):
-        QuantConfig(metric="hessian")
+    with pytest.raises(ValueError, match="prune_by"):
+        QuantConfig(prune_by="hessian")
 
 
 def test_layer_types_from_model() -> None:
@@ -254,7 +254,7 @@ def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
     comp = Compressor(
         tiny_net,
         tmp_path,
-        QuantConfig(bins=12, prune=0.1, metric="sensitivity", min_numel=256),
+        QuantConfig(bins=12, prune=0.1, prune_by="sensitivity", min_numel=256),
         optimizer=opt,
         checkpoint_every=10,
         ema_steps=3,
@@ -285,7 +285,7 @@ def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
 
 
 def test_compressor_warns_without_gradients_only_when_sensitivity_is_used(tmp_path, tiny_net) -> None:
-    with warnings.catch_warnings():  # the magnitude metric needs no gradients: nothing to warn about
+    with warnings.catch_warnings():  # pruning by magnitude needs no gradients: nothing to warn about
         warnings.simplefilter("error")
         comp = Compressor(tiny_net, tmp_path / "magnitude", QuantConfig(min_numel=256))
         comp.compress(1)
@@ -296,10 +296,10 @@ def test_compressor_warns_without_gradients_only_when_sensitivity_is_used(tmp_pa
             QuantConfig(min_numel=256),
             threshold=1.0,
             metric=lambda m: 1.0,
-            search_space=SearchSpace(bins=(4,), prune=(0.0,), protect=(0.005,), metrics=("magnitude",)),
+            search_space=SearchSpace(bins=(4,), prune=(0.0,), protect=(0.005,), prune_by=("magnitude",)),
         )
         searched.compress(1)
-    comp = Compressor(tiny_net, tmp_path / "sensitivity", QuantConfig(min_numel=256, metric="sensitivity"))
+    comp = Compressor(tiny_net, tmp_path / "sensitivity", QuantConfig(min_numel=256, prune_by="sensitivity"))
     with pytest.warns(UserWarning, match="fall back to magnitude"):
         comp.compress(1)
     searched = Compressor(
@@ -370,7 +370,7 @@ def test_zero_sensitivity_is_pruned() -> None:
     sens = torch.rand(100, 100)
     sens[:, :40] = 0  # dead units: 40% of the sensitivities are exactly zero
     plan = plan_quantization(
-        {"w": w}, QuantConfig(prune=0.3, metric="sensitivity", min_numel=100), sensitivity={"w": sens}
+        {"w": w}, QuantConfig(prune=0.3, prune_by="sensitivity", min_numel=100), sensitivity={"w": sens}
     )
     codes, _ = quantize(w, plan.tensors["w"])
     assert np.all(codes.reshape(100, 100)[:, :40][~(codes.reshape(100, 100)[:, :40] == PROTECTED)] == PRUNED)

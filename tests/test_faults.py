@@ -207,7 +207,7 @@ def test_fuzz_compressed_model_folder(tmp_path: Path) -> None:
         vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
     )
     BertModel(config).save_pretrained(str(src))
-    out = compress_folder(src, tmp_path / "packed", codec="dynaquant", quant=QuantConfig(bins=8), progress=False)
+    out = compress_folder(src, tmp_path / "packed", codec="dynaquant", config=QuantConfig(bins=8), progress=False)
     rng = random.Random(15)
     trials = entry_trials(rng, out.path, "dynaquant", out.entry, "snapshot", 20)
     trials += store_file_trials(rng, out.path, "dynaquant", "model", 8)

@@ -32,14 +32,14 @@ FIXED = QuantConfig(bins=8, prune=0.2, protect=0.0005, embedding_bins=3, sigma=1
 @pytest.fixture(scope="module")
 def snapshot(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> hf_dynaquant.integrations.hub.HubSnapshot:
     out = tmp_path_factory.mktemp("snap") / "minilm-dq"
-    return hf_dynaquant.compress_pretrained(minilm_dir, out, threshold=None, quant=FIXED, progress=False)
+    return hf_dynaquant.compress_pretrained(minilm_dir, out, threshold=None, config=FIXED, progress=False)
 
 
 @pytest.fixture(scope="module")
 def snapshot_small(minilm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("snap4") / "minilm-dq4"
     quant = QuantConfig(bins=4, prune=0.3, protect=0.0005, embedding_bins=3, sigma=1.0)
-    return hf_dynaquant.compress_pretrained(minilm_dir, out, threshold=None, quant=quant, progress=False)
+    return hf_dynaquant.compress_pretrained(minilm_dir, out, threshold=None, config=quant, progress=False)
 
 
 @pytest.fixture
@@ -96,9 +96,9 @@ def test_user_metric_and_data_drive_the_search(minilm_dir: Path, tmp_path: Path)
         calls.append(1)
         return float(model.embeddings.word_embeddings.weight.float().pow(2).mean())
 
-    space = SearchSpace(bins=(8, 16), prune=(0.2,), protect=(0.0005,), metrics=("magnitude",), embedding_bins=(16,))
+    space = SearchSpace(bins=(8, 16), prune=(0.2,), protect=(0.0005,), prune_by=("magnitude",), embedding_bins=(16,))
     snap = hf_dynaquant.compress_pretrained(
-        minilm_dir, tmp_path / "s", threshold=0.5, metric=metric, space=space, quant=FIXED, progress=False
+        minilm_dir, tmp_path / "s", threshold=0.5, metric=metric, search_space=space, config=FIXED, progress=False
     )
     assert calls and snap.config["bins"] == 8
     record = find_store(snap.path).open("model").metadata["search"]
@@ -182,7 +182,7 @@ def test_push_compresses_a_model_object(hub: HubServer, minilm_dir: Path) -> Non
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
-    hf_dynaquant.push_to_hub(model, "alice/from-object", tokenizer=tokenizer, threshold=None, quant=FIXED)
+    hf_dynaquant.push_to_hub(model, "alice/from-object", tokenizer=tokenizer, threshold=None, config=FIXED)
     files = hub.files("alice/from-object")
     assert "tokenizer.json" in files and "README.md" in files
     assert json.loads(files["config.json"])["quantization_config"]["quant_method"] == "dynaquant"

@@ -104,7 +104,7 @@ def test_search_stores_a_diverged_checkpoint_losslessly(tmp_path: Path) -> None:
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
     batches = [(torch.randn(8, 64), torch.randint(0, 8, (8,)))]
-    space = SearchSpace(bins=(4, 8), prune=(0.0,), protect=(0.005,), metrics=("magnitude",))
+    space = SearchSpace(bins=(4, 8), prune=(0.0,), protect=(0.005,), prune_by=("magnitude",))
     comp = Compressor(
         model, tmp_path, QuantConfig(min_numel=256), threshold=0.01, eval_data=batches, search_space=space
     )
@@ -184,7 +184,7 @@ def test_sharded_plan_ranks_by_magnitude_when_sensitivity_is_not_finite() -> Non
     sens = {n: t.abs() for n, t in local.items()}
     sens["b"][0, 0] = float("nan")
     shapes = {n: t.shape for n, t in local.items()}
-    config = QuantConfig(metric="sensitivity", prune=0.2)
+    config = QuantConfig(prune_by="sensitivity", prune=0.2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_sharded(local, config, shapes=shapes, sensitivity=sens, where="step 3")

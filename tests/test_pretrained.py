@@ -231,7 +231,7 @@ def test_dynaquant_snapshot_reference_is_its_decoded_weights(
 
     monkeypatch.setenv("HF_DYNAQUANT_CACHE", str(tmp_path / "decoded"))
     quant = QuantConfig(bins=8, prune=0.2, protect=0.0005, embedding_bins=3, sigma=1.0)
-    snap = hf_dynaquant.compress_pretrained(minilm_dir, tmp_path / "snap", threshold=None, quant=quant, progress=False)
+    snap = hf_dynaquant.compress_pretrained(minilm_dir, tmp_path / "snap", threshold=None, config=quant, progress=False)
     original = PretrainedWeights.from_source(minilm_dir, {"pooler.dense.weight": (384, 384)})
     for model, origin in (
         (hf_dynaquant.from_pretrained(AutoModelForSequenceClassification, snap.path, num_labels=6), None),

@@ -151,7 +151,7 @@ def test_standard_error_shrinks_with_more_examples(tmp_path) -> None:
 
 def test_standard_error_is_recorded_in_the_search_result(tmp_path) -> None:
     config = QuantConfig(min_numel=64)
-    space = SearchSpace(bins=(4, 32), prune=(0.0,), protect=(0.005,), metrics=("magnitude",))
+    space = SearchSpace(bins=(4, 32), prune=(0.0,), protect=(0.005,), prune_by=("magnitude",))
     trainer = trainer_for(
         tmp_path, eval_n=256, hidden=64, threshold=0.05, config=config, search_space=space, background=False
     )

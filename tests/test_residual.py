@@ -190,8 +190,10 @@ def _fine_tune(model, x, y, gen, steps=10, lr=1e-3):
 def _search(model, batches, references, residuals=("pretrained", "previous", "none")):
     snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
     search = ConfigurationSearch(
-        mean_loss(batches), 0.01, space=SearchSpace(residuals=residuals, metrics=("magnitude",)),
-        base=QuantConfig(min_numel=1024),
+        mean_loss(batches),
+        0.01,
+        search_space=SearchSpace(residuals=residuals, prune_by=("magnitude",)),
+        config=QuantConfig(min_numel=1024),
     )
     return search.search(model, snapshot, references=references)
 
@@ -228,8 +230,13 @@ def test_restore_is_what_the_search_evaluated(tmp_path):
         return loss(m)
 
     comp = Compressor(
-        model, tmp_path / "s", QuantConfig(min_numel=1024), threshold=0.01, metric=metric, pretrained=None,
-        search_space=SearchSpace(metrics=("magnitude",), residuals=("previous",)),
+        model,
+        tmp_path / "s",
+        QuantConfig(min_numel=1024),
+        threshold=0.01,
+        metric=metric,
+        pretrained=None,
+        search_space=SearchSpace(prune_by=("magnitude",), residuals=("previous",)),
     )
     comp.compress(1)
     _fine_tune(model, x, y, gen)
@@ -352,10 +359,12 @@ def test_neighbourhood_takes_the_smallest_passing_of_either_kind():
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     _fine_tune(model, x, y, gen)
     snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
-    space = SearchSpace(residuals=("pretrained", "none"), metrics=("magnitude",))
-    search = ConfigurationSearch(mean_loss(batches), 0.0005, space=space, base=QuantConfig(min_numel=1024), z=0.0)
+    space = SearchSpace(residuals=("pretrained", "none"), prune_by=("magnitude",))
+    search = ConfigurationSearch(
+        mean_loss(batches), 0.0005, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
+    )
     centre = (0, 0, 0)  # the boldest point: 3 bins, half pruned; coded directly it loses far more than 0.05%
-    search.last = last = space.config(centre, "magnitude", search.base, 32, residual="none")
+    search.last = last = space.config(centre, "magnitude", search.config, 32, residual="none")
     result = search.search(model, snapshot, references={"pretrained": Reference(start)})
     assert result.mode == "neighbourhood"
     first, second = result.candidates[:2]

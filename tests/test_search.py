@@ -32,7 +32,9 @@ from hf_dynaquant.search import (
     measured_bits,
 )
 
-SMALL = SearchSpace(bins=(4, 6, 8, 12, 16), prune=(0.5, 0.3, 0.1, 0.0), protect=(0.0005, 0.005), metrics=("magnitude",))
+SMALL = SearchSpace(
+    bins=(4, 6, 8, 12, 16), prune=(0.5, 0.3, 0.1, 0.0), protect=(0.0005, 0.005), prune_by=("magnitude",)
+)
 BASE = QuantConfig(min_numel=256)
 
 
@@ -113,7 +115,7 @@ def test_guided_search_reaches_brute_force_with_fewer_evaluations(threshold: flo
     metric = mean_loss(held)
     snap = snapshot_of(model)
     # z=0: the walk is compared with brute force under the plain rule "degradation <= threshold"
-    search = ConfigurationSearch(metric, threshold, space=SMALL, base=BASE, z=0.0)
+    search = ConfigurationSearch(metric, threshold, search_space=SMALL, config=BASE, z=0.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = search.search(model, snap)
     after = model.state_dict()
@@ -179,7 +181,9 @@ def test_search_trusts_only_clear_failures(scenario: str) -> None:
         point = by_digest.get(_weights_digest(m))
         return 1.0 if point is None else 1.0 + degradation[point]
 
-    result = ConfigurationSearch(QualityMetric(designed), threshold, space=SMALL, base=BASE).search(model, snap)
+    result = ConfigurationSearch(QualityMetric(designed), threshold, search_space=SMALL, config=BASE).search(
+        model, snap
+    )
     evaluated = {SMALL.point_of(c.config) for c in result.candidates}
     assert bits[f] < bits[x] and f in evaluated and result.evaluations < len(points)
     if scenario == "clear":
@@ -190,7 +194,7 @@ def test_search_trusts_only_clear_failures(scenario: str) -> None:
 
 def test_steady_state_neighbourhood_and_fallback() -> None:
     model, train, held = digits_mlp()
-    search = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE, z=0.0)
+    search = ConfigurationSearch(mean_loss(held), 0.01, search_space=SMALL, config=BASE, z=0.0)
     first = search.search(model, snapshot_of(model))
     with torch.no_grad():  # a little more training: the next checkpoint is close to this one
         for p in model.parameters():
@@ -226,7 +230,7 @@ def test_resumed_search_goes_on_from_the_stored_configuration(tmp_path) -> None:
     assert again.store.open("step-30").metadata["search"]["mode"] in ("neighbourhood", "fallback")
     assert again.store.verify("step-30", deep=True) == []  # the delta on the preloaded codes decodes
     # nothing to go on from: a lossless checkpoint, a configuration off the cube
-    for recorded in (None, {**chosen, "bins": 5}, {**chosen, "embedding_bins": 7}, {**chosen, "metric": "hessian"}):
+    for recorded in (None, {**chosen, "bins": 5}, {**chosen, "embedding_bins": 7}, {**chosen, "prune_by": "hessian"}):
         again.search.continue_from(recorded)
         assert again.search.last is None
 
@@ -275,7 +279,7 @@ def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
     assert modes[0] == "exhaustive" and set(modes[1:]) <= {"neighbourhood", "fallback"}
     rec = comp.store.open("step-30").metadata["search"]
     assert rec["degradation"] <= 0.01 and rec["evaluations"] == len(rec["candidates"]) >= 1
-    assert rec["config"]["metric"] in ("magnitude", "sensitivity")
+    assert rec["config"]["prune_by"] in ("magnitude", "sensitivity")
     table = inspect_table(tmp_path, ref="step-30")
     assert "search:" in table and "degradation" in table
 
@@ -292,7 +296,7 @@ def _rank_main(rank: int, world: int, port: int, out: dict) -> None:
     try:
         torch.set_num_threads(1)
         model, _, held = digits_mlp()
-        search = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE, z=0.0)
+        search = ConfigurationSearch(mean_loss(held), 0.01, search_space=SMALL, config=BASE, z=0.0)
         result = search.search(model, snapshot_of(model))
         out[rank] = (result.config, result.local_evaluations, [c.config for c in result.candidates])
     finally:
@@ -309,7 +313,9 @@ def test_two_processes_agree_and_match_one_process() -> None:
     assert e0 > 0 and e1 > 0 and e0 + e1 == len(cands0)  # the ranks shared the evaluations
     model, _, held = digits_mlp()
     torch.set_num_threads(1)
-    single = ConfigurationSearch(mean_loss(held), 0.01, space=SMALL, base=BASE, z=0.0).search(model, snapshot_of(model))
+    single = ConfigurationSearch(mean_loss(held), 0.01, search_space=SMALL, config=BASE, z=0.0).search(
+        model, snapshot_of(model)
+    )
     assert single.config == c0
 
 

@@ -32,7 +32,7 @@ from hf_dynaquant.training.sharded import load_sharded, merge_sketches, plan_sha
 
 JOB = Path(__file__).with_name("fsdp_job.py")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_sharded.py"
-MAGNITUDE = replace(CONFIG, metric="magnitude")  # for single-process runs that record no gradients
+MAGNITUDE = replace(CONFIG, prune_by="magnitude")  # for single-process runs that record no gradients
 
 
 def _ranks(out: Path, phase: str) -> list[dict]:

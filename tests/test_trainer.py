@@ -30,7 +30,7 @@ from hf_dynaquant.training.compressor import read_checkpoint
 from hf_dynaquant.training.optimizer_state import MomentQuant
 
 FIXED = QuantConfig(bins=8, prune=0.1, min_numel=1024)
-SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), metrics=("magnitude",))
+SMALL_SPACE = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), prune_by=("magnitude",))
 
 
 @pytest.fixture(scope="module")

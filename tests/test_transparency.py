@@ -179,7 +179,9 @@ def compressor_run(store: Path | None, batches: list, eval_batches: list, search
     compressor = None
     if store is not None:
         settings = {"threshold": 0.01, "eval_data": eval_batches, "search_space": SPACE} if search else {}
-        compressor = Compressor(model, store, CONFIG, optimizer=optimizer, checkpoint_every=EVERY, ema_steps=3, **settings)
+        compressor = Compressor(
+            model, store, CONFIG, optimizer=optimizer, checkpoint_every=EVERY, ema_steps=3, **settings
+        )
     torch.manual_seed(1)
     model.train()
     for step in range(1, STEPS + 1):

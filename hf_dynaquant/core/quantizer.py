@@ -11,10 +11,10 @@ Decisions where the paper is silent (also in FORMAT.md):
   top ``protect/2`` by sensitivity (without gradients: the top ``protect`` by magnitude). They
   are kept as bfloat16.
 * **Pruning** is per layer *type* (one threshold per type, the same fraction for all types), by
-  the chosen metric; protection wins over pruning; embeddings are never pruned. Values whose
-  metric is exactly 0 (zero weights; zero sensitivity, e.g. behind dead ReLUs) are pruned
-  whenever pruning is on, even past the requested fraction: ranking ties at 0 would otherwise
-  leave a 0 threshold that prunes nothing.
+  the chosen criterion (``QuantConfig.prune_by``); protection wins over pruning; embeddings are
+  never pruned. Values whose criterion is exactly 0 (zero weights; zero sensitivity, e.g. behind
+  dead ReLUs) are pruned whenever pruning is on, even past the requested fraction: ranking ties
+  at 0 would otherwise leave a 0 threshold that prunes nothing.
 * **Codebooks** are per tensor: ``bins`` centres (``embedding_bins`` for embeddings) from
   approximate K-means over the tensor's remaining values.
 * **Codes**: ``0`` = pruned (decodes to 0), ``1`` = protected (value stored apart), ``2 + i`` =
@@ -46,11 +46,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
+from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
 from .kmeans import approximate_kmeans
@@ -74,16 +76,22 @@ __all__ = [
     "RESIDUALS",
     "NON_FINITE",
     "refuse_or_warn_non_finite",
+    "PRUNE_BY",
+    "read_config_record",
 ]
 
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
 EMBEDDING = "Embedding"
-METRICS = ("magnitude", "sensitivity")
+PRUNE_BY = ("magnitude", "sensitivity")  # the pruning criteria
 ROUNDINGS = ("nearest", "stochastic")
 NON_FINITE = ("lossless", "raise")
 RESIDUALS = ("none", "previous", "pretrained")
+# Keys of stored configuration records (a manifest's ``quant_config``, the configurations and
+# candidates of a search record) renamed since entries were first written, old -> new; both are read.
+RENAMED_RECORD_KEYS = {"metric": "prune_by"}
 
 
+@renamed_keywords(metric="prune_by")
 @dataclass(frozen=True)
 class QuantConfig:
     """One point of DynaQuant's configuration cube (Table 7), plus fixed knobs.
@@ -92,7 +100,8 @@ class QuantConfig:
         bins: K-means centres for non-embedding tensors (any value from 2 to 254).
         prune: fraction of each layer type's values set to zero (embeddings excepted).
         protect: fraction of values kept as bfloat16, half by magnitude, half by sensitivity.
-        metric: pruning metric, ``"magnitude"`` or ``"sensitivity"``.
+        prune_by: the pruning criterion, ``"magnitude"`` or ``"sensitivity"`` (``metric=`` before;
+            the name ``metric`` is kept for quality metrics).
         embedding_bins: centres for embedding tensors (the paper searches 16 or 32).
         sigma: frequency vs magnitude weight of sketch buckets in K-means (0.2 in the paper).
         alpha: relative accuracy of the threshold sketches.
@@ -114,7 +123,7 @@ class QuantConfig:
     bins: int = 16
     prune: float = 0.2
     protect: float = 0.005
-    metric: str = "magnitude"
+    prune_by: str = "magnitude"
     embedding_bins: int = 32
     sigma: float = 0.2
     alpha: float = 0.01
@@ -134,8 +143,8 @@ class QuantConfig:
             raise ValueError(f"prune must be a fraction in [0, 1), got {self.prune}")
         if not 0 <= self.protect < 1:
             raise ValueError(f"protect must be a fraction in [0, 1), got {self.protect}")
-        if self.metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+        if self.prune_by not in PRUNE_BY:
+            raise ValueError(f"prune_by must be one of {PRUNE_BY}, got {self.prune_by!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.non_finite not in NON_FINITE:
@@ -143,8 +152,17 @@ class QuantConfig:
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
 
+    metric = renamed_attribute("metric", "prune_by")
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def read_config_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored configuration record (``quant_config``, or a search record's configuration or
+    candidate) with this version's key names: entries written before the pruning criterion was
+    named ``prune_by`` record it as ``metric``."""
+    return {RENAMED_RECORD_KEYS.get(k, k): v for k, v in record.items()}
 
 
 def layer_types(model: torch.nn.Module) -> dict[str, str]:
@@ -177,8 +195,8 @@ class TensorPlan:
     centres: np.ndarray  # float32, sorted
     protect_magnitude: float  # |w| above this is protected
     protect_sensitivity: float | None  # sensitivity above this is protected (None: unused)
-    prune_threshold: float | None  # metric below this is pruned (None: no pruning)
-    metric: str
+    prune_threshold: float | None  # the pruning criterion below this is pruned (None: no pruning)
+    prune_by: str
     sensitivity: torch.Tensor | None = field(default=None, repr=False)
     dither_seed: int | None = None  # stochastic rounding's seed for this tensor (None: nearest)
     dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
@@ -206,7 +224,7 @@ class TensorPlan:
         sens = None if self.sensitivity is None else flat_f32(self.sensitivity).numpy()
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
-        by_sens = self.metric == "sensitivity" and sens is not None
+        by_sens = self.prune_by == "sensitivity" and sens is not None
         if native is not None:
             codes = np.empty(w.size, dtype=np.uint8)
             nprot = native.partition_f32(
@@ -225,8 +243,10 @@ class TensorPlan:
         protected = mag > self.protect_magnitude
         if sens is not None:
             protected |= sens > tau_sens
-        metric = sens if by_sens else mag
-        pruned = ((metric < tau_prune) | (metric == 0)) & ~protected if tau_prune >= 0 else np.zeros_like(protected)
+        criterion = sens if by_sens else mag
+        pruned = (
+            ((criterion < tau_prune) | (criterion == 0)) & ~protected if tau_prune >= 0 else np.zeros_like(protected)
+        )
         codes = (np.searchsorted(mids, w, side="left") + FIRST_CENTRE).astype(np.uint8)
         codes[pruned] = PRUNED
         codes[protected] = PROTECTED
@@ -350,9 +370,9 @@ def plan_quantization(
             stacklevel=2,
         )
     use_sens = bool(names) and len(sens) == len(names)
-    if config.metric == "sensitivity" and names and not use_sens:
+    if config.prune_by == "sensitivity" and names and not use_sens:
         warnings.warn(
-            "metric 'sensitivity' needs gradients (|EMA(g) * w|) for every quantized tensor; without them "
+            "prune_by='sensitivity' needs gradients (|EMA(g) * w|) for every quantized tensor; without them "
             "pruning and protection fall back to magnitude",
             stacklevel=2,
         )
@@ -372,13 +392,13 @@ def plan_quantization(
         tau_sens = merged([sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in names]).quantile(1 - share)
 
     # pruning thresholds, one per layer type
-    metric = config.metric if use_sens else "magnitude"
+    prune_by = config.prune_by if use_sens else "magnitude"
     prune_tau: dict[str, float | None] = {}
     for kind in sorted(set(kinds.values())):
         members = [n for n in names if kinds[n] == kind]
         if kind == EMBEDDING or config.prune <= 0:
             prune_tau[kind] = None
-        elif metric == "sensitivity":
+        elif prune_by == "sensitivity":
             sketches = [sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in members]
             prune_tau[kind] = merged(sketches).quantile(config.prune)
         else:
@@ -396,7 +416,7 @@ def plan_quantization(
             tau_mag,
             tau_sens,
             prune_tau[kinds[n]],
-            metric,
+            prune_by,
             sens.get(n),
             dither(n),
             residual=config.residual if ref is not None else "none",

@@ -5,7 +5,7 @@
   (``dynaquant/``, FORMAT.md) chosen by the configuration search against a threshold; a
   ``config.json`` whose ``quantization_config`` (``quant_method: dynaquant``) and
   ``transformers_weights`` let transformers load it directly (:mod:`.hf_quantizer`); and a model
-  card (``README.md``) from the template in ``hf_dynaquant/model_cards/``.
+  card (``README.md``) from the template ``model_cards/dynaquant.md`` (:func:`card_template`).
 * :func:`push_to_hub` uploads such a folder (compressing first when given a model or a plain
   folder); :func:`pull` downloads one and checks every checksum.
 * :func:`from_pretrained` loads a snapshot with public APIs only: ``snapshot_download``, decode
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..core.quantizer import QuantConfig
+from ..core.quantizer import QuantConfig, read_config_record
 from ..errors import CorruptCheckpointError, DynaQuantError
 from ..pretrained.calibration import DEFAULT_THRESHOLD, PRETRAINED_SPACE, calibration_batches
 from ..pretrained.folder import MODEL_REF, STORE_DIR, compress_folder, find_store
@@ -40,6 +40,7 @@ from ..pretrained.snapshot import (
     materialize_local_snapshot,
     read_config,
 )
+from ..renames import renamed_keywords
 from ..search import QualityMetric, SearchSpace
 from ..store.atomic import atomic_write_json, publish_folder, staging_folder
 from .hf_quantizer import transformers_sections
@@ -53,9 +54,21 @@ __all__ = [
     "pull",
     "from_pretrained",
     "materialize_snapshot",
+    "card_template",
 ]
 
-_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dynaquant.md"  # package data
+_PACKAGE = Path(__file__).resolve().parents[1]
+# The model-card template: the top-level model_cards/dynaquant.md of the source tree (one source,
+# beside the cards made from it), which the build copies into the package (setup.py).
+_TEMPLATE = Path("model_cards") / "dynaquant.md"
+
+
+def card_template() -> Path:
+    """The model-card template :func:`compress_pretrained` fills: the copy installed in the package
+    (a wheel, ``pip install .``), else the source tree's ``model_cards/dynaquant.md`` (an editable
+    install, or the package run from a checkout)."""
+    installed, source = _PACKAGE / _TEMPLATE, _PACKAGE.parent / _TEMPLATE
+    return installed if installed.is_file() else source
 
 
 @dataclass(frozen=True)
@@ -79,15 +92,16 @@ class HubSnapshot:
 # compress
 
 
+@renamed_keywords(data="eval_data", quant="config", space="search_space")
 def compress_pretrained(
     model_or_path: str | Path | Any,
     output_dir: str | Path,
     *,
     threshold: float | None = DEFAULT_THRESHOLD,
     metric: QualityMetric | Callable[[torch.nn.Module], float] | None = None,
-    data: Any = None,
-    quant: QuantConfig | None = None,
-    space: SearchSpace | None = None,
+    eval_data: Any = None,
+    config: QuantConfig | None = None,
+    search_space: SearchSpace | None = None,
     tokenizer: Any = None,
     base_model: str | None = None,
     template: str | Path | None = None,
@@ -99,11 +113,12 @@ def compress_pretrained(
     The configuration is the most compressive one whose quality loss stays within ``threshold``.
     Quality is ``metric`` (a :class:`~hf_dynaquant.search.QualityMetric` or ``model -> float``,
     lower is better, evaluated on the model loaded with ``AutoModel``) when given; otherwise the
-    relative squared error of the model's outputs against the original's on ``data``
+    relative squared error of the model's outputs against the original's on ``eval_data``
     (model-ready batches), by default standard-library docstrings through the model's own
-    tokenizer. ``quant`` fixes the knobs outside the search (default: frequency-weighted
-    K-means); ``space`` is the searched cube (default :data:`PRETRAINED_SPACE`). With
-    ``threshold=None`` there is no search: ``quant`` is used as it is.
+    tokenizer. ``config`` fixes the knobs outside the search (default: frequency-weighted
+    K-means); ``search_space`` is the searched cube (default :data:`PRETRAINED_SPACE`). With
+    ``threshold=None`` there is no search: ``config`` is used as it is. (Before: ``data=``,
+    ``quant=``, ``space=``, still accepted for one release.)
 
     ``model_or_path``: a model folder, or a ``PreTrainedModel`` (saved first, with ``tokenizer``
     when given). ``base_model`` names the source repo in the card (default: the config's
@@ -120,15 +135,18 @@ def compress_pretrained(
                 src,
                 staging / "snapshot",
                 codec="dynaquant",
-                quant=quant,
+                config=config,
                 threshold=threshold,
-                search=None if threshold is None else {"metric": metric, "data": data, "space": space},
+                search=None
+                if threshold is None
+                else {"metric": metric, "eval_data": eval_data, "search_space": search_space},
                 progress=progress,
             )
             folder = result.path
             store = find_store(folder)
             with store.open(MODEL_REF) as entry:
                 search = entry.metadata.get("search") or {"config": entry.metadata.get("quant_config")}
+                chosen = search.get("config")
                 sections = transformers_sections(entry.sections)
                 decoded = {s: entry.load_section(s) for s in sections}
             snapshot = HubSnapshot(
@@ -136,7 +154,7 @@ def compress_pretrained(
                 entry=result.entry,
                 raw_nbytes=result.raw_nbytes,
                 stored_nbytes=result.stored_nbytes,
-                config=search.get("config"),
+                config=None if chosen is None else read_config_record(chosen),
                 distortion=search.get("degradation"),
                 cosine=_output_cosine(src, decoded),
             )
@@ -223,7 +241,7 @@ def _write_card(folder: Path, snap: HubSnapshot, base_model: str | None, thresho
     """README.md: a model card from the template (YAML header + body), replacing the source's."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    template = Path(template) if template is not None else _TEMPLATE
+    template = Path(template) if template is not None else card_template()
     if not template.is_file():
         raise DynaQuantError(f"model-card template {template} not found; pass template=<path>")
     data = ModelCardData(

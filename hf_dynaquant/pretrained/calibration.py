@@ -17,6 +17,7 @@ import torch
 
 from ..core.quantizer import QuantConfig, layer_types
 from ..errors import DynaQuantError
+from ..renames import renamed_keywords
 from ..search import ConfigurationSearch, QualityMetric, SearchResult, SearchSpace, output_distortion
 from .corpus import docstring_corpus
 
@@ -62,20 +63,22 @@ def calibration_batches(
     return out
 
 
+@renamed_keywords(space="search_space", base="config", data="eval_data")
 def search_pretrained(
     folder: str | Path,
     threshold: float,
     *,
     metric: QualityMetric | None = None,
-    space: SearchSpace | None = None,
-    base: QuantConfig | None = None,
-    data: Any = None,
+    search_space: SearchSpace | None = None,
+    config: QuantConfig | None = None,
+    eval_data: Any = None,
 ) -> SearchResult:
     """Search the configuration for the model in ``folder`` (loaded with transformers'
-    ``AutoModel``). Quality is ``metric`` when given, else the output distortion on ``data``
+    ``AutoModel``). Quality is ``metric`` when given, else the output distortion on ``eval_data``
     (model-ready batches), by default calibration text through the model's ``AutoTokenizer``.
-    The cube and fixed knobs default to the pre-trained presets (:data:`PRETRAINED_SPACE`,
-    :data:`PRETRAINED_BASE`), whichever entry point searches (Python, the CLI, the Hub tools)."""
+    The cube (``search_space``) and fixed knobs (``config``) default to the pre-trained presets
+    (:data:`PRETRAINED_SPACE`, :data:`PRETRAINED_BASE`), whichever entry point searches (Python,
+    the CLI, the Hub tools)."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -85,8 +88,8 @@ def search_pretrained(
             f"{folder}: cannot load the model to evaluate configurations ({exc}); "
             "give a fixed configuration (bins=, prune=, protect=) instead of threshold="
         ) from None
-    if metric is None and data is not None:
-        metric = output_distortion(model, data)
+    if metric is None and eval_data is not None:
+        metric = output_distortion(model, eval_data)
     if metric is None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -94,7 +97,9 @@ def search_pretrained(
             raise DynaQuantError(f"{folder}: no tokenizer for calibration text ({exc})") from None
         metric = output_distortion(model, calibration_batches(tokenizer))
     snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
-    search = ConfigurationSearch(metric, threshold, space=space or PRETRAINED_SPACE, base=base or PRETRAINED_BASE)
+    search = ConfigurationSearch(
+        metric, threshold, search_space=search_space or PRETRAINED_SPACE, config=config or PRETRAINED_BASE
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*needs gradients.*")  # a saved model has none
         with torch.no_grad():

@@ -27,6 +27,7 @@ from ..core.dtypes import itemsize
 from ..core.quantizer import QuantConfig, plan_quantization
 from ..errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
 from ..pipeline import plan_key, write_planned
+from ..renames import renamed_keywords, take_renamed
 from ..store import STORE_DIR, CheckpointStore
 from ..store.atomic import publish_folder, staging_folder
 from ..store.safetensors_io import StreamingWriter, header_size_estimate
@@ -115,12 +116,13 @@ def _weight_files(src: Path) -> tuple[list[Path], list[Path]]:
     return weights, others
 
 
+@renamed_keywords(quant="config")
 def compress_folder(
     src: str | Path,
     dst: str | Path,
     *,
     codec: Codec | str = "lossless",
-    quant: QuantConfig | None = None,
+    config: QuantConfig | None = None,
     threshold: float | None = None,
     search: Mapping[str, Any] | None = None,
     overwrite: bool = False,
@@ -130,13 +132,13 @@ def compress_folder(
 
     Non-weight files are copied as they are; every ``*.safetensors`` file becomes a section of
     the store entry ``model`` in ``dst/dynaquant``. ``dst`` appears complete or not at all.
-    With ``codec="dynaquant"`` the weights are quantized with ``quant`` (default
+    With ``codec="dynaquant"`` the weights are quantized with ``config`` (default
     :data:`~hf_dynaquant.pretrained.calibration.PRETRAINED_BASE`), or, given a ``threshold``, with the
     most compressive configuration
     whose output distortion on calibration text stays within it (see
     :mod:`hf_dynaquant.pretrained.calibration`); without gradients, sensitivity means magnitude.
     ``search`` passes further options to :func:`~hf_dynaquant.pretrained.calibration.search_pretrained`
-    (``metric``, ``data``, ``space``).
+    (``metric``, ``eval_data``, ``search_space``; ``data`` and ``space`` before).
     """
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -159,24 +161,27 @@ def compress_folder(
             "kind": "model_folder",
             "files": {name: {"metadata": f.metadata} for name, f in sources.items()},
         }
-        plan, quant_config = None, None
+        plan, chosen = None, None
         if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
             if threshold is not None:
-                result = search_pretrained(root, threshold, base=quant, **(search or {}))
+                options = dict(search or {})
+                renames = {"data": "eval_data", "space": "search_space"}
+                take_renamed(options, renames, "compress_folder(search=...)", spell=repr, stacklevel=4)
+                result = search_pretrained(root, threshold, config=config, **options)
                 metadata["search"] = result.to_dict()
                 if result.config is None:
                     raise DynaQuantError(
                         f"{src}: no configuration keeps the output distortion within {threshold}; "
                         "use codec='lossless' or a larger threshold="
                     )
-                quant = result.config
-            quant_config = quant or PRETRAINED_BASE
-            plan = plan_quantization(_AllSections(sources), quant_config)
+                config = result.config
+            chosen = config or PRETRAINED_BASE
+            plan = plan_quantization(_AllSections(sources), chosen)
         entry = write_planned(
             store,
             sources,
             plan,
-            config=quant_config,
+            config=chosen,
             fallback="lossless" if plan is not None else codec,
             metadata=metadata,
             ref=MODEL_REF,

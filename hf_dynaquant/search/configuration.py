@@ -25,7 +25,7 @@ configuration that keeps to it, at every checkpoint, cheaply:
 * **First checkpoint: guided exhaustive search, smallest first.** A candidate's size is
   *measured* without evaluating the model: plan it (the per-tensor sketches are shared, so this
   is mostly K-means) and take the entropy of its codes plus 16 bits per protected value. Both
-  pruning metrics share one queue ordered by measured size, so the first candidate that passes
+  pruning criteria share one queue ordered by measured size, so the first candidate that passes
   is the most compressive one and ends the search. Size rises with bins and with protection (in
   every cube we measured), so the queue walks out from the most compressive corner and sizes a
   point only when the point before it leaves: no plan of the whole cube up front. Quality is
@@ -34,8 +34,8 @@ configuration that keeps to it, at every checkpoint, cheaply:
   past the threshold by twice the larger of the threshold and the largest inversion seen so far
   at this checkpoint (a configuration losing against one below it). The rule loosens itself
   where the metric is noisy. A failure far past that margin has the search try the top of its
-  column (same pruning level and metric), which condemns the column in one evaluation when it
-  fails clearly too. Without pruning the pruning metric changes nothing: such configurations
+  column (same pruning level and criterion), which condemns the column in one evaluation when it
+  fails clearly too. Without pruning the pruning criterion changes nothing: such configurations
   are planned and evaluated once.
 * **Residual coding** (``QuantConfig.residual``) is one more axis: a candidate codes the weights
   themselves (``"none"``) or their residual against a reference the decoder has (``"previous"``:
@@ -44,7 +44,7 @@ configuration that keeps to it, at every checkpoint, cheaply:
   Every residual kind's columns share the one size-ordered queue, so the choice is by measured size
   at passing quality.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
-  metrics) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
+  pruning criteria) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
   smallest measured size first; the first that passes ends the round. Round 1 also tries the
   last point under the other available residual kinds, and takes one that passes with fewer
   measured bits (or passes where the last residual fails). If none passes, the exhaustive search
@@ -92,10 +92,12 @@ from ..core.quantizer import (
     decoded_values,
     plan_quantization,
     quantize,
+    read_config_record,
     refuse_or_warn_non_finite,
 )
 from ..core.rng import preserved_rng
 from ..errors import InvalidSettingError
+from ..renames import renamed_attribute, renamed_keywords
 from .quality import Measurement, QualityMetric
 from .space import Candidate, Reference, SearchResult, SearchSpace
 
@@ -253,6 +255,7 @@ _FAR = 4.0
 DEFAULT_Z = 1.645
 
 
+@renamed_keywords(space="search_space", base="config")
 class ConfigurationSearch:
     """Chooses a :class:`QuantConfig` per checkpoint (see the module docstring).
 
@@ -265,9 +268,9 @@ class ConfigurationSearch:
             19-127x on the weights; at 0.1% the later GPT-2 checkpoints need 48-128 bins, beyond
             the cube's 32, and would be stored losslessly; 5% lets the coarsest bins through
             everywhere.
-        space: the configuration cube.
+        search_space: the configuration cube (``space=`` before).
         epsilon: neighbourhood radius, in cube steps, at later checkpoints.
-        base: the fixed knobs (sigma, alpha, min_numel, seed) of every candidate.
+        config: the fixed knobs (sigma, alpha, min_numel, seed) of every candidate (``base=`` before).
         z: standard errors added to a degradation before it is compared with the threshold
             (1.645: one-sided 95%; 0: the degradation alone, as before the standard error).
     """
@@ -277,9 +280,9 @@ class ConfigurationSearch:
         metric: QualityMetric,
         threshold: float = 0.01,
         *,
-        space: SearchSpace | None = None,
+        search_space: SearchSpace | None = None,
         epsilon: int = 1,
-        base: QuantConfig | None = None,
+        config: QuantConfig | None = None,
         z: float = DEFAULT_Z,
     ) -> None:
         if threshold < 0:
@@ -287,27 +290,33 @@ class ConfigurationSearch:
         if not z >= 0:
             raise ValueError(f"z must be >= 0, got {z}")
         self.metric, self.threshold, self.z = metric, threshold, z
-        self.space, self.epsilon, self.base = space or SearchSpace(), epsilon, base or QuantConfig()
+        self.search_space, self.epsilon = search_space or SearchSpace(), epsilon
+        self.config = config or QuantConfig()
         self.last: QuantConfig | None = None
         self.fallbacks = 0
         self._rng_thread = threading.get_ident()  # the thread that made the search: the training thread
 
+    space = renamed_attribute("space", "search_space")
+    base = renamed_attribute("base", "config")
+
     def continue_from(self, config: Mapping[str, Any] | None) -> None:
         """Go on from the configuration a stored checkpoint records (its ``quant_config``
-        metadata), as if this search had chosen it: a run resumed in a new process searches the
-        neighbourhood of where it stopped instead of the whole cube. Nothing (a lossless or
-        fixed-configuration checkpoint, or a configuration off this search's cube) leaves the next
-        search exhaustive."""
+        metadata, with the key names of any version: see
+        :func:`~hf_dynaquant.core.quantizer.read_config_record`), as if this search had chosen it: a
+        run resumed in a new process searches the neighbourhood of where it stopped instead of the
+        whole cube. Nothing (a lossless or fixed-configuration checkpoint, or a configuration off
+        this search's cube) leaves the next search exhaustive."""
         self.last = None
         if not config:
             return
-        fields = ("bins", "prune", "protect", "metric", "embedding_bins", "residual")
-        chosen = {k: config[k] for k in fields if k in config}
+        fields = ("bins", "prune", "protect", "prune_by", "embedding_bins", "residual")
+        record = read_config_record(config)
+        chosen = {k: record[k] for k in fields if k in record}
         try:
-            last = replace(self.base, **chosen)
+            last = replace(self.config, **chosen)
         except (TypeError, ValueError):  # a value QuantConfig refuses
             return
-        if self.space.holds(last):
+        if self.search_space.holds(last):
             self.last = last
 
     def agree(self) -> None:
@@ -360,7 +369,7 @@ class ConfigurationSearch:
         and every rank evaluates every candidate together (see :class:`Lockstep`). ``where``
         (e.g. ``"step 40"``) names the checkpoint in warnings and errors. ``references`` offers
         residual coding: ``{kind: Reference}`` for the kinds available at this checkpoint (those
-        of ``space.residuals``; ``"none"`` needs none). Not in lockstep (sharded models code directly).
+        of ``search_space.residuals``; ``"none"`` needs none). Not in lockstep (sharded models code directly).
         ``base_codes``: the codes of the entry this checkpoint will be a delta on, by tensor name;
         sizes then count each tensor's code delta where it is smaller (see :func:`measured_bits`),
         so that direct coding, whose codes change little between checkpoints, is sized as stored.
@@ -373,24 +382,24 @@ class ConfigurationSearch:
         baseline = lockstep.agree(measured.value) if lockstep is not None else measured.value
         if not math.isfinite(baseline):
             return self._non_finite_baseline(baseline, snapshot, where, lockstep)
-        metrics = [m for m in self.space.metrics if m == "magnitude" or sensitivity]
+        prune_by = [m for m in self.search_space.prune_by if m == "magnitude" or sensitivity]
         references = dict(references or {})
         if lockstep is not None and references:
             raise InvalidSettingError("residual coding is not available for sharded models (lockstep): direct only")
-        residuals = [r for r in self.space.residuals if r == "none" or r in references] or ["none"]
-        ctx = _Context(self, model, snapshot, types, sensitivity, measured, metrics, lockstep, where, references)
+        residuals = [r for r in self.search_space.residuals if r == "none" or r in references] or ["none"]
+        ctx = _Context(self, model, snapshot, types, sensitivity, measured, prune_by, lockstep, where, references)
         ctx.residuals = residuals
         ctx.base_codes = dict(base_codes or {})
-        if self.last is not None and self.last.metric in metrics and self.last.residual in residuals:
-            found = ctx.neighbourhood(self.last, metrics)
+        if self.last is not None and self.last.prune_by in prune_by and self.last.residual in residuals:
+            found = ctx.neighbourhood(self.last, prune_by)
             mode = "neighbourhood"
             if found is None:
                 self.fallbacks += 1
                 mode = "fallback"
-                found = ctx.exhaustive(metrics)
+                found = ctx.exhaustive(prune_by)
         else:
             mode = "exhaustive"
-            found = ctx.exhaustive(metrics)
+            found = ctx.exhaustive(prune_by)
         if found is None:
             warnings.warn(
                 f"no configuration keeps the {self.metric.name} degradation within {self.threshold:.2%}: "
@@ -427,7 +436,7 @@ class ConfigurationSearch:
         if lockstep is not None and names:
             flags = lockstep.all_sum(flags)
         bad = [repr(n) for n, flag in zip(names, flags) if flag > 0]
-        refuse_or_warn_non_finite(bad, self.base.non_finite, where)  # raises in mode "raise"
+        refuse_or_warn_non_finite(bad, self.config.non_finite, where)  # raises in mode "raise"
         warnings.warn(
             f"the {self.metric.name} of the unquantized model is {baseline}{f' at {where}' if where else ''}: "
             "no configuration can be judged, this checkpoint is stored losslessly",
@@ -448,7 +457,7 @@ class _Context:
         types: Mapping[str, str] | None,
         sensitivity: Mapping[str, torch.Tensor] | None,
         baseline: Measurement,
-        metrics: Sequence[str],
+        prune_by: Sequence[str],
         lockstep: Lockstep | None = None,
         where: str | None = None,
         references: Mapping[str, Reference] | None = None,
@@ -460,7 +469,7 @@ class _Context:
         self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else rank_world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
-        self.metrics = list(metrics)
+        self.prune_by = list(prune_by)  # the pruning criteria available at this checkpoint
         self.tried: list[Candidate] = []
         self.local = 0
         self.sized = 0
@@ -474,16 +483,16 @@ class _Context:
         )
 
     def _embedding_default(self) -> int:
-        return self.owner.space.embedding_bins[-1]
+        return self.owner.search_space.embedding_bins[-1]
 
     def config(
-        self, point: tuple[int, int, int], metric: str, embedding_bins: int | None = None, residual: str = "none"
+        self, point: tuple[int, int, int], prune_by: str, embedding_bins: int | None = None, residual: str = "none"
     ) -> QuantConfig:
-        """The configuration at ``point``; without pruning the pruning metric changes nothing, so
-        such points all take the first metric (one plan, one evaluation)."""
-        space = self.owner.space
-        metric = self.metrics[0] if space.prune[point[1]] == 0 and self.metrics else metric
-        return space.config(point, metric, self.owner.base, embedding_bins or self._embedding_default(), residual)
+        """The configuration at ``point``; without pruning the pruning criterion changes nothing,
+        so such points all take the first criterion (one plan, one evaluation)."""
+        space = self.owner.search_space
+        prune_by = self.prune_by[0] if space.prune[point[1]] == 0 and self.prune_by else prune_by
+        return space.config(point, prune_by, self.owner.config, embedding_bins or self._embedding_default(), residual)
 
     def plan(self, config: QuantConfig) -> QuantPlan:
         if config not in self._plans:
@@ -582,17 +591,17 @@ class _Context:
 
     def below(self, a: QuantConfig, b: QuantConfig) -> bool:
         """Whether ``a`` is at least as aggressive as ``b`` on every axis (were quality monotone
-        along the axes, ``a`` would be no better); without pruning the pruning metric is moot."""
-        space = self.owner.space
+        along the axes, ``a`` would be no better); without pruning the pruning criterion is moot."""
+        space = self.owner.search_space
         return (
-            (b.prune == 0 or a.metric == b.metric)
+            (b.prune == 0 or a.prune_by == b.prune_by)
             and a.residual == b.residual
             and a.embedding_bins <= b.embedding_bins
             and all(x <= y for x, y in zip(space.point_of(a), space.point_of(b)))
         )
 
-    def exhaustive(self, metrics: Sequence[str]) -> Candidate | None:
-        """The passing configuration of fewest measured bits, every (pruning, metric, residual)
+    def exhaustive(self, prune_by: Sequence[str]) -> Candidate | None:
+        """The passing configuration of fewest measured bits, every (pruning, criterion, residual)
         column in one queue.
 
         The queue walks the cube from the most compressive corner of each column: a point leaves
@@ -601,20 +610,20 @@ class _Context:
         every point still to come is at least as large as the one leaving, and the first that
         passes is the answer. A point at or below a clear failure (see :meth:`condemned`) is
         skipped when its turn comes."""
-        space, world = self.owner.space, self.world
+        space, world = self.owner.search_space, self.world
         n_bins, n_prune, n_protect = space.shape
-        columns = [(m, r) for r in self.residuals for m in metrics]
+        columns = [(m, r) for r in self.residuals for m in prune_by]
         queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, column index)
         seen: set[QuantConfig] = set()
 
         def at(point: tuple[int, int, int], column: int) -> QuantConfig:
-            metric, residual = columns[column]
-            return self.config(point, metric, residual=residual)
+            criterion, residual = columns[column]
+            return self.config(point, criterion, residual=residual)
 
         def push(points: list[tuple[int, int, int]], column: int) -> None:
             fresh = []
             for point in points:
-                if (config := at(point, column)) not in seen:  # without pruning, both metrics meet
+                if (config := at(point, column)) not in seen:  # without pruning, both criteria meet
                     seen.add(config)
                     fresh.append((point, config))
             for (point, _), bits in zip(fresh, self.size([c for _, c in fresh])):
@@ -631,7 +640,7 @@ class _Context:
 
         def column_top(config: QuantConfig) -> QuantConfig:
             point = (n_bins - 1, space.prune.index(config.prune), n_protect - 1)
-            return self.config(point, config.metric, residual=config.residual)
+            return self.config(point, config.prune_by, residual=config.residual)
 
         # the highest-quality configurations first, a round at a time until one is not a clear
         # failure: when they all fail clearly, nothing is left to try
@@ -654,43 +663,43 @@ class _Context:
             cands = self.evaluate(batch)
             if passed := next((c for c in cands if c.passed), None):
                 return passed
-            # a failure far past the margin hints that its whole column (pruning level, metric and
+            # a failure far past the margin hints that its whole column (pruning level, criterion and
             # residual) fails: the column's top decides in one evaluation, and condemns the column
             # if it fails clearly
             self.evaluate([column_top(c.config) for c in cands if c.degradation > _FAR * self.margin()])
         return None
 
-    def neighbourhood(self, last: QuantConfig, metrics: Sequence[str]) -> Candidate | None:
-        """Round 1: the last point under its metric and residual, under the other metrics, and
-        under the other available residuals. The answer is the passing candidate of fewest
-        measured bits among round 1 and, when the centre fails, the points at most ``epsilon``
-        steps less aggressive under the last residual kind (never bolder), evaluated smallest
-        first and only where they measure smaller than round 1's best; they use the other metric
-        when it passed clearly better at the centre."""
-        space, eps = self.owner.space, self.owner.epsilon
+    def neighbourhood(self, last: QuantConfig, prune_by: Sequence[str]) -> Candidate | None:
+        """Round 1: the last point under its pruning criterion and residual, under the other
+        criteria, and under the other available residuals. The answer is the passing candidate of
+        fewest measured bits among round 1 and, when the centre fails, the points at most
+        ``epsilon`` steps less aggressive under the last residual kind (never bolder), evaluated
+        smallest first and only where they measure smaller than round 1's best; they use the other
+        criterion when it passed clearly better at the centre."""
+        space, eps = self.owner.search_space, self.owner.epsilon
         try:
             centre = space.point_of(last)
         except ValueError:
             return None
         emb, residual = last.embedding_bins, last.residual
-        others = [m for m in metrics if m != last.metric]
+        others = [m for m in prune_by if m != last.prune_by]
         alternatives = [r for r in self.residuals if r != residual]
-        same = self.config(centre, last.metric, emb, residual)
+        same = self.config(centre, last.prune_by, emb, residual)
         first = self.evaluate(
             [same]
             + [self.config(centre, m, emb, residual) for m in others]
-            + [self.config(centre, last.metric, emb, r) for r in alternatives]
+            + [self.config(centre, last.prune_by, emb, r) for r in alternatives]
         )
-        metric = last.metric
+        criterion = last.prune_by
         if others and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
-            metric = others[0]
-        chosen = self._cache[self.config(centre, metric, emb, residual)]
+            criterion = others[0]
+        chosen = self._cache[self.config(centre, criterion, emb, residual)]
         best = min((c for c in first if c.passed), key=lambda c: c.bits, default=None)
         if chosen.passed:
             return best  # the smallest passing of round 1
         ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
         points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
-        near = [self.config(p, metric, emb, residual) for p in points]
+        near = [self.config(p, criterion, emb, residual) for p in points]
         by_size = sorted(zip(self.size(near), near), key=lambda x: x[0])
         near = [c for bits, c in by_size if best is None or bits < best.bits]
         world = self.world
@@ -704,7 +713,7 @@ class _Context:
         """Embeddings are searched apart: the fewest embedding bins that still pass."""
         if not self.has_embeddings:
             return found
-        for bins in self.owner.space.embedding_bins:
+        for bins in self.owner.search_space.embedding_bins:
             if bins >= found.config.embedding_bins:
                 break
             cand = self.evaluate([replace(found.config, embedding_bins=bins)])[0]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidSettingError
+from ..renames import renamed_keywords
 
 __all__ = [
     "Measurement",
@@ -95,10 +96,11 @@ def _batches(data: Iterable[Any]) -> list[Any]:
     return list(data)
 
 
-def held_out(data: Iterable[Any], n: int) -> list[Any]:
-    """The first ``n`` batches of ``data`` (a DataLoader, a list, any iterable), materialised,
+@renamed_keywords(data="eval_data")
+def held_out(eval_data: Iterable[Any], n: int) -> list[Any]:
+    """The first ``n`` batches of ``eval_data`` (a DataLoader, a list, any iterable), materialised,
     to evaluate candidates on; keep them out of training."""
-    return list(itertools.islice(iter(data), n))
+    return list(itertools.islice(iter(eval_data), n))
 
 
 def _loss_of(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
@@ -129,8 +131,9 @@ def model_output_loss(out: Any) -> torch.Tensor:
     return loss
 
 
+@renamed_keywords(data="eval_data")
 def mean_loss(
-    data: Iterable[Any],
+    eval_data: Iterable[Any],
     loss_fn: Callable | None = None,
     *,
     compute_loss: Callable[[torch.nn.Module, Mapping[str, Any]], torch.Tensor] | None = None,
@@ -144,7 +147,7 @@ def mean_loss(
     The batches are the paired units of the standard error (a loss function returns one mean
     per batch): the degradation's standard error is that of the mean of per-batch differences,
     so it needs at least 2 batches (with 1 it is reported as 0)."""
-    batches = _batches(data)
+    batches = _batches(eval_data)
 
     def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         if compute_loss is not None and isinstance(batch, Mapping):
@@ -165,16 +168,18 @@ def mean_loss(
     )
 
 
-def perplexity(data: Iterable[Any]) -> QualityMetric:
-    """``exp`` of the mean loss (lower is better)."""
-    loss = mean_loss(data)
+@renamed_keywords(data="eval_data")
+def perplexity(eval_data: Iterable[Any]) -> QualityMetric:
+    """``exp`` of the mean loss over ``eval_data`` (lower is better)."""
+    loss = mean_loss(eval_data)
     return QualityMetric(lambda m: math.exp(loss(m)), higher_is_better=False, name="perplexity")
 
 
-def accuracy(data: Iterable[Any]) -> QualityMetric:
-    """Top-1 accuracy over ``(inputs, labels)`` batches (higher is better); the standard error
-    of a degradation from the per-example differences in correctness."""
-    batches = _batches(data)
+@renamed_keywords(data="eval_data")
+def accuracy(eval_data: Iterable[Any]) -> QualityMetric:
+    """Top-1 accuracy over ``eval_data``, ``(inputs, labels)`` batches (higher is better); the
+    standard error of a degradation from the per-example differences in correctness."""
+    batches = _batches(eval_data)
 
     def measure(model: torch.nn.Module) -> Measurement:
         dev = device_of(model)
@@ -194,10 +199,12 @@ def accuracy(data: Iterable[Any]) -> QualityMetric:
     )
 
 
-def output_distortion(model: torch.nn.Module, data: Iterable[Any]) -> QualityMetric:
+@renamed_keywords(data="eval_data")
+def output_distortion(model: torch.nn.Module, eval_data: Iterable[Any]) -> QualityMetric:
     """Default calibration metric without labels: relative squared error of the model's outputs
-    against the original model's outputs on the same inputs (0 for the original)."""
-    batches = _batches(data)
+    against the original model's outputs on the same inputs, the batches ``eval_data`` (0 for the
+    original)."""
+    batches = _batches(eval_data)
     with torch.no_grad():
         reference = [_output(model, b) for b in batches]
 

@@ -17,14 +17,17 @@ from ..core.quantizer import (
     QuantPlan,
 )
 from ..errors import InvalidSettingError
+from ..renames import renamed_attribute, renamed_keywords
 
 __all__ = ["SearchSpace", "Reference", "Candidate", "SearchResult"]
 
 
+@renamed_keywords(metrics="prune_by")
 @dataclass(frozen=True)
 class SearchSpace:
     """The configuration cube (the paper's Table 7, plus 3 bins). Each axis is listed from the
-    most compressive to the highest-quality value.
+    most compressive to the highest-quality value; ``prune_by`` holds the pruning criteria searched
+    (``QuantConfig.prune_by``; ``metrics=`` before).
 
     3 bins is our addition: on the Trainer benchmark (benchmarks/RESULTS.md, "Trainer
     integration") the search takes it at the 1% threshold and the run ends as close to the
@@ -35,9 +38,11 @@ class SearchSpace:
     bins: tuple[int, ...] = (3, 4, 6, 8, 12, 16, 32)
     prune: tuple[float, ...] = (0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
     protect: tuple[float, ...] = (0.0005, 0.005, 0.01)
-    metrics: tuple[str, ...] = ("magnitude", "sensitivity")
+    prune_by: tuple[str, ...] = ("magnitude", "sensitivity")
     embedding_bins: tuple[int, ...] = (16, 32)
     residuals: tuple[str, ...] = ("pretrained", "previous", "none")  # each offered where available
+
+    metrics = renamed_attribute("metrics", "prune_by")
 
     def __post_init__(self) -> None:
         if bad := [r for r in self.residuals if r not in RESIDUALS]:
@@ -47,15 +52,23 @@ class SearchSpace:
     def shape(self) -> tuple[int, int, int]:
         return len(self.bins), len(self.prune), len(self.protect)
 
+    @renamed_keywords(metric="prune_by", base="config")
     def config(
-        self, point: tuple[int, int, int], metric: str, base: QuantConfig, embedding_bins: int, residual: str = "none"
+        self,
+        point: tuple[int, int, int],
+        prune_by: str,
+        config: QuantConfig,
+        embedding_bins: int,
+        residual: str = "none",
     ) -> QuantConfig:
+        """The configuration at ``point`` (indices along bins, prune, protect) pruned by
+        ``prune_by``, with the other knobs of ``config``."""
         return replace(
-            base,
+            config,
             bins=self.bins[point[0]],
             prune=self.prune[point[1]],
             protect=self.protect[point[2]],
-            metric=metric,
+            prune_by=prune_by,
             embedding_bins=embedding_bins,
             residual=residual,
         )
@@ -71,7 +84,7 @@ class SearchSpace:
             and config.protect in self.protect
             and config.embedding_bins in self.embedding_bins
         )
-        return on_axes and config.metric in self.metrics and config.residual in self.residuals
+        return on_axes and config.prune_by in self.prune_by and config.residual in self.residuals
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ class Candidate:
             "bins": c.bins,
             "prune": c.prune,
             "protect": c.protect,
-            "metric": c.metric,
+            "prune_by": c.prune_by,
             "embedding_bins": c.embedding_bins,
             "residual": c.residual,
             "degradation": self.degradation,

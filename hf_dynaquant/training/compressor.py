@@ -302,7 +302,7 @@ class Compressor:
     Args:
         model: the model being trained.
         store: a store or its directory (``None``: a process that only takes part in the search).
-        config: the quantization configuration (bins, prune, protect, metric, ...); a shortcut
+        config: the quantization configuration (bins, prune, protect, prune_by, ...); a shortcut
             for ``CheckpointSettings(config=...)``.
         optimizer: saved with each checkpoint (see ``optimizer_state``) and restored by
             :meth:`restore`.
@@ -337,7 +337,7 @@ class Compressor:
         self.search: ConfigurationSearch | None = None
         if metric is not None:
             self.search = ConfigurationSearch(
-                metric, settings.threshold, space=settings.search_space, base=settings.config
+                metric, settings.threshold, search_space=settings.search_space, config=settings.config
             )
         self.last_search: SearchResult | None = None
         self.last_report: CheckpointReport | None = None
@@ -376,7 +376,7 @@ class Compressor:
         """Whether checkpoints may code residuals of ``kind``: the fixed configuration's, or one
         the search offers."""
         if self.search is not None:
-            return kind in self.search.space.residuals
+            return kind in self.search.search_space.residuals
         return self.config.residual == kind
 
     def _writable(self) -> CheckpointStore:
@@ -432,7 +432,7 @@ class Compressor:
         seed = zlib.crc32(entry.encode())
         self.config = replace(self.config, rounding="stochastic", rounding_seed=seed)
         if self.search is not None:
-            self.search.base = replace(self.search.base, rounding="stochastic", rounding_seed=seed)
+            self.search.config = replace(self.search.config, rounding="stochastic", rounding_seed=seed)
 
     def snapshot(
         self,
@@ -455,10 +455,10 @@ class Compressor:
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
             optimizer = cpu_tree(self.optimizer.state_dict(), copy=copy)
         ema = self.ema.take()
-        # a fixed config with metric "sensitivity" has the planner warn; a search that offers it warns here
-        if not ema and self.search is not None and "sensitivity" in self.search.space.metrics:
+        # a fixed config with prune_by="sensitivity" has the planner warn; a search that offers it warns here
+        if not ema and self.search is not None and "sensitivity" in self.search.search_space.prune_by:
             warnings.warn(
-                "no gradients were recorded before this checkpoint: the search tries the magnitude metric "
+                "no gradients were recorded before this checkpoint: the search tries pruning by magnitude "
                 "only (call on_backward_pass_end() after backward)",
                 stacklevel=3,
             )

@@ -259,7 +259,7 @@ def plan_sharded(
                 stacklevel=2,
             )
     if not sens_ok:
-        sens, config = {}, replace(config, metric="magnitude")  # (warned above: no second warning)
+        sens, config = {}, replace(config, prune_by="magnitude")  # (warned above: no second warning)
     wanted = {(n, "magnitude", config.alpha): (t, True) for n, t in selected.items()}
     wanted.update({(n, "sensitivity", config.alpha): (s, False) for n, s in sens.items()})
     todo = {key: LogSketch(config.alpha).add(v, magnitude=m) for key, (v, m) in wanted.items() if key not in cache}
