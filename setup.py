@@ -39,7 +39,7 @@ setup(
     ext_modules=[
         Extension(
             "hf_dynaquant.core._kernels",
-            sources=[f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments")],
+            sources=[f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta")],
             depends=[f"{CSRC}/kernels.h"],
             optional=True,
         ),

@@ -122,6 +122,29 @@ class Row:
     stored_mb: dict[str, float]
 
 
+def plain(
+    config: GPT2Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    record: Callable[..., object],
+) -> None:
+    """The plain saves and restores: torch.save / torch.load and safetensors."""
+    pt = folder / "plain.pt"
+    record("torch.save", lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt), pt)
+    into, into_optimizer = fresh(config)
+
+    def torch_restore() -> None:
+        sd = torch.load(pt, weights_only=True)
+        into.load_state_dict(sd["model"])
+        into_optimizer.load_state_dict(sd["optimizer"])
+
+    record("torch.load", torch_restore)
+    st = folder / "plain.safetensors"
+    record("safetensors save", lambda: save_file(flat(model, optimizer), st), st)
+    record("safetensors load", lambda: unflat(load_file(st), into, into_optimizer))
+
+
 def bench(size: str, folder: Path) -> Row:
     config = GPT2Config(**SIZES[size])
     torch.manual_seed(0)
@@ -141,21 +164,7 @@ def bench(size: str, folder: Path) -> Row:
         print(f"  {size} {name}: {seconds[name]:.2f} s, peak extra {peak[name]:.2f}x", flush=True)
         return result
 
-    pt = folder / "plain.pt"
-    record("torch.save", lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt), pt)
-    m2, o2 = fresh(config)
-
-    def torch_restore() -> None:
-        sd = torch.load(pt, weights_only=True)
-        m2.load_state_dict(sd["model"])
-        o2.load_state_dict(sd["optimizer"])
-
-    record("torch.load", torch_restore)
-    st = folder / "plain.safetensors"
-    record("safetensors save", lambda: save_file(flat(model, optimizer), st), st)
-    record("safetensors load", lambda: unflat(load_file(st), m2, o2))
-    del m2, o2
-
+    plain(config, model, optimizer, folder, record)
     store = folder / "dynaquant"
     compressor = Compressor(model, store, CONFIG, optimizer=optimizer)
     record("keyframe", lambda: compressor.compress(1), store)
@@ -170,7 +179,7 @@ def bench(size: str, folder: Path) -> Row:
     return Row(size, params, ckpt / 1e6, seconds, peak, stored)
 
 
-def exponent(rows: list[Row], key: str, by: str = "params") -> float:
+def exponent(rows: list[Row], key: str) -> float:
     """Least-squares slope of log(seconds) on log(params): 1.0 is linear growth."""
     xs = [math.log(r.params) for r in rows]
     ys = [math.log(max(r.seconds[key], 1e-6)) for r in rows]

@@ -139,10 +139,45 @@ def test_delta_roundtrip_across_changing_levels(prev, cur, seed) -> None:
     assert np.array_equal(apply_delta(p, d, levels), c)
     g = regroup(d, p)
     assert np.array_equal(ungroup(g, p), d)
+    assert np.array_equal(g, d[np.argsort(p, kind="stable")])  # the compiled counting sort is the stable sort
     tokens = rle_encode(g)
     assert np.all((tokens <= 0) | (tokens > 1))  # values negated, lengths only when > 1
     assert np.array_equal(rle_decode(tokens), g)
     assert np.array_equal(varint_decode(varint_encode(tokens)), tokens)
+
+
+def test_regroup_kernel_matches_numpy_reference(monkeypatch) -> None:
+    from hf_dynaquant.core import delta as delta_mod
+
+    assert delta_mod.native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(3)
+    prev = rng.integers(0, 256, 100_000).astype(np.uint8)
+    values = rng.integers(0, 256, prev.size).astype(np.uint8)
+    grouped, back = regroup(values, prev), ungroup(regroup(values, prev), prev)
+    monkeypatch.setattr(delta_mod, "native", None)  # the numpy reference
+    assert np.array_equal(regroup(values, prev), grouped)
+    assert np.array_equal(back, values)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 100_003])
+@pytest.mark.parametrize("top", [1, 9, 256])
+def test_byte_counts_is_bincount(size, top) -> None:
+    from hf_dynaquant.core.histogram import byte_counts
+
+    symbols = np.random.default_rng(size + top).integers(0, top, size).astype(np.uint8)
+    for minlength in (1, 5, 300):
+        assert np.array_equal(byte_counts(symbols, minlength), np.bincount(symbols, minlength=minlength))
+
+
+def test_fidelity_kernel_matches_float64_reference(monkeypatch) -> None:
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    a = torch.randn(3_000_001)  # not a multiple of the kernel's four partial sums, over several chunks
+    b = a + 0.01 * torch.randn(a.shape)
+    sums = moments_mod.fidelity_sums(a, b)
+    monkeypatch.setattr(moments_mod, "native", None)
+    np.testing.assert_allclose(sums, moments_mod.fidelity_sums(a, b), rtol=1e-9)
 
 
 def test_rle_rejects_malformed_streams() -> None:

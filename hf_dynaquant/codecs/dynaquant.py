@@ -44,6 +44,7 @@ from ..core.delta import (
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
 from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
+from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
@@ -83,7 +84,7 @@ def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) 
 
 def _groups(prev: np.ndarray) -> np.ndarray:
     """Sizes of the regrouped delta's groups: how many values the base has at each code."""
-    return np.bincount(prev, minlength=1)
+    return byte_counts(prev)
 
 
 def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:

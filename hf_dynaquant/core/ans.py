@@ -26,6 +26,7 @@ from __future__ import annotations
 import constriction
 import numpy as np
 
+from .histogram import byte_counts
 from .varint import uleb128_decode, uleb128_encode
 
 __all__ = ["ans_encode", "ans_decode"]
@@ -58,7 +59,7 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None) -> bytes:
     table, coded = [], []
     for g in np.flatnonzero(sizes):
         part = sym[bounds[g] : bounds[g + 1]]
-        counts = np.bincount(part)
+        counts = byte_counts(part)
         table += [counts.size, *counts.tolist()]
         if np.count_nonzero(counts) > 1:
             coded.append((part, counts))
@@ -106,7 +107,7 @@ def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndar
         for start in range(int(bounds[g]), int(bounds[g + 1]), _SLICE):
             stop = min(start + _SLICE, int(bounds[g + 1]))
             out[start:stop] = decoder.decode(model, stop - start)
-        if not np.array_equal(np.bincount(out[bounds[g] : bounds[g + 1]], minlength=counts.size), counts):
+        if not np.array_equal(byte_counts(out[bounds[g] : bounds[g + 1]], counts.size), counts):
             raise ValueError(f"rANS group {g} decodes to a histogram other than its table's")
     if not decoder.is_empty():
         raise ValueError("rANS stream has words left over after its last symbol")

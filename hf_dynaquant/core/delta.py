@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
 __all__ = [
@@ -45,14 +46,33 @@ def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:
 
 def regroup(values: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
     """Values ordered by previous code (stable): each bucket's values become contiguous."""
+    if _native_u8(values, prev_codes):
+        out = np.empty_like(values)
+        native.regroup_u8(values, prev_codes, out, False)
+        return out
     return values[np.argsort(prev_codes, kind="stable")]
 
 
 def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
     """Inverse of :func:`regroup`."""
     out = np.empty_like(grouped)
-    out[np.argsort(prev_codes, kind="stable")] = grouped
+    if _native_u8(grouped, prev_codes):
+        native.regroup_u8(grouped, prev_codes, out, True)
+    else:
+        out[np.argsort(prev_codes, kind="stable")] = grouped
     return out
+
+
+def _native_u8(values: np.ndarray, keys: np.ndarray) -> bool:
+    """Whether the compiled counting sort applies: contiguous uint8 values and keys of one size."""
+    return (
+        native is not None
+        and values.dtype == np.uint8
+        and keys.dtype == np.uint8
+        and values.shape == keys.shape
+        and values.flags.c_contiguous
+        and keys.flags.c_contiguous
+    )
 
 
 def rle_encode(values: np.ndarray) -> np.ndarray:

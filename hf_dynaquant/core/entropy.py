@@ -18,6 +18,7 @@ import zstandard
 from ..errors import CorruptCheckpointError
 from .ans import ans_decode, ans_encode
 from .bitplanes import pack_bits, unpack_bits
+from .histogram import byte_counts
 
 __all__ = [
     "order0_bits",
@@ -95,7 +96,7 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
 def order0_bits(symbols: np.ndarray) -> float:
     """Total bits of uint8 ``symbols`` at their order-0 entropy: what rANS codes them in, to
     within its table and a few bytes."""
-    counts = np.bincount(np.asarray(symbols, dtype=np.uint8).ravel(), minlength=1)
+    counts = byte_counts(symbols)
     counts = counts[counts > 0]
     return float(-(counts * np.log2(counts / counts.sum())).sum())
 

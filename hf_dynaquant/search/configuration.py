@@ -85,6 +85,7 @@ import torch
 from ..core.collectives import all_gather, broadcast, rank_world
 from ..core.dtypes import all_finite
 from ..core.entropy import order0_bits
+from ..core.histogram import byte_counts
 from ..core.quantizer import (
     EMBEDDING,
     QuantConfig,
@@ -140,7 +141,7 @@ def _code_bits(codes: np.ndarray, protected: np.ndarray, base: np.ndarray | None
     bits = order0_bits(codes)
     if base is not None and base.size == codes.size:
         joint = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1)
-        given = np.bincount(base, minlength=1)
+        given = byte_counts(base)
         pairs = np.nonzero(joint)[0]
         count = joint[pairs]
         bits = min(bits, float(-(count * np.log2(count / given[pairs // 256])).sum()))

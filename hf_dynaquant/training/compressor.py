@@ -447,7 +447,9 @@ class Compressor:
         otherwise it evaluates the live model (restored bit-exactly afterwards). ``copy=False``
         takes tensors already on the CPU as they are, with no copy: only for a :meth:`write`
         that finishes before training changes them (a foreground save), which then holds no
-        second copy of the checkpoint."""
+        second copy of the checkpoint. A search that evaluates the live model (not
+        ``detach_model``) writes candidates into its weights, so the snapshot copies then anyway."""
+        copy = copy or (self.search is not None and not detach_model)
         live = self.model.state_dict(keep_vars=True)
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}

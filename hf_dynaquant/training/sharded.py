@@ -348,7 +348,8 @@ class ShardedCompressor(Compressor):
     ) -> Snapshot:
         """This rank's shards copied to the CPU (collective: the row layout is gathered). The
         search, if any, evaluates the live model (every rank together), so ``detach_model`` is
-        ignored; ``copy``: see :meth:`Compressor.snapshot`."""
+        ignored; ``copy``: see :meth:`Compressor.snapshot` (a search always copies)."""
+        copy = copy or self.search is not None
         rank, world = rank_world()
         live = self.model.state_dict(keep_vars=True)
         self.layout = layout = ShardLayout.of_state(live)

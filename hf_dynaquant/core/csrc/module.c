@@ -13,6 +13,9 @@ static PyMethodDef methods[] = {
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
+    {"regroup_u8", py_regroup_u8, METH_VARARGS,
+     "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
+    {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},

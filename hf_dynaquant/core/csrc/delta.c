@@ -1,0 +1,58 @@
+#include "kernels.h"
+
+/* The regrouping of the delta encoder (delta.py): uint8 values ordered by their uint8 key (the
+ * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
+ * the keys, then each value to the next free place of its key's group), what the numpy
+ * reference does with a stable argsort and a gather or scatter, without the index array. */
+static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
+    Py_ssize_t count[256] = {0}, pos = 0;
+    for (Py_ssize_t i = 0; i < n; i++) count[keys[i]]++;
+    for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
+}
+
+PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
+    Py_buffer values, keys, out;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "y*y*w*p", &values, &keys, &out, &inverse)) return NULL;
+    int ok = values.len == keys.len && out.len == keys.len;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "regroup: values, keys and out differ in length");
+    else {
+        const uint8_t *v = values.buf, *k = keys.buf;
+        uint8_t *o = out.buf;
+        Py_ssize_t n = keys.len, start[256];
+        Py_BEGIN_ALLOW_THREADS
+        group_starts(k, n, start);
+        if (inverse)
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = v[start[k[i]]++];
+        else
+            for (Py_ssize_t i = 0; i < n; i++) o[start[k[i]]++] = v[i];
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&values); PyBuffer_Release(&keys); PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Counts of each uint8 symbol (np.bincount of bytes, without converting them to intp first). */
+PyObject *py_byte_counts(PyObject *self, PyObject *args) {
+    Py_buffer symbols, counts;
+    if (!PyArg_ParseTuple(args, "y*w*", &symbols, &counts)) return NULL;
+    int ok = counts.len == 256 * (Py_ssize_t)sizeof(int64_t);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "byte_counts: counts must hold 256 int64");
+    else {
+        const uint8_t *s = symbols.buf;
+        int64_t *c = counts.buf, part[4][256];
+        Py_ssize_t n = symbols.len, i = 0;
+        Py_BEGIN_ALLOW_THREADS
+        memset(part, 0, sizeof(part));
+        for (; i + 4 <= n; i += 4) { part[0][s[i]]++; part[1][s[i + 1]]++; part[2][s[i + 2]]++; part[3][s[i + 3]]++; }
+        for (; i < n; i++) part[0][s[i]]++;
+        for (int k = 0; k < 256; k++) c[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&symbols); PyBuffer_Release(&counts);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
