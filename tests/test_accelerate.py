@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,20 +64,26 @@ class Run:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / 8))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        settings = {"threshold": None, "config": FIXED, "ema_steps": 2, "checkpoint_every": 4, **plugin}
+        # every save compressed (what these tests check), even when the encoder is still busy
+        settings = {"threshold": None, "config": FIXED, "ema_steps": 2, "checkpoint_every": 4, "busy_saves": "wait"}
+        settings.update(plugin)
         self.dq = DynaQuantPlugin(**settings).attach(self.accelerator, self.model, self.optimizer)
 
     def train(self, batches: list, steps: int, save_every: int = 4) -> None:
         for i in range(steps):
-            loss = self.model(**batches[(self.dq.compressor.step + i) % len(batches)]).loss
-            self.accelerator.backward(loss)
-            self.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad()
-            if self.dq.compressor.step % save_every == 0:
-                self.accelerator.save_state()
+            self.train_step(batches[(self.dq.compressor.step + i) % len(batches)], save_every)
         self.dq.wait()
+
+    def train_step(self, batch: dict, save_every: int = 4) -> None:
+        """One optimizer step, and a save_state every ``save_every`` steps."""
+        loss = self.model(**batch).loss
+        self.accelerator.backward(loss)
+        self.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        if self.dq.compressor.step % save_every == 0:
+            self.accelerator.save_state()
 
 
 def test_env_defaults_and_invalid_settings(monkeypatch) -> None:
@@ -132,6 +139,28 @@ def test_save_rotate_and_load(tmp_path, batches) -> None:
     assert again.dq.compressor.step == 16 and again.accelerator.project_configuration.iteration == 4
     again.train(batches, 4)  # the chain goes on from the loaded entry
     assert store.info("checkpoint_4").base == store.resolve("checkpoint_3")
+
+
+def test_saves_faster_than_the_encoder_are_accelerates_own(tmp_path, batches) -> None:
+    """With busy_saves="plain" (the default), a save_state while the previous checkpoint is still
+    encoding is Accelerate's own uncompressed save (no wait), recorded; load_state reads it."""
+    run = Run(tmp_path, total_limit=None, busy_saves="plain")
+    gate, write = threading.Event(), run.dq.compressor.write
+    run.dq.compressor.write = lambda *a, **kw: (gate.wait(timeout=60), write(*a, **kw))[1]  # holds the encoder
+    for i in range(8):  # saves at steps 4 (compressed, held) and 8 (arrives while 4 is encoding)
+        run.train_step(batches[i % len(batches)])
+    gate.set()
+    run.dq.wait()
+    assert run.dq.plain_steps == [8] and [r.step for r in run.dq.reports] == [4]
+    checkpoints = tmp_path / "checkpoints"
+    assert read_marker(checkpoints / "checkpoint_0") is not None
+    plain = set(os.listdir(checkpoints / "checkpoint_1"))
+    assert read_marker(checkpoints / "checkpoint_1") is None and {"model.safetensors", "optimizer.bin"} <= plain
+    expected = {n: t.clone() for n, t in run.model.state_dict().items()}
+    again = Run(tmp_path, total_limit=None)
+    again.accelerator.load_state()  # the newest: Accelerate's own folder
+    for name, t in expected.items():
+        assert torch.equal(again.model.state_dict()[name], t), name
 
 
 def test_crash_windows(tmp_path, batches) -> None:
@@ -224,7 +253,7 @@ def test_as_small_as_the_trainer_callback(tmp_path, batches) -> None:
         seed=0,
         disable_tqdm=True,
     )
-    callback = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=10)
+    callback = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=10, busy_saves="wait")
     DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[callback]).train()
     trainer_store = checkpoint_store(tmp_path / "trainer")
     run = Run(tmp_path / "accelerate", keyframe_every=10)

@@ -56,7 +56,7 @@ class LogRecorder(TrainerCallback):
 
 def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> None:
     train, held = data
-    cb, rec = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=2), LogRecorder()
+    cb, rec = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=2, busy_saves="wait"), LogRecorder()
     trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb, rec])
     trainer.train()
     for step in (4, 8, 12):
@@ -75,7 +75,7 @@ def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> N
 
     # resume from checkpoint-8: weights = decoded weights, optimizer = decoded state, step 8
     weights, opt_state, _ = read_checkpoint(store, "checkpoint-8")
-    resumed_cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=3)
+    resumed_cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, keyframe_every=3, busy_saves="wait")
     loaded = {}
 
     class Probe(DynaQuantTrainer):
@@ -107,7 +107,7 @@ def test_every_checkpoint_is_logged_even_between_log_calls(tmp_path, data) -> No
     """With no log call between saves, each checkpoint's figures still reach the integrations
     (a later checkpoint's figures never overwrite an earlier one's)."""
     train, _ = data
-    cb, rec = DynaQuantCallback(None, config=FIXED, ema_steps=2), LogRecorder()
+    cb, rec = DynaQuantCallback(None, config=FIXED, ema_steps=2, busy_saves="wait"), LogRecorder()
     args = args_for(tmp_path, logging_steps=1000)
     trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[cb, rec])
     trainer.train()
@@ -141,7 +141,9 @@ def test_lossless_restores_reproduce_the_uninterrupted_run_exactly(tmp_path, dat
 
 def test_search_runs_on_eval_dataset_and_is_recorded(tmp_path, data) -> None:
     train, held = data
-    cb = DynaQuantCallback(0.02, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024), ema_steps=2)
+    cb = DynaQuantCallback(
+        0.02, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024), ema_steps=2, busy_saves="wait"
+    )
     trainer = DynaQuantTrainer(
         model=tiny_gpt2(), args=args_for(tmp_path, max_steps=8), train_dataset=train, eval_dataset=held, callbacks=[cb]
     )
@@ -230,7 +232,7 @@ def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
 
 def test_rotation_keeps_every_chain_restorable(tmp_path, data) -> None:
     train, _ = data
-    cb = DynaQuantCallback(None, config=FIXED, ema_steps=1, keyframe_every=3)
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=1, keyframe_every=3, busy_saves="wait")
     args = args_for(tmp_path, max_steps=16, save_steps=2, save_total_limit=2)
     DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, callbacks=[cb]).train()
     folders = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
@@ -248,7 +250,7 @@ def test_crash_windows_are_repaired_from_the_store(tmp_path, data) -> None:
     """A crash between the entry and the marker, or one that lost every folder (an early
     rotation), still resumes from the newest entry the store holds."""
     train, _ = data
-    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2)
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, busy_saves="wait")
     DynaQuantTrainer(
         model=tiny_gpt2(), args=args_for(tmp_path, max_steps=8), train_dataset=train, callbacks=[cb]
     ).train()
@@ -262,7 +264,7 @@ def test_crash_windows_are_repaired_from_the_store(tmp_path, data) -> None:
         model=tiny_gpt2(),
         args=args_for(tmp_path, max_steps=10),
         train_dataset=train,
-        callbacks=[DynaQuantCallback(None, config=FIXED)],
+        callbacks=[DynaQuantCallback(None, config=FIXED, busy_saves="wait")],
     )
     resumed.train(resume_from_checkpoint=True)  # checkpoint-8 rebuilt from the store's copy of its files
     assert resumed.state.global_step == 10

@@ -74,14 +74,18 @@ def args_for(out: Path, **kw) -> TrainingArguments:
     return shared_args_for(out, **{"learning_rate": 0.05, **kw})
 
 
-def trainer_for(out: Path, kind: str = "model_output", *, callbacks=(), model=None, **kw) -> DynaQuantTrainer:
-    """A DynaQuantTrainer with the default callback (threshold search on, ema over 2 steps)."""
+def trainer_for(
+    out: Path, kind: str = "model_output", *, callbacks=(), model=None, busy_saves: str = "wait", **kw
+) -> DynaQuantTrainer:
+    """A DynaQuantTrainer with the default callback (threshold search on, ema over 2 steps);
+    every save compressed (``busy_saves="wait"``) unless a test looks at saves the encoder is
+    too busy for."""
     return DynaQuantTrainer(
         model=model or Net(kind),
         args=args_for(out, **kw),
         train_dataset=TRAIN,
         eval_dataset=EVAL,
-        callbacks=[DynaQuantCallback(ema_steps=2), *callbacks],
+        callbacks=[DynaQuantCallback(ema_steps=2, busy_saves=busy_saves), *callbacks],
     )
 
 
@@ -161,7 +165,7 @@ def test_search_uses_the_trainers_own_compute_loss(tmp_path) -> None:
         args=args_for(tmp_path, max_steps=4),
         train_dataset=TRAIN,
         eval_dataset=EVAL,
-        callbacks=[DynaQuantCallback(ema_steps=2)],
+        callbacks=[DynaQuantCallback(ema_steps=2, busy_saves="wait")],
     )
     trainer.train()
     assert seen and not any(seen)  # called, on the detached CPU copy, never on the live model
@@ -284,7 +288,7 @@ def test_lossy_resume_equals_the_trainer_resumed_from_the_decoded_checkpoint(tmp
     """With tensors that are quantized, the resumed run equals the stock Trainer resumed from the
     same checkpoint decoded to plain files (weights, optimizer state, trainer state, logs)."""
     kw = dict(model=Net("model_output", width=64))
-    lossy = DynaQuantCallback(ema_steps=2, config=QuantConfig(min_numel=256))
+    lossy = DynaQuantCallback(ema_steps=2, config=QuantConfig(min_numel=256), busy_saves="wait")
     whole = DynaQuantTrainer(
         model=kw["model"], args=args_for(tmp_path / "a"), train_dataset=TRAIN, eval_dataset=EVAL, callbacks=[lossy]
     )
@@ -296,7 +300,7 @@ def test_lossy_resume_equals_the_trainer_resumed_from_the_decoded_checkpoint(tmp
         args=args_for(tmp_path / "a", save_strategy="no"),
         train_dataset=TRAIN,
         eval_dataset=EVAL,
-        callbacks=[DynaQuantCallback(ema_steps=2, config=QuantConfig(min_numel=256))],
+        callbacks=[DynaQuantCallback(ema_steps=2, config=QuantConfig(min_numel=256), busy_saves="wait")],
     )
     ours.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
     plain = hf_dynaquant.materialize(tmp_path / "b" / "checkpoint-4")
@@ -309,3 +313,57 @@ def test_lossy_resume_equals_the_trainer_resumed_from_the_decoded_checkpoint(tmp
     stock.train(resume_from_checkpoint=str(plain))
     assert_same_run(stock, ours)
     assert not torch.equal(ours.model.hidden.weight, whole.model.hidden.weight)  # the resume was lossy
+
+
+class HoldEncoder(TrainerCallback):
+    """Holds the background encoder on its first checkpoint until the save of step ``release``
+    (and lets it finish before every later save), so saves in between arrive while it is busy, as with saves every
+    step on a model whose encoding takes longer than a step. The gate is a wrapper on our own
+    compressor's ``write``: nothing of transformers or torch is replaced."""
+
+    def __init__(self, trainer: DynaQuantTrainer, release: int) -> None:
+        self.trainer, self.release, self.gate = trainer, release, __import__("threading").Event()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        compressor = self.trainer.dynaquant.manager.compressor
+        write = compressor.write
+
+        def held(*a, **kw):
+            self.gate.wait(timeout=60)
+            return write(*a, **kw)
+
+        compressor.write = held
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.release:
+            self.gate.set()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step > self.release:  # later saves find the encoder idle
+            self.trainer.dynaquant.wait()
+
+
+def test_saves_faster_than_the_encoder_are_plain_and_resumable(tmp_path) -> None:
+    """A save that arrives while the previous checkpoint is still encoding is the Trainer's own
+    plain save (no wait for the encoder, no second snapshot), recorded; the run resumes from it."""
+    trainer = trainer_for(tmp_path, max_steps=5, save_steps=1, busy_saves="plain")  # (the default)
+    trainer.add_callback(HoldEncoder(trainer, release=3))
+    trainer.train()
+    manager = trainer.dynaquant.manager
+    assert manager.plain_steps == [2, 3]
+    for step in (1, 4, 5):  # compressed: a marker, no weights of the Trainer's
+        folder = tmp_path / f"checkpoint-{step}"
+        assert read_marker(folder) is not None and not (folder / "model.safetensors").exists(), step
+    for step in (2, 3):  # the Trainer's own checkpoint, complete
+        folder = tmp_path / f"checkpoint-{step}"
+        assert read_marker(folder) is None and (folder / "model.safetensors").exists(), step
+        assert (folder / "optimizer.pt").exists() and (folder / "trainer_state.json").exists()
+    assert [r["step"] for r in trainer.dynaquant.reports] == [1, 4, 5]
+    keyframes = [r["dynaquant/keyframe"] for r in trainer.dynaquant.reports]
+    assert keyframes == [1.0, 0.0, 0.0]  # the chain goes on from checkpoint-1 across the plain saves
+
+    resumed = trainer_for(tmp_path, max_steps=5, save_steps=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))  # a plain one
+    for name, t in trainer.model.state_dict().items():  # the tiny model is stored losslessly: exact
+        assert torch.equal(resumed.model.state_dict()[name], t), name
+    assert resumed.state.global_step == 5 and read_marker(tmp_path / "checkpoint-5") is not None

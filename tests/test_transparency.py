@@ -124,7 +124,7 @@ def test_trainer_runs_without_restore_are_the_plain_run(tmp_path, data, plain_tr
     trainer = cls(model=gpt2(), args=trainer_args(tmp_path, **args), train_dataset=train, callbacks=[cb], **extra)
     trainer.train()
     if args.get("save_strategy") != "no":
-        assert len(cb.reports) == STEPS // EVERY
+        assert len(cb.reports) + len(cb.plain_steps) == STEPS // EVERY  # each save compressed, or plain when busy
         if settings.get("threshold", 0.01) is not None:
             assert all(r.get("dynaquant/search_evaluations", 0) >= 1 for r in cb.reports)
     assert_same(final(trainer.model, trainer.optimizer), plain_trainer)
@@ -155,7 +155,7 @@ def accelerate_run(project: Path, batches: list, eval_batches: list, plugin: dic
             accelerator.save_state()
     if dq is not None:
         dq.wait()
-        assert len(dq.reports) == STEPS // EVERY
+        assert len(dq.reports) + len(dq.plain_steps) == STEPS // EVERY
     return final(accelerator.unwrap_model(model), optimizer)
 
 

@@ -174,6 +174,7 @@ class DynaQuantCheckpointing:
         )
         self.run_dir: Path | None = None  # the folder the checkpoint folders are in (fixed at the first save/load)
         self._pending: tuple[PendingCheckpoint, Path] | None = None
+        self._plain_save = False  # this save_state is Accelerate's own (the encoder was busy)
         self._save_state, self._load_state = accelerator.save_state, accelerator.load_state
         self._handles = [
             accelerator.register_save_state_pre_hook(self._save_hook),
@@ -199,13 +200,28 @@ class DynaQuantCheckpointing:
         return self.manager.reports
 
     @property
+    def plain_steps(self) -> list[int]:
+        """Steps whose checkpoint Accelerate saved uncompressed because the encoder was still
+        busy with the one before (``busy_saves="plain"``)."""
+        return self.manager.plain_steps
+
+    @property
     def chosen(self) -> list[tuple[int, dict[str, Any] | None]]:
         """``(step, configuration)`` searched at each save, on every rank when distributed."""
         return self.manager.chosen
 
     # -- the wrappers -----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Accelerator.save_state`` with our model and optimizer compressed into the store."""
+        """``Accelerator.save_state`` with our model and optimizer compressed into the store (or,
+        while the previous checkpoint is still being encoded, Accelerate's own uncompressed save:
+        see :meth:`CheckpointManager.save_plainly <hf_dynaquant.training.manager.CheckpointManager.save_plainly>`)."""
+        limit = self.accelerator.project_configuration.total_limit
+        if self.manager.save_plainly(self.compressor.step, keep_last=limit):
+            self._plain_save = True
+            try:
+                return self._save_state(output_dir, *args, **kwargs)
+            finally:
+                self._plain_save = False
         self.wait()  # before Accelerate's rotation can delete folders
         with self._optimizer_withheld():
             location = self._save_state(output_dir, *args, **kwargs)
@@ -266,7 +282,7 @@ class DynaQuantCheckpointing:
 
     def _save_hook(self, models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
         index = self._index_of_model(models)
-        if index is None:
+        if index is None or self._plain_save:
             return
         weights.pop(index)  # Accelerate writes no model file for it (`models` is the accelerator's own list)
         pending = self.manager.take(

@@ -245,6 +245,8 @@ class DynaQuantCallback(SettingsView, TrainerCallback):
         if self.manager is None or self._submitted_step == state.global_step:
             return  # (DynaQuantTrainer already handed this checkpoint over in _save_checkpoint)
         self._submitted_step = state.global_step
+        if self.manager.save_plainly(state.global_step, keep_last=args.save_total_limit):
+            return  # the encoder is still busy: the Trainer's own files stay (see CheckpointManager)
         pending = self.manager.take(state.global_step, writer=args.should_save)
         if not args.should_save:
             self._emit({"dynaquant/stall_seconds": time.perf_counter() - pending.started})
@@ -256,6 +258,12 @@ class DynaQuantCallback(SettingsView, TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.manager is not None:
             self.manager.close()
+
+    @property
+    def plain_steps(self) -> list[int]:
+        """Steps whose checkpoint the Trainer saved uncompressed because the encoder was still
+        busy with the one before (``busy_saves="plain"``)."""
+        return self.manager.plain_steps if self.manager is not None else []
 
     def wait(self, state: Any = None) -> None:
         """Block until the checkpoint in flight is on disk (raising its error, if any)."""
@@ -391,6 +399,11 @@ class DynaQuantTrainer(Trainer):
         (inside this save) may delete its folder, which must not happen while its marker is
         being written (the wait would come at ``on_save`` anyway)."""
         started = time.perf_counter()
+        manager = self.dynaquant.manager
+        if manager is not None and manager.save_plainly(self.state.global_step, keep_last=self.args.save_total_limit):
+            # the encoder is still busy with the previous checkpoint: this one is the Trainer's own
+            self.dynaquant._submitted_step = self.state.global_step
+            return super()._save_checkpoint(model, trial)
         if self.args.save_total_limit:
             self.dynaquant.wait(self.state)
         self._dq_saving = True

@@ -18,6 +18,17 @@ everything else, the same way for every framework:
    checkpoint goes on with the loaded entry's delta chain, every rank rounds stochastically with
    the same seed, and the search goes on from rank 0's stored configuration.
 
+Saves that come faster than the encoder: when a save arrives while the checkpoint before it is
+still being encoded, :meth:`~CheckpointManager.save_plainly` says so (with the default
+``CheckpointSettings.busy_saves="plain"``) (and records the step in
+:attr:`CheckpointManager.plain_steps`, with a log line): the framework then writes that
+checkpoint its own way, uncompressed and resumable, which costs training exactly a plain save,
+instead of waiting for the encoder or holding a second snapshot in memory. The next save
+after the encoder is done is compressed again (a delta on the last compressed checkpoint). With
+several processes every rank must take each checkpoint together (the search is collective), so
+they wait as before; and a framework whose rotation keeps a single folder would delete the one
+in flight, so it waits too.
+
 Reports reach :attr:`CheckpointManager.reports` and the ``on_report`` callback in the training
 thread (a finished background job is collected at the next :meth:`check`, :meth:`take` or
 :meth:`wait`), so an integration can hand them to its loggers safely.
@@ -25,6 +36,7 @@ thread (a finished background job is collected at the next :meth:`check`, :meth:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -41,6 +53,7 @@ from .compressor import CheckpointReport, Compressor, Snapshot
 __all__ = ["CheckpointManager", "PendingCheckpoint", "PROGRESS_BYTES"]
 
 PROGRESS_BYTES = 256 << 20  # checkpoints larger than this show a progress bar by default
+logger = logging.getLogger("hf_dynaquant")
 
 
 @dataclass
@@ -79,6 +92,7 @@ class CheckpointManager:
         self.worker = BackgroundWorker() if background else None
         self.reports: list[CheckpointReport] = []  # one per checkpoint this process wrote
         self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every searching rank
+        self.plain_steps: list[int] = []  # checkpoints left to the framework's plain save (encoder busy)
 
     # -- saving -------------------------------------------------------------------------------
     def take(self, step: int, *, writer: bool, metadata: Mapping[str, Any] | None = None) -> PendingCheckpoint:
@@ -141,6 +155,25 @@ class CheckpointManager:
             self.worker.submit(name, job)
         else:
             self._collect(job())
+
+    def save_plainly(self, step: int, *, keep_last: int | None = None) -> bool:
+        """Whether checkpoint ``step`` is to be saved plainly by the framework because the one
+        before it is still being encoded (see the module docstring); if so, it is recorded in
+        :attr:`plain_steps` and logged. ``keep_last``: how many checkpoint folders the
+        framework's rotation keeps (``None``: all). Raises the finished job's error, if any."""
+        self.check()
+        busy = self.worker is not None and self.worker.busy()
+        rotated_away = keep_last is not None and keep_last < 2  # the folder in flight would be deleted
+        if not busy or self.compressor.settings.busy_saves == "wait" or is_distributed() or rotated_away:
+            return False
+        self.plain_steps.append(step)
+        logger.info(
+            "hf_dynaquant: checkpoint %d saved uncompressed: the previous checkpoint is still being encoded "
+            "(saves come faster than the encoder; %d so far)",
+            step,
+            len(self.plain_steps),
+        )
+        return True
 
     def check(self) -> None:
         """Collect the checkpoint in flight if it has finished (raising its error, if any)."""

@@ -30,9 +30,10 @@ from ..errors import InvalidSettingError
 from ..search import QualityMetric, SearchSpace, mean_loss
 from .optimizer_state import OPTIMIZER_MODES, MomentQuant
 
-__all__ = ["CheckpointSettings", "SettingsView", "ENV_PREFIX", "DEFAULT_EVAL_EXAMPLES"]
+__all__ = ["CheckpointSettings", "SettingsView", "ENV_PREFIX", "DEFAULT_EVAL_EXAMPLES", "BUSY_SAVES"]
 
 ENV_PREFIX = "ACCELERATE_DYNAQUANT_"
+BUSY_SAVES = ("plain", "wait")  # see CheckpointSettings.busy_saves
 # Examples of the eval dataset the Trainer's default test evaluates every candidate on (all of it
 # when smaller). The standard error of a paired degradation falls as 1/sqrt(examples). Measured on
 # a tiny GPT-2 LM at 4 bins (benchmarks/bench_restore_budget.py's model, 150 steps): loss
@@ -131,6 +132,13 @@ class CheckpointSettings:
         "next optimizer step or save).",
         _boolean,
     )
+    busy_saves: str = _setting(
+        "plain",
+        "What a save does when the checkpoint before it is still being encoded in the background: 'plain' (the "
+        "framework's own uncompressed, resumable save, so training never stalls longer than a plain save; the "
+        "next save is compressed again) or 'wait' (block until the encoder is done: every checkpoint compressed).",
+        str,
+    )
     delta_coding: str = _setting(
         DEFAULT_DELTA_CODING,
         "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'.",
@@ -165,6 +173,8 @@ class CheckpointSettings:
             raise InvalidSettingError(f"ema_beta must be in (0, 1], got {self.ema_beta!r}")
         if self.optimizer_state not in OPTIMIZER_MODES:
             raise InvalidSettingError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {self.optimizer_state!r}")
+        if self.busy_saves not in BUSY_SAVES:
+            raise InvalidSettingError(f"busy_saves must be one of {BUSY_SAVES}, got {self.busy_saves!r}")
         if self.delta_coding not in DELTA_CODINGS:
             raise InvalidSettingError(f"delta_coding must be one of {DELTA_CODINGS}, got {self.delta_coding!r}")
 
