@@ -56,6 +56,7 @@ from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
 from .kmeans import approximate_kmeans
+from .pool import ForkSafePool, default_workers, ordered_map
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
 
@@ -86,6 +87,10 @@ PRUNE_BY = ("magnitude", "sensitivity")  # the pruning criteria
 ROUNDINGS = ("nearest", "stochastic")
 NON_FINITE = ("lossless", "raise")
 RESIDUALS = ("none", "previous", "pretrained")
+# Codebooks are made tensor by tensor on a pool (the partition and sketch kernels release the
+# GIL), _PLAN_AHEAD at a time so that only that many tensors' temporaries are held.
+_PLAN_POOL = ForkSafePool("dq-plan")
+_PLAN_AHEAD = default_workers() + 1
 # Keys of stored configuration records (a manifest's ``quant_config``, the configurations and
 # candidates of a search record) renamed since entries were first written, old -> new; both are read.
 RENAMED_RECORD_KEYS = {"metric": "prune_by"}
@@ -407,8 +412,7 @@ def plan_quantization(
     def dither(name: str) -> int | None:
         return tensor_seed(config.rounding_seed, name) if config.rounding == "stochastic" else None
 
-    plans = {}
-    for n in names:
+    def plan_of(n: str) -> TensorPlan:
         ref = refs.get(n)
         plan = TensorPlan(
             kinds[n],
@@ -428,7 +432,10 @@ def plan_quantization(
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.size else np.zeros(1)
         plan.centres = centres.astype(np.float32)
-        plans[n] = plan
+        return plan
+
+    # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
+    plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names, _PLAN_AHEAD)))
     return QuantPlan(config, plans)
 
 

@@ -42,6 +42,7 @@ from ..core.moments import (
     scale_plan,
     update_scale_to_adam,
 )
+from ..core.pool import ForkSafePool, default_workers, ordered_map
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -64,6 +65,8 @@ __all__ = [
 ]
 
 OPTIMIZER_MODES = ("compress", "lossless", "drop")
+_POOL = ForkSafePool("dq-moments")  # the fidelity check, moment by moment
+_AHEAD = default_workers() + 1
 ADAM, SGD = "adam-v1", "sgd-v1"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -270,14 +273,17 @@ def encode_optimizer_state(
         parts = {str(pid): (c[1] if red.counts(pid) else c[1][:0]).reshape(-1, 1) for pid, c in pending.items()}
         shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
         plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts})
-        sums = np.zeros((len(pending), 4))
-        for i, pid in enumerate(pending):
+
+        def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
+            """The fidelity sums of one moment quantized under ``plan`` (zeros for a copy another process counts)."""
             tp = plan.tensors[str(pid)]
             target = pending[pid][1].reshape(-1)
             codes, kept = quantize(target, tp)
             decoded = torch.from_numpy(dequantize(codes, tp.centres, kept))
-            if red.counts(pid):
-                sums[i] = fidelity_sums(target, decoded)
+            return fidelity_sums(target, decoded) if red.counts(pid) else np.zeros(4)
+
+        # tensor by tensor on the pool (the kernels release the GIL), a few at a time
+        sums = np.array(list(ordered_map(_POOL, sums_of, list(pending), _AHEAD))).reshape(-1, 4)
         sums = red.total(sums.reshape(-1)).reshape(-1, 4)  # the full tensors' sums
         for pid, row in zip(list(pending), sums):
             cos, rel = fidelity_from_sums(row)
