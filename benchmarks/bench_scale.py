@@ -2,7 +2,7 @@
 
 Run it with::
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_scale.py            # --sizes 7M,45M,124M,350M --json PATH
+    OMP_NUM_THREADS=2 python benchmarks/bench_scale.py     # --sizes 7M,45M,124M,350M --dtype bfloat16 --json PATH
 
 For each size, a GPT-2 built from its config (no download; random init) takes one AdamW step
 on random tokens, so the optimizer holds both Adam moments. The checkpoint is the weights plus
@@ -19,7 +19,11 @@ the optimizer state (fp32, 3x the weights' bytes). In the same process, on the s
 
 Every operation is timed and its **peak extra host memory** measured: the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident set before it, in units
-of the checkpoint's bytes. Prints a markdown table and the growth exponent of each time with
+of the checkpoint's bytes. ``--dtype bfloat16`` does the same for a model trained in pure bf16
+(weights and moments stored in bf16). The restored weights' and Adam update's relative L2 error
+are printed (the model is random, so no loss is meaningful here; the fidelity that matters, the
+user's metric after restores, is measured on real fine-tunes in bench_trainer / bench_finetune).
+Prints a markdown table and the growth exponent of each time with
 size (1.0 is linear), and writes ``benchmarks/out/scale.png``.
 """
 
@@ -89,9 +93,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: i
     optimizer.zero_grad(set_to_none=True)
 
 
-def fresh(config: GPT2Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = GPT2LMHeadModel(config)
+def fresh(config: GPT2Config, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A GPT-2 in ``dtype`` (bfloat16: weights and Adam moments stored in bf16, as pure-bf16
+    training keeps them) and its AdamW."""
+    model = GPT2LMHeadModel(config).to(dtype)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def relative_error(restored: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> float:
+    """``||restored - original|| / ||original||`` over every floating tensor of a state."""
+    num = den = 0.0
+    for name, t in original.items():
+        if t.is_floating_point():
+            num += float((restored[name].double() - t.double()).square().sum())
+            den += float(t.double().square().sum())
+    return (num / den) ** 0.5
 
 
 def flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -120,6 +136,10 @@ class Row:
     seconds: dict[str, float]
     peak_extra: dict[str, float]  # in checkpoints
     stored_mb: dict[str, float]
+    dtype: str = "float32"
+    weights_error: float = 0.0  # relative L2 error of the restored weights
+    update_error: float = 0.0  # relative L2 error of the restored Adam update m / (sqrt(v) + eps)
+    search: dict[str, float] | None = None  # with --search: seconds, evaluations, peak extra memory
 
 
 def plain(
@@ -128,11 +148,12 @@ def plain(
     optimizer: torch.optim.Optimizer,
     folder: Path,
     record: Callable[..., object],
+    dtype: torch.dtype,
 ) -> None:
     """The plain saves and restores: torch.save / torch.load and safetensors."""
     pt = folder / "plain.pt"
     record("torch.save", lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt), pt)
-    into, into_optimizer = fresh(config)
+    into, into_optimizer = fresh(config, dtype)
 
     def torch_restore() -> None:
         sd = torch.load(pt, weights_only=True)
@@ -145,10 +166,10 @@ def plain(
     record("safetensors load", lambda: unflat(load_file(st), into, into_optimizer))
 
 
-def bench(size: str, folder: Path) -> Row:
+def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     config = GPT2Config(**SIZES[size])
     torch.manual_seed(0)
-    model, optimizer = fresh(config)
+    model, optimizer = fresh(config, dtype)
     train_step(model, optimizer, 0)
     params = sum(p.numel() for p in model.parameters())
     ckpt = sum(t.numel() * t.element_size() for t in flat(model, optimizer).values())
@@ -164,7 +185,7 @@ def bench(size: str, folder: Path) -> Row:
         print(f"  {size} {name}: {seconds[name]:.2f} s, peak extra {peak[name]:.2f}x", flush=True)
         return result
 
-    plain(config, model, optimizer, folder, record)
+    plain(config, model, optimizer, folder, record, dtype)
     store = folder / "dynaquant"
     compressor = Compressor(model, store, CONFIG, optimizer=optimizer)
     record("keyframe", lambda: compressor.compress(1), store)
@@ -173,10 +194,42 @@ def bench(size: str, folder: Path) -> Row:
     train_step(model, optimizer, 2)
     record("delta", lambda: compressor.compress(3), store)
     stored["delta"] -= key_mb
-    m3, o3 = fresh(config)
+    m3, o3 = fresh(config, dtype)
     reader = Compressor(m3, store, optimizer=o3)
     record("restore", lambda: reader.restore(3))
-    return Row(size, params, ckpt / 1e6, seconds, peak, stored)
+    weights_error = relative_error(m3.state_dict(), model.state_dict())
+    restored, original = (
+        {str(pid): _update(st) for pid, st in o.state_dict()["state"].items()} for o in (o3, optimizer)
+    )
+    update_error = relative_error(restored, original)
+    print(f"  {size} {str(dtype)[6:]}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
+    return Row(size, params, ckpt / 1e6, seconds, peak, stored, str(dtype)[6:], weights_error, update_error)
+
+
+def search_cost(size: str, batches: int = 16, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Seconds, candidates evaluated and peak extra memory of the threshold search (1%, the
+    default cube) at one keyframe, on ``batches`` batches of 4 x 64 random tokens, evaluated on a
+    CPU copy of the model (what a background save does on one process)."""
+    config = GPT2Config(**SIZES[size])
+    torch.manual_seed(0)
+    model, optimizer = fresh(config, dtype)
+    train_step(model, optimizer, 0)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, config.vocab_size, (4, 64), generator=g) for _ in range(batches)]
+    with tempfile.TemporaryDirectory() as tmp:
+        compressor = Compressor(
+            model, tmp, optimizer=optimizer, threshold=0.01, eval_data=[{"input_ids": x, "labels": x} for x in ids]
+        )
+        snap = compressor.snapshot(1, detach_model=True)
+        seconds, extra, result = measure(lambda: compressor.search_snapshot(snap))
+    checkpoint = snap.nbytes()
+    print(f"  {size} search: {seconds:.1f} s, {result.evaluations} candidates, peak extra {extra / checkpoint:.2f}x")
+    return {"seconds": seconds, "evaluations": float(result.evaluations), "peak_extra": extra / checkpoint}
+
+
+def _update(state: dict[str, torch.Tensor], eps: float = 1e-8) -> torch.Tensor:
+    """The step Adam takes from its moments (before the learning rate)."""
+    return state["exp_avg"].float() / (state["exp_avg_sq"].float().sqrt() + eps)
 
 
 def exponent(rows: list[Row], key: str) -> float:
@@ -204,6 +257,15 @@ def table(rows: list[Row]) -> str:
             f"{o} {exponent(rows, o):.2f}" for o in ops
         ))
     lines.append("")
+    lines.append("restored (relative L2 error): " + "; ".join(
+        f"{r.size} {r.dtype}: weights {r.weights_error:.4f}, Adam update {r.update_error:.4f}" for r in rows
+    ))
+    searched = [r for r in rows if r.search]
+    if searched:
+        lines.append("threshold search (1%, 16 batches of 4 x 64 tokens, CPU copy of the model): " + "; ".join(
+            f"{r.size}: {r.search['seconds']:.1f} s, {r.search['evaluations']:.0f} candidates, "
+            f"peak extra {r.search['peak_extra']:.2f}x" for r in searched
+        ))
     lines.append("stored MB: " + "; ".join(
         f"{r.size}: torch.save {r.stored_mb['torch.save']:,.0f}, keyframe {r.stored_mb['keyframe']:,.1f} "
         f"({r.checkpoint_mb / r.stored_mb['keyframe']:.1f}x), delta {r.stored_mb['delta']:,.1f}"
@@ -240,6 +302,8 @@ def plot(rows: list[Row], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated, of " + ", ".join(SIZES))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and moments")
+    parser.add_argument("--search", action="store_true", help="also time the threshold search at each size")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     parser.add_argument("--plot", type=Path, default=OUT / "scale.png")
     args = parser.parse_args()
@@ -247,8 +311,10 @@ def main() -> None:
     rows = []
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory(dir=OUT if OUT.exists() else None) as tmp:
-            rows.append(bench(size, Path(tmp)))
+            rows.append(bench(size, Path(tmp), getattr(torch, args.dtype)))
         gc.collect()
+        if args.search:
+            rows[-1].search = search_cost(size, dtype=getattr(torch, args.dtype))
     print(table(rows))
     plot(rows, args.plot)
     print(f"plot: {args.plot}")
