@@ -146,7 +146,7 @@ def test_delta_roundtrip_across_changing_levels(prev, cur, seed) -> None:
     assert np.array_equal(varint_decode(varint_encode(tokens)), tokens)
 
 
-def test_regroup_kernel_matches_numpy_reference(monkeypatch) -> None:
+def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
     from hf_dynaquant.core import delta as delta_mod
 
     assert delta_mod.native is not None, "the compiled kernels were not built"
@@ -154,9 +154,14 @@ def test_regroup_kernel_matches_numpy_reference(monkeypatch) -> None:
     prev = rng.integers(0, 256, 100_000).astype(np.uint8)
     values = rng.integers(0, 256, prev.size).astype(np.uint8)
     grouped, back = regroup(values, prev), ungroup(regroup(values, prev), prev)
+    deltas = {levels: cyclic_delta(prev % levels, values % levels, levels) for levels in (2, 7, 255)}
+    full = cyclic_delta(prev, values, 256)
     monkeypatch.setattr(delta_mod, "native", None)  # the numpy reference
     assert np.array_equal(regroup(values, prev), grouped)
     assert np.array_equal(back, values)
+    for levels, delta in deltas.items():
+        assert np.array_equal(cyclic_delta(prev % levels, values % levels, levels), delta)
+    assert np.array_equal(cyclic_delta(prev, values, 256), full)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])

@@ -43,7 +43,7 @@ from ..core.delta import (
     varint_encode,
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
-from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream
+from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream, order0_bits
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
@@ -53,6 +53,7 @@ from .lossless import LosslessCodec
 __all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS", "DEFAULT_DELTA_CODING"]
 
 DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
+_SURE_DELTA = 0.5  # a delta under this share of the codes' order-0 entropy needs no keyframe to compare
 DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
 
@@ -167,33 +168,35 @@ class DynaQuantCodec(Codec):
         return params.get("residual")
 
     def _encode_state(self, state: QuantState, base: Any, extra: dict[str, Any]) -> Encoded:
-        # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
-        # zstd keyframes, which decode several times faster
-        codes_coding, codes_payload = (
-            encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
-        )
-        blobs = {"codes": codes_payload}
-        params: dict[str, Any] = {
-            "mode": "keyframe",
-            "codes_stream": codes_coding,
-            "levels": state.levels,
-            "centres": _shortest(state.centres),
-            **extra,
-        }
+        params: dict[str, Any] = {"levels": state.levels, "centres": _shortest(state.centres), **extra}
         if state.residual != "none":
             params["residual"] = state.residual
+        delta = None
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
             stream_coding, delta, size = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
-            if len(delta) < len(codes_payload):
-                blobs = {"delta": delta}
-                del params["codes_stream"]
-                params.update(
-                    mode="delta",
-                    delta_levels=levels,
-                    delta_coding=self.delta_coding,
-                    delta_stream=[stream_coding, size],
-                )
+            delta_params = {
+                "mode": "delta",
+                "delta_levels": levels,
+                "delta_coding": self.delta_coding,
+                "delta_stream": [stream_coding, size],
+            }
+        # The delta is kept when it is smaller than the keyframe. Coding the keyframe too only to
+        # compare is skipped when the delta is under half the codes' order-0 entropy: no coding
+        # of the codes on their own comes near that (rANS reaches the entropy; zstd's matches
+        # would need long repeats that quantization codes do not have).
+        if delta is not None and len(delta) * 8 < _SURE_DELTA * order0_bits(state.codes):
+            blobs, params = {"delta": delta}, {**params, **delta_params}
+        else:
+            # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
+            # zstd keyframes, which decode several times faster
+            codes_coding, codes_payload = (
+                encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
+            )
+            if delta is not None and len(delta) < len(codes_payload):
+                blobs, params = {"delta": delta}, {**params, **delta_params}
+            else:
+                blobs, params = {"codes": codes_payload}, {**params, "mode": "keyframe", "codes_stream": codes_coding}
         params["protected"] = {"n": int(state.protected.size)}
         if state.protected.size:  # none (optimizer moments, protect=0): no blob, no stream params
             prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))

@@ -36,12 +36,21 @@ __all__ = [
 
 def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
     """``(prev - cur) mod levels`` as uint8 (codes must be below ``levels`` <= 256)."""
-    return ((prev.astype(np.int16) - cur.astype(np.int16)) % levels).astype(np.uint8)
+    return _cyclic(prev, cur, levels)
 
 
 def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:
-    """Inverse of :func:`cyclic_delta`: the current codes."""
-    return ((prev.astype(np.int16) - delta.astype(np.int16)) % levels).astype(np.uint8)
+    """Inverse of :func:`cyclic_delta`: the current codes (``(prev - delta) mod levels``, the
+    same operation)."""
+    return _cyclic(prev, delta, levels)
+
+
+def _cyclic(a: np.ndarray, b: np.ndarray, levels: int) -> np.ndarray:
+    if _native_u8(a, b) and 1 <= levels <= 256:
+        out = np.empty_like(a)
+        native.cyclic_u8(a, b, levels, out)
+        return out
+    return ((a.astype(np.int16) - b.astype(np.int16)) % levels).astype(np.uint8)
 
 
 def regroup(values: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:

@@ -56,3 +56,28 @@ PyObject *py_byte_counts(PyObject *self, PyObject *args) {
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
+
+/* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
+ * the same operation on the previous codes and the delta), with a non-negative remainder. */
+PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
+    Py_buffer a, b, out;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &a, &b, &levels, &out)) return NULL;
+    int ok = a.len == b.len && out.len == a.len && levels >= 1 && levels <= 256;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "cyclic: arrays differ in length or levels outside 1..256");
+    else {
+        const uint8_t *x = a.buf, *y = b.buf;
+        uint8_t *o = out.buf;
+        Py_ssize_t n = a.len;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int d = ((int)x[i] - (int)y[i]) % levels;
+            o[i] = (uint8_t)(d < 0 ? d + levels : d);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}

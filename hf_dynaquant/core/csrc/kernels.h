@@ -6,8 +6,8 @@
  *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
  *   partition.c  DynaQuant's partition and code assignment of float32 weights (quantizer.py);
  *   moments.c    the float64 sums of the optimizer moments' fidelity check (moments.py);
- *   delta.c      the delta encoder's regrouping of uint8 codes by the previous codes (delta.py),
- *                and counts of uint8 symbols (histogram.py);
+ *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
+ *                previous codes (delta.py), and counts of uint8 symbols (histogram.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
 #define HF_DYNAQUANT_KERNELS_H
@@ -27,5 +27,6 @@ PyObject *py_partition_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
+PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 
 #endif

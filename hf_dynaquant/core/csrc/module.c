@@ -15,6 +15,7 @@ static PyMethodDef methods[] = {
      " -> protected count"},
     {"regroup_u8", py_regroup_u8, METH_VARARGS,
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
+    {"cyclic_u8", py_cyclic_u8, METH_VARARGS, "cyclic_u8(a, b, levels, out): (a - b) mod levels"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
