@@ -31,7 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_dynaquant import DynaQuantCallback, DynaQuantTrainer
 from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
-from hf_dynaquant.training.checkpoint_dir import MARKER, checkpoint_store, last_complete_checkpoint
+from hf_dynaquant.training.checkpoint_dir import checkpoint_store, last_complete_checkpoint
 
 
 def build(output_dir: Path, steps: int, save_steps: int, compressed: bool = True) -> Trainer:
@@ -115,10 +115,14 @@ def demo(output_dir: Path, steps: int, save_steps: int) -> None:
         "--phase",
         "train",
     ]
-    kill_after = output_dir / f"checkpoint-{save_steps * 3}" / MARKER
     print(f"training {steps} steps, a compressed checkpoint every {save_steps} (child process)...")
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    while not kill_after.exists() and child.poll() is None:
+    # killed once a third checkpoint is complete (compressed, or the Trainer's own when a save came
+    # while the encoder was still busy with the one before: busy_saves="plain")
+    while child.poll() is None:
+        found = last_complete_checkpoint(output_dir) if output_dir.is_dir() else None
+        if found is not None and int(found.name.split("-")[1]) >= save_steps * 3:
+            break
         time.sleep(0.2)
     time.sleep(1.0)
     os.killpg(child.pid, signal.SIGKILL)
@@ -150,6 +154,10 @@ def demo(output_dir: Path, steps: int, save_steps: int) -> None:
             f"{name:>14} {kind:>9} {w[0] / max(w[1], 1):>8.1f}x {o[0] / max(o[1], 1):>9.1f}x "
             f"{(w[0] + o[0]) / info.nbytes:>6.1f}x"
         )
+    folders = output_dir.glob("checkpoint-*")
+    uncompressed = sorted(int(f.name.split("-")[1]) for f in folders if (f / "model.safetensors").exists())
+    if uncompressed:  # saves that came while the encoder was still busy (busy_saves="plain")
+        print(f"saved uncompressed by the Trainer (the encoder was busy): steps {uncompressed}")
     print(
         f"\nall checkpoints: {raw / 1e6:.1f} MB of weights + optimizer state stored in "
         f"{folder_bytes(store.path) / 1e6:.2f} MB ({raw / max(folder_bytes(store.path), 1):.1f}x); "

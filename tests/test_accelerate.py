@@ -292,9 +292,11 @@ def _ranks(out: Path, phase: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_save_load_and_match_one_process(tmp_path) -> None:
+def test_two_processes_save_load_and_match_one_process(tmp_path, monkeypatch) -> None:
     """2 processes save and load (and 1 loads what 2 saved); the 2-process search spreads
     candidates over the ranks and chooses what one process chooses, on bit-identical entries."""
+    # several processes always wait for the encoder; the one-process run must too, to compare every save
+    monkeypatch.setenv("ACCELERATE_DYNAQUANT_BUSY_SAVES", "wait")
     two, one = tmp_path / "two", tmp_path / "one"
     common = ["--steps", "10", "--save-steps", "5", "--replicate-batches"]
     _torchrun(2, "--output-dir", str(two), *common)
