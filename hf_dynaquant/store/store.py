@@ -372,7 +372,7 @@ class EntryReader:
         for name, rec in records.items():
             if "alias_of" in rec:
                 aliases.setdefault(rec["alias_of"], []).append(name)
-        self._prepare_bases()
+        self._prepare(section)
         with tqdm(total=len(records), desc=f"decoding {section}", unit="tensor", disable=not progress) as bar:
             tensors = ordered_map(_TENSOR_POOL, lambda n: self.tensor(section, n), targets, _AHEAD)
             for name, tensor in zip(targets, tensors):
@@ -383,12 +383,15 @@ class EntryReader:
                 for name in names:
                     yield name, self.tensor(section, name)
 
-    def _prepare_bases(self) -> None:
-        """Open the chain of bases (and resolve pre-trained weights) in this thread, before
-        tensors are decoded on several threads at once."""
-        reader = self
-        while reader.base is not None:
-            reader = reader.base_reader()
+    def _prepare(self, section: str) -> None:
+        """Open the chain of bases, and resolve the pre-trained weights the section's residuals
+        need, in this thread, once, before its tensors are decoded on several threads at once."""
+        reader: EntryReader | None = self
+        while reader is not None:
+            records = reader.manifest["sections"].get(section, {}).values()
+            if any(rec.get("params", {}).get("residual") == "pretrained" for rec in records):
+                reader.pretrained()
+            reader = reader.base_reader() if reader.base is not None else None
 
     def tree(self, name: str) -> Any:
         """A nested structure stored with ``trees=`` (an optimizer state dict, say)."""
