@@ -133,7 +133,8 @@ def run_restored(
     reports: list[dict[str, Any]] = []
     trainer = None
     for i, stop in enumerate([*stops, None]):
-        callback = DynaQuantCallback(**settings)
+        # every checkpoint compressed, so that the figures do not depend on how fast this machine is
+        callback = DynaQuantCallback(**{"busy_saves": "wait", **settings})
         trainer = make_trainer([callback, StopAfter(stop)])
         if not isinstance(trainer, DynaQuantTrainer):
             raise TypeError(f"make_trainer must build a DynaQuantTrainer, got {type(trainer).__name__}")

@@ -87,7 +87,7 @@ def trainer_for(
         train_dataset=dataset(256, seed=1),
         eval_dataset=dataset(eval_n, seed=2),
         compute_metrics=compute_metrics,
-        callbacks=[DynaQuantCallback(**cb)],
+        callbacks=[DynaQuantCallback(**{"busy_saves": "wait", **cb})],
     )
 
 

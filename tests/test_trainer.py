@@ -124,7 +124,7 @@ def test_lossless_restores_reproduce_the_uninterrupted_run_exactly(tmp_path, dat
         model=tiny_gpt2(),
         args=args_for(tmp_path / "a"),
         train_dataset=train,
-        callbacks=[DynaQuantCallback(None, **lossless)],
+        callbacks=[DynaQuantCallback(None, **lossless, busy_saves="wait")],
     )
     whole.train()
     for i, stop in enumerate((4, 8, 12)):
@@ -132,7 +132,7 @@ def test_lossless_restores_reproduce_the_uninterrupted_run_exactly(tmp_path, dat
             model=tiny_gpt2(),
             args=args_for(tmp_path / "b"),
             train_dataset=train,
-            callbacks=[DynaQuantCallback(None, **lossless), StopAfter(stop)],
+            callbacks=[DynaQuantCallback(None, **lossless, busy_saves="wait"), StopAfter(stop)],
         )
         part.train(resume_from_checkpoint=True if i else None)
     for name, t in whole.model.state_dict().items():
@@ -180,7 +180,7 @@ def test_plain_trainer_with_callback_then_materialize(tmp_path, data) -> None:
 @pytest.mark.parametrize("mode", ["lossless", "drop"])
 def test_optimizer_state_modes(tmp_path, data, mode) -> None:
     train, _ = data
-    cb = DynaQuantCallback(None, config=FIXED, optimizer_state=mode, ema_steps=2)
+    cb = DynaQuantCallback(None, config=FIXED, optimizer_state=mode, ema_steps=2, busy_saves="wait")
     trainer = DynaQuantTrainer(
         model=tiny_gpt2(), args=args_for(tmp_path, max_steps=4), train_dataset=train, callbacks=[cb]
     )
@@ -200,7 +200,7 @@ def test_optimizer_state_modes(tmp_path, data, mode) -> None:
         model=tiny_gpt2(),
         args=args_for(tmp_path, max_steps=6),
         train_dataset=train,
-        callbacks=[DynaQuantCallback(None, config=FIXED)],
+        callbacks=[DynaQuantCallback(None, config=FIXED, busy_saves="wait")],
     )
     with pytest.warns(UserWarning, match="FRESH optimizer"):
         resumed.train(resume_from_checkpoint=True)
@@ -208,7 +208,7 @@ def test_optimizer_state_modes(tmp_path, data, mode) -> None:
 
 def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
     train, _ = data
-    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2)
+    cb = DynaQuantCallback(None, config=FIXED, ema_steps=2, busy_saves="wait")
     trainer = DynaQuantTrainer(
         model=tiny_gpt2(), args=args_for(tmp_path, max_steps=4), train_dataset=train, callbacks=[cb]
     )
@@ -281,7 +281,9 @@ def test_background_error_reaches_the_training_loop(tmp_path, data) -> None:
             raise RuntimeError("metric exploded")
         return 1.0
 
-    cb = DynaQuantCallback(0.01, metric=failing_metric, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024))
+    cb = DynaQuantCallback(
+        0.01, metric=failing_metric, search_space=SMALL_SPACE, config=QuantConfig(min_numel=1024), busy_saves="wait"
+    )
     trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb])
     with pytest.raises(BackgroundCompressionError, match="checkpoint-4") as info:
         trainer.train()
@@ -304,7 +306,7 @@ def test_refusals_are_clear(tmp_path, data) -> None:
 def test_load_best_model_at_end_from_the_store(tmp_path, data) -> None:
     train, held = data
     args = args_for(tmp_path, eval_strategy="steps", eval_steps=4, load_best_model_at_end=True)
-    cb = DynaQuantCallback(None, config=FIXED)
+    cb = DynaQuantCallback(None, config=FIXED, busy_saves="wait")
     trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args, train_dataset=train, eval_dataset=held, callbacks=[cb])
     trainer.train()
     best = trainer.state.best_model_checkpoint
