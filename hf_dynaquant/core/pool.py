@@ -91,11 +91,15 @@ class ForkSafePool:
             executor.shutdown(wait=wait)
 
 
-def ordered_map(pool: ForkSafePool, fn: Callable[[U], T], items: Iterable[U], ahead: int) -> Iterator[T]:
+def ordered_map(
+    pool: ForkSafePool, fn: Callable[[U], T], items: Iterable[U], ahead: int | None = None
+) -> Iterator[T]:
     """``fn(item)`` for each item, in order, computed on ``pool`` with at most ``ahead`` items
-    in flight: unlike ``Executor.map``, which submits every item at once, the items (and what
+    in flight (default: one more than the pool's threads, so none idles while the caller takes
+    a result): unlike ``Executor.map``, which submits every item at once, the items (and what
     ``fn`` makes of them) are held ``ahead`` at a time, so memory stays bounded while the pool's
     threads work on several tensors at once. ``items`` is consumed in the calling thread."""
+    ahead = pool.max_workers + 1 if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
     pending: deque[Future[T]] = deque()

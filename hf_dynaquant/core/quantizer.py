@@ -56,7 +56,7 @@ from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
 from .kmeans import approximate_kmeans
-from .pool import ForkSafePool, default_workers, ordered_map
+from .pool import ForkSafePool, ordered_map
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
 
@@ -88,9 +88,8 @@ ROUNDINGS = ("nearest", "stochastic")
 NON_FINITE = ("lossless", "raise")
 RESIDUALS = ("none", "previous", "pretrained")
 # Codebooks are made tensor by tensor on a pool (the partition and sketch kernels release the
-# GIL), _PLAN_AHEAD at a time so that only that many tensors' temporaries are held.
+# GIL), a few at a time so that only those tensors' temporaries are held.
 _PLAN_POOL = ForkSafePool("dq-plan")
-_PLAN_AHEAD = default_workers() + 1
 # Keys of stored configuration records (a manifest's ``quant_config``, the configurations and
 # candidates of a search record) renamed since entries were first written, old -> new; both are read.
 RENAMED_RECORD_KEYS = {"metric": "prune_by"}
@@ -435,7 +434,7 @@ def plan_quantization(
         return plan
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
-    plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names, _PLAN_AHEAD)))
+    plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names)))
     return QuantPlan(config, plans)
 
 

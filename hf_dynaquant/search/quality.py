@@ -159,10 +159,16 @@ def mean_loss(
         losses = np.array([loss(model, move_to(b, dev)).item() for b in batches], dtype=np.float64)
         return Measurement(float(losses.mean()), losses)
 
+    return _paired(measure, higher_is_better=False, name="loss")
+
+
+def _paired(measure: Callable[[torch.nn.Module], Measurement], *, higher_is_better: bool, name: str) -> QualityMetric:
+    """A metric whose measurements carry per-unit evidence (per-batch losses, per-example
+    correctness): a degradation's standard error comes from the paired differences."""
     return QualityMetric(
         lambda model: measure(model).value,
-        higher_is_better=False,
-        name="loss",
+        higher_is_better=higher_is_better,
+        name=name,
         measure_fn=measure,
         paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
     )
@@ -190,13 +196,7 @@ def accuracy(eval_data: Iterable[Any]) -> QualityMetric:
         correct = torch.cat(right).numpy().astype(np.float64) if right else np.zeros(0)
         return Measurement(float(correct.mean()) if correct.size else 0.0, correct)
 
-    return QualityMetric(
-        lambda model: measure(model).value,
-        higher_is_better=True,
-        name="accuracy",
-        measure_fn=measure,
-        paired_error=lambda base, cand: paired_standard_error(base.evidence, cand.evidence, base.value),
-    )
+    return _paired(measure, higher_is_better=True, name="accuracy")
 
 
 @renamed_keywords(data="eval_data")

@@ -35,7 +35,7 @@ from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
-from ..core.pool import ForkSafePool, default_workers, ordered_map
+from ..core.pool import ForkSafePool, ordered_map
 from ..errors import (
     CodecError,
     CorruptCheckpointError,
@@ -76,10 +76,9 @@ PAYLOAD = "payload.safetensors"
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _ID = re.compile(r"^[0-9a-f]{64}$")
 # Tensors are encoded (and decoded) on a pool, one per core, each in full: the numeric kernels,
-# torch, zstd and hashing release the GIL, so the cores overlap; _AHEAD tensors at a time bounds
+# torch, zstd and hashing release the GIL, so the cores overlap; a few tensors at a time bound
 # the memory held by encodings waiting for their turn in the payload (which stays in order).
 _TENSOR_POOL = ForkSafePool("dq-tensors")
-_AHEAD = default_workers() + 1
 
 
 PretrainedResolver = Callable[[Mapping[str, Any], str], Any]
@@ -374,7 +373,7 @@ class EntryReader:
                 aliases.setdefault(rec["alias_of"], []).append(name)
         self._prepare(section)
         with tqdm(total=len(records), desc=f"decoding {section}", unit="tensor", disable=not progress) as bar:
-            tensors = ordered_map(_TENSOR_POOL, lambda n: self.tensor(section, n), targets, _AHEAD)
+            tensors = ordered_map(_TENSOR_POOL, lambda n: self.tensor(section, n), targets)
             for name, tensor in zip(targets, tensors):
                 for each in (name, *aliases.pop(name, [])):
                     yield each, tensor
@@ -646,8 +645,8 @@ class CheckpointStore:
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
-                # tensors are encoded _AHEAD at a time on the pool; their blobs go to the payload in order
-                for section, name, raw, codec, encoded in ordered_map(_TENSOR_POOL, encode, jobs(), _AHEAD):
+                # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
+                for section, name, raw, codec, encoded in ordered_map(_TENSOR_POOL, encode, jobs()):
                     if encoded.uses_base and base_reader is None:
                         raise CodecError(
                             f"tensor {section}/{name} was coded against a base entry, but the write names none"

@@ -42,7 +42,7 @@ from ..core.moments import (
     scale_plan,
     update_scale_to_adam,
 )
-from ..core.pool import ForkSafePool, default_workers, ordered_map
+from ..core.pool import ForkSafePool, ordered_map
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -66,7 +66,6 @@ __all__ = [
 
 OPTIMIZER_MODES = ("compress", "lossless", "drop")
 _POOL = ForkSafePool("dq-moments")  # the fidelity check, moment by moment
-_AHEAD = default_workers() + 1
 ADAM, SGD = "adam-v1", "sgd-v1"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -283,7 +282,7 @@ def encode_optimizer_state(
             return fidelity_sums(target, decoded) if red.counts(pid) else np.zeros(4)
 
         # tensor by tensor on the pool (the kernels release the GIL), a few at a time
-        sums = np.array(list(ordered_map(_POOL, sums_of, list(pending), _AHEAD))).reshape(-1, 4)
+        sums = np.array(list(ordered_map(_POOL, sums_of, list(pending)))).reshape(-1, 4)
         sums = red.total(sums.reshape(-1)).reshape(-1, 4)  # the full tensors' sums
         for pid, row in zip(list(pending), sums):
             cos, rel = fidelity_from_sums(row)
