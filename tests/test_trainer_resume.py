@@ -367,3 +367,19 @@ def test_saves_faster_than_the_encoder_are_plain_and_resumable(tmp_path) -> None
     for name, t in trainer.model.state_dict().items():  # the tiny model is stored losslessly: exact
         assert torch.equal(resumed.model.state_dict()[name], t), name
     assert resumed.state.global_step == 5 and read_marker(tmp_path / "checkpoint-5") is not None
+
+
+def test_a_plain_save_killed_half_way_is_not_resumed_from(tmp_path) -> None:
+    """A Trainer's own save (one made while the encoder was busy) that a kill cut off before its
+    trainer_state.json, the file the Trainer writes last, is skipped for the checkpoint before it."""
+    from hf_dynaquant.training.checkpoint_dir import last_complete_checkpoint
+
+    trainer_for(tmp_path, max_steps=4, save_steps=2).train()  # checkpoint-2, checkpoint-4 (compressed)
+    cut = tmp_path / "checkpoint-6"
+    shutil.copytree(tmp_path / "checkpoint-4", cut)
+    (cut / "dynaquant.json").unlink()
+    torch.save({}, cut / "pytorch_model.bin")  # weights written, the trainer state not yet
+    (cut / "trainer_state.json").unlink()
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    (cut / "trainer_state.json").write_text((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert last_complete_checkpoint(tmp_path) == cut  # finished: a plain checkpoint like any other

@@ -115,13 +115,21 @@ def marker_store(folder: str | Path, marker: dict[str, Any]) -> CheckpointStore:
 
 
 def is_complete(folder: str | Path) -> bool:
-    """Whether ``folder`` can be resumed: a marker whose entry exists, or plain weights."""
+    """Whether ``folder`` can be resumed: a marker whose entry exists, or the framework's own
+    plain save, finished: weights, and the file the framework writes last (the Trainer's
+    ``trainer_state.json`` in a ``checkpoint-N``, Accelerate's RNG states in a ``checkpoint_N``),
+    so that a plain save killed half-way (one made while the encoder was busy) is not taken."""
     folder = Path(folder)
     marker = read_marker(folder)
     if marker is None:
-        return any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")) or any(
+        weights = any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")) or any(
             folder.glob("model-*-of-*.safetensors")
         )
+        if folder.name.startswith("checkpoint-"):
+            return weights and (folder / "trainer_state.json").is_file()
+        if folder.name.startswith("checkpoint_"):
+            return weights and any(folder.glob("random_states_*.pkl"))
+        return weights
     try:
         store = marker_store(folder, marker)
         return marker["entry"] in store.entries()
