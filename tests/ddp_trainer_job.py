@@ -79,6 +79,9 @@ def main() -> None:
         record["weights_digest"] = Probe.digest
         record["search_from"] = start.last
     path.write_text(json.dumps(record))
+    if torch.distributed.is_initialized():  # a clean shutdown of gloo, as tests/fsdp_job.py does
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
