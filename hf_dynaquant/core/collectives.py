@@ -36,7 +36,9 @@ def _device() -> torch.device:
 def _all_reduce(values: np.ndarray, op: Any) -> np.ndarray:
     if rank_world()[1] == 1:
         return np.asarray(values, dtype=np.float64)
-    t = torch.as_tensor(np.asarray(values, dtype=np.float64), device=_device())
+    # a copy, never a view of the numpy array: gloo's worker thread may drop the last reference
+    # to the tensor, and freeing numpy-owned memory needs the GIL (fatal during interpreter exit)
+    t = torch.tensor(np.asarray(values, dtype=np.float64), device=_device())
     torch.distributed.all_reduce(t, op=op)
     return t.cpu().numpy()
 
