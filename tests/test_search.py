@@ -252,6 +252,64 @@ def test_no_passing_configuration_stores_lossless(tmp_path) -> None:
     assert entry.metadata["search"]["config"] is None
 
 
+def test_a_spent_time_bound_stores_losslessly_never_unverified(tmp_path) -> None:
+    """search_seconds: once spent, no further candidate is evaluated; without a passing one the
+    checkpoint is stored losslessly (mode "out of time"). The metric takes 1 s per evaluation and
+    the bound is 1.5 s, so the baseline and exactly one candidate round fit whatever the machine's
+    speed (planning this MLP takes milliseconds)."""
+    import time
+
+    model, _, held = digits_mlp()
+    original = [p.detach().clone() for p in model.parameters()]
+
+    def slow_metric(m: torch.nn.Module) -> float:
+        """1.0 on the exact weights, 1.015 on any quantized copy: every candidate fails a 1%
+        threshold, none clearly enough to rule out others, so an unbounded search would go on."""
+        time.sleep(1.0)
+        exact = all(torch.equal(p, o) for p, o in zip(m.parameters(), original))
+        return 1.0 if exact else 1.015
+
+    metric = QualityMetric(slow_metric)
+    comp = Compressor(model, tmp_path, BASE, threshold=0.01, search_space=SMALL, metric=metric, search_seconds=1.5)
+    with pytest.warns(UserWarning, match=r"spent its 1.5 s after 1 candidate\(s\).*stored losslessly"):
+        comp.compress(1)
+    entry = comp.store.open("step-1")
+    assert all(rec["codec"] == "lossless" for _, _, rec in entry.tensor_records())
+    assert entry.metadata["search"]["mode"] == "out of time"
+    assert entry.metadata["search"]["evaluations"] == 1
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), original))  # the live weights are back
+
+
+def test_a_time_bound_keeps_a_passing_configuration_found_in_time(tmp_path) -> None:
+    """A bound that is not reached changes nothing: the same choice as without one."""
+    model, _, held = digits_mlp()
+    chosen = []
+    for seconds in (None, 600.0):
+        search = ConfigurationSearch(mean_loss(held), 0.05, search_space=SMALL, config=BASE, z=0, seconds=seconds)
+        chosen.append(search.search(model, {k: v.clone() for k, v in model.state_dict().items()}).config)
+    assert chosen[0] is not None and chosen[0] == chosen[1]
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf")])
+def test_a_time_bound_must_be_positive_and_finite(seconds) -> None:
+    from hf_dynaquant import CheckpointSettings
+    from hf_dynaquant.errors import InvalidSettingError
+
+    with pytest.raises(InvalidSettingError, match="search_seconds"):
+        CheckpointSettings(search_seconds=seconds)
+    with pytest.raises(InvalidSettingError, match="seconds"):
+        ConfigurationSearch(mean_loss([]), 0.01, seconds=seconds)
+
+
+def test_a_time_bound_from_the_environment(monkeypatch) -> None:
+    from hf_dynaquant import CheckpointSettings
+
+    monkeypatch.setenv("ACCELERATE_DYNAQUANT_SEARCH_SECONDS", "90")
+    assert CheckpointSettings.from_env().search_seconds == 90.0
+    monkeypatch.setenv("ACCELERATE_DYNAQUANT_SEARCH_SECONDS", "none")
+    assert CheckpointSettings.from_env().search_seconds is None
+
+
 def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
     model, train, held = digits_mlp(steps=60)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -11,6 +11,11 @@ configuration that keeps to it, at every checkpoint, cheaply:
   reports (e.g. the user's metric and the loss): a candidate truly past the threshold passes at
   most 5% of the time, however few the examples. The chosen candidate's standard error is in
   :class:`SearchResult` (what the test could resolve).
+* **A time bound.** Each candidate costs a pass over the evaluation data, which at 100M+
+  parameters on a CPU is minutes. With ``seconds`` the search evaluates no further candidate once
+  that many seconds of this checkpoint's search are spent (every rank stops at the same round):
+  the checkpoint then takes the passing configuration found, and without one it is stored
+  losslessly (mode ``"out of time"``, with a warning), never with an unverified configuration.
 * **Restores.** A candidate is judged on exactly the weights a resume from it loads, so the
   threshold bounds what one restore costs. Restores did not add up in our measurement
   (``benchmarks/bench_restore_budget.py``: tiny GPT-2 from scratch, 200 steps, resumed at all 10
@@ -73,6 +78,7 @@ import heapq
 import itertools
 import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -82,7 +88,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.collectives import all_gather, broadcast, rank_world
+from ..core.collectives import all_gather, all_sum, broadcast, rank_world
 from ..core.dtypes import all_finite
 from ..core.entropy import order0_bits
 from ..core.histogram import byte_counts
@@ -274,6 +280,8 @@ class ConfigurationSearch:
         config: the fixed knobs (sigma, alpha, min_numel, seed) of every candidate (``base=`` before).
         z: standard errors added to a degradation before it is compared with the threshold
             (1.645: one-sided 95%; 0: the degradation alone, as before the standard error).
+        seconds: the most one checkpoint's search may take before it evaluates no further
+            candidate (``None``: unbounded; see the module docstring).
     """
 
     def __init__(
@@ -285,12 +293,15 @@ class ConfigurationSearch:
         epsilon: int = 1,
         config: QuantConfig | None = None,
         z: float = DEFAULT_Z,
+        seconds: float | None = None,
     ) -> None:
         if threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {threshold}")
         if not z >= 0:
             raise ValueError(f"z must be >= 0, got {z}")
-        self.metric, self.threshold, self.z = metric, threshold, z
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise InvalidSettingError(f"the search's seconds must be a finite number > 0 or None, got {seconds!r}")
+        self.metric, self.threshold, self.z, self.seconds = metric, threshold, z, seconds
         self.search_space, self.epsilon = search_space or SearchSpace(), epsilon
         self.config = config or QuantConfig()
         self.last: QuantConfig | None = None
@@ -378,6 +389,7 @@ class ConfigurationSearch:
         A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
         divergence) leaves nothing to compare candidates with: the checkpoint is stored
         losslessly, after the tensors at fault are named (or refused, see ``QuantConfig.non_finite``)."""
+        started = time.perf_counter()
         with _preserved_state(model, self.owns_rng()):
             measured = self.metric.measure(model)
         baseline = lockstep.agree(measured.value) if lockstep is not None else measured.value
@@ -391,20 +403,29 @@ class ConfigurationSearch:
         ctx = _Context(self, model, snapshot, types, sensitivity, measured, prune_by, lockstep, where, references)
         ctx.residuals = residuals
         ctx.base_codes = dict(base_codes or {})
-        if self.last is not None and self.last.prune_by in prune_by and self.last.residual in residuals:
-            found = ctx.neighbourhood(self.last, prune_by)
-            mode = "neighbourhood"
-            if found is None:
-                self.fallbacks += 1
-                mode = "fallback"
+        ctx.deadline = None if self.seconds is None else started + self.seconds
+        mode = "exhaustive"
+        try:
+            if self.last is not None and self.last.prune_by in prune_by and self.last.residual in residuals:
+                mode = "neighbourhood"
+                found = ctx.neighbourhood(self.last, prune_by)
+                if found is None:
+                    self.fallbacks += 1
+                    mode = "fallback"
+                    found = ctx.exhaustive(prune_by)
+            else:
                 found = ctx.exhaustive(prune_by)
-        else:
-            mode = "exhaustive"
-            found = ctx.exhaustive(prune_by)
+        except _OutOfTime:
+            # a passing candidate of an unfinished round (round 1 of a neighbourhood), if any
+            found = min((c for c in ctx.tried if c.passed), key=lambda c: c.bits, default=None)
+            mode = "out of time"
         if found is None:
+            late = mode == "out of time"
+            why = f"spent its {self.seconds:g} s after {len(ctx.tried)} candidate(s) without a" if late else "found no"
             warnings.warn(
-                f"no configuration keeps the {self.metric.name} degradation within {self.threshold:.2%}: "
-                "this checkpoint is stored losslessly",
+                f"the configuration search{f' at {where}' if where else ''} {why} configuration that keeps the "
+                f"{self.metric.name} degradation within {self.threshold:.2%}: this checkpoint is stored losslessly"
+                + (" (evaluate on fewer examples, or allow the search more seconds)" if late else ""),
                 stacklevel=2,
             )
             return SearchResult(
@@ -446,6 +467,10 @@ class ConfigurationSearch:
         return SearchResult(None, None, baseline, "non-finite")
 
 
+class _OutOfTime(Exception):
+    """The search's seconds are spent (raised between rounds, caught by ConfigurationSearch.search)."""
+
+
 class _Context:
     """The state of one checkpoint's search: plans, measured sizes, evaluated points and the rules
     they imply."""
@@ -482,6 +507,19 @@ class _Context:
         self.has_embeddings = any((types or {}).get(n) == EMBEDDING for n in snapshot) or any(
             "embed" in n.lower() for n in snapshot
         )
+        self.deadline: float | None = None  # time.perf_counter() past which no candidate is evaluated
+
+    def out_of_time(self) -> bool:
+        """Whether the search's seconds are spent, the same answer on every rank (a collective
+        when several take part; with no bound, none is needed: every rank has the same settings)."""
+        if self.deadline is None:
+            return False
+        late = np.array([float(time.perf_counter() > self.deadline)])
+        if self.lockstep is not None:
+            late = self.lockstep.all_sum(late)
+        elif self.world > 1:
+            late = all_sum(late)
+        return bool(late[0] > 0)
 
     def _embedding_default(self) -> int:
         return self.owner.search_space.embedding_bins[-1]
@@ -531,6 +569,8 @@ class _Context:
         todo = [c for c in dict.fromkeys(configs) if c not in self._cache]
         rank, world = self.rank, self.world
         for start in range(0, len(todo), world):
+            if self.out_of_time():
+                raise _OutOfTime
             batch = todo[start : start + world]
             mine = []
             if rank < len(batch):
@@ -717,7 +757,10 @@ class _Context:
         for bins in self.owner.search_space.embedding_bins:
             if bins >= found.config.embedding_bins:
                 break
-            cand = self.evaluate([replace(found.config, embedding_bins=bins)])[0]
+            try:
+                cand = self.evaluate([replace(found.config, embedding_bins=bins)])[0]
+            except _OutOfTime:
+                return found  # it passed with more embedding bins
             if cand.passed:
                 return cand
         return found

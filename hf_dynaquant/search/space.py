@@ -135,7 +135,8 @@ class SearchResult:
     config: QuantConfig | None  # None: nothing passed; store this checkpoint losslessly
     degradation: float | None
     baseline: float
-    mode: str  # "exhaustive" | "neighbourhood" | "fallback" | "non-finite" (the metric was NaN or inf)
+    # "exhaustive" | "neighbourhood" | "fallback" | "non-finite" (the metric was NaN or inf) | "out of time"
+    mode: str
     candidates: list[Candidate] = field(default_factory=list)
     local_evaluations: int = 0  # candidates this process evaluated itself (the rest came from other ranks)
     plan: QuantPlan | None = field(default=None, repr=False)

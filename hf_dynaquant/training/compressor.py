@@ -337,7 +337,11 @@ class Compressor:
         self.search: ConfigurationSearch | None = None
         if metric is not None:
             self.search = ConfigurationSearch(
-                metric, settings.threshold, search_space=settings.search_space, config=settings.config
+                metric,
+                settings.threshold,
+                search_space=settings.search_space,
+                config=settings.config,
+                seconds=settings.search_seconds,
             )
         self.last_search: SearchResult | None = None
         self.last_report: CheckpointReport | None = None

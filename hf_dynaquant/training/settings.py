@@ -104,6 +104,14 @@ class CheckpointSettings:
     search_space: SearchSpace | None = _setting(
         None, "The configuration cube (SearchSpace: the paper's Table 7 plus 3 bins, and the residual kinds)."
     )
+    search_seconds: float | None = _setting(
+        None,
+        "Most seconds one checkpoint's configuration search may take (every candidate is a pass over the eval "
+        "examples: minutes at 100M+ parameters on a CPU). Once spent no further candidate is evaluated: the "
+        "checkpoint takes a passing configuration already found, else it is stored losslessly, never with an "
+        "unverified one. None: unbounded.",
+        _optional(float),
+    )
     optimizer_state: str = _setting(
         "compress",
         "'compress' (Adam moments and SGD momentum quantized, fidelity checked), 'lossless' or 'drop' (no "
@@ -169,6 +177,9 @@ class CheckpointSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidSettingError(f"{name} must be an integer of at least 1, got {value!r}")
+        seconds = self.search_seconds
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise InvalidSettingError(f"search_seconds must be a finite number > 0 or None, got {seconds!r}")
         if not 0 < self.ema_beta <= 1:
             raise InvalidSettingError(f"ema_beta must be in (0, 1], got {self.ema_beta!r}")
         if self.optimizer_state not in OPTIMIZER_MODES:
