@@ -414,3 +414,41 @@ def test_zero_sensitivity_is_pruned() -> None:
     )
     codes, _ = quantize(w, plan.tensors["w"])
     assert np.all(codes.reshape(100, 100)[:, :40][~(codes.reshape(100, 100)[:, :40] == PROTECTED)] == PRUNED)
+
+
+def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
+    """A restore decodes the optimizer state parameter by parameter as the section's tensors
+    arrive: the same state whatever the order they come in, a tensor that never comes is fetched
+    (and one that does not exist raises, naming it)."""
+    import random
+
+    from hf_dynaquant.errors import EntryNotFoundError
+    from hf_dynaquant.training.compressor import OPTIMIZER, read_optimizer_state
+    from hf_dynaquant.training.optimizer_state import TensorKey, decode_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    comp = Compressor(model, tmp_path, QuantConfig(min_numel=256), optimizer=opt)
+    comp.compress(1)
+    with comp.store.open("step-1") as entry:
+        reference = read_optimizer_state(entry, "test")
+        fetch = lambda key: entry.tensor(OPTIMIZER, key)  # noqa: E731
+        items = list(entry.iter_section(OPTIMIZER))
+        for order in (items[::-1], random.Random(0).sample(items, len(items)), items[: len(items) // 2]):
+            tree = entry.tree(OPTIMIZER, leaf=TensorKey)
+            arriving = ((key, t.clone()) for key, t in order)  # the decoder converts them in place
+            state = decode_optimizer_state(tree, arriving, fetch, where="test")
+            assert list(state["state"]) == list(reference["state"])
+            for pid, values in reference["state"].items():
+                for key, value in values.items():
+                    assert torch.equal(state["state"][pid][key], value), (pid, key)
+            assert state["param_groups"] == reference["param_groups"]
+        with pytest.raises(EntryNotFoundError, match="no tensor"):
+            decode_optimizer_state(entry.tree(OPTIMIZER, leaf=TensorKey), iter(()), lambda k: fetch(k + "x"))
+    assert reference["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert set(reference["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}

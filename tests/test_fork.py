@@ -79,3 +79,35 @@ def test_pools_work_in_a_forked_child() -> None:
     assert child.exitcode == 0
     assert queue.get(timeout=10) == (True, True, 2, 3)
     WORKERS.pop().close()
+
+
+def test_ordered_map_keeps_order_and_bounds_what_is_in_flight() -> None:
+    """Results come in order; at most ``ahead`` items run at once, and with a weight budget the
+    items running weigh at most the budget together (one heavier than it runs alone)."""
+    import threading
+    import time
+
+    from hf_dynaquant.core.pool import ForkSafePool, ordered_map
+
+    pool = ForkSafePool("test-ordered", max_workers=4)
+    lock, running, peaks = threading.Lock(), {}, []
+
+    def work(item: tuple[int, int]) -> int:
+        with lock:
+            running[item[0]] = item[1]
+            peaks.append((len(running), sum(running.values())))
+        time.sleep(0.01)
+        with lock:
+            del running[item[0]]
+        return item[0]
+
+    items = [(i, w) for i, w in enumerate([1, 1, 5, 1, 1, 9, 1, 2, 2, 2])]
+    try:
+        assert list(ordered_map(pool, work, items, ahead=3)) == list(range(10))
+        assert max(n for n, _ in peaks) <= 3
+        peaks.clear()
+        out = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=4))
+        assert out == list(range(10))
+        assert all(load <= 4 or n == 1 for n, load in peaks)  # the 5 and the 9 ran alone
+    finally:
+        pool.shutdown()

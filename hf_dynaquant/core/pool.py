@@ -21,9 +21,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map"]
+__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map", "VALUES_IN_FLIGHT"]
 
 T = TypeVar("T")
+# Tensor values encoded or decoded at once on a pool (``ordered_map``'s budget): a tensor's
+# temporaries take about 12 bytes per value (float32 values, codes, the dtype's copy, the raw
+# bytes), so this keeps them near 400 MB however large the largest tensors are.
+VALUES_IN_FLIGHT = 1 << 25
 U = TypeVar("U")
 
 
@@ -92,24 +96,39 @@ class ForkSafePool:
 
 
 def ordered_map(
-    pool: ForkSafePool, fn: Callable[[U], T], items: Iterable[U], ahead: int | None = None
+    pool: ForkSafePool,
+    fn: Callable[[U], T],
+    items: Iterable[U],
+    ahead: int | None = None,
+    *,
+    weight: Callable[[U], int] | None = None,
+    budget: int | None = None,
 ) -> Iterator[T]:
     """``fn(item)`` for each item, in order, computed on ``pool`` with at most ``ahead`` items
     in flight (default: one more than the pool's threads, so none idles while the caller takes
     a result): unlike ``Executor.map``, which submits every item at once, the items (and what
     ``fn`` makes of them) are held ``ahead`` at a time, so memory stays bounded while the pool's
-    threads work on several tensors at once. ``items`` is consumed in the calling thread."""
+    threads work on several tensors at once. With ``weight`` and ``budget`` the items in flight
+    also weigh at most ``budget`` together (an item heavier than that runs alone): what ``fn``
+    holds while it works grows with the item (a tensor's temporaries with its values), and a few
+    of the largest tensors at once would otherwise set the peak. ``items`` is consumed in the
+    calling thread."""
     ahead = pool.max_workers + 1 if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
-    pending: deque[Future[T]] = deque()
+    pending: deque[tuple[Future[T], int]] = deque()
+    load = 0
     try:
         for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= ahead:
-                yield pending.popleft().result()
+            w = weight(item) if weight is not None and budget is not None else 0
+            while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
+                future, done = pending.popleft()
+                load -= done
+                yield future.result()
+            pending.append((pool.submit(fn, item), w))
+            load += w
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft()[0].result()
     finally:
-        for future in pending:  # a failure or an abandoned loop: no work goes on for nobody
+        for future, _ in pending:  # a failure or an abandoned loop: no work goes on for nobody
             future.cancel()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,7 +36,7 @@ from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
-from ..core.pool import ForkSafePool, ordered_map
+from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from ..errors import (
     CodecError,
     CorruptCheckpointError,
@@ -373,7 +374,13 @@ class EntryReader:
                 aliases.setdefault(rec["alias_of"], []).append(name)
         self._prepare(section)
         with tqdm(total=len(records), desc=f"decoding {section}", unit="tensor", disable=not progress) as bar:
-            tensors = ordered_map(_TENSOR_POOL, lambda n: self.tensor(section, n), targets)
+            tensors = ordered_map(
+                _TENSOR_POOL,
+                lambda n: self.tensor(section, n),
+                targets,
+                weight=lambda n: math.prod(records[n]["shape"]),
+                budget=VALUES_IN_FLIGHT,
+            )
             for name, tensor in zip(targets, tensors):
                 for each in (name, *aliases.pop(name, [])):
                     yield each, tensor
@@ -392,12 +399,16 @@ class EntryReader:
                 reader.pretrained()
             reader = reader.base_reader() if reader.base is not None else None
 
-    def tree(self, name: str) -> Any:
-        """A nested structure stored with ``trees=`` (an optimizer state dict, say)."""
+    def tree(self, name: str, *, leaf: Callable[[str], Any] | None = None) -> Any:
+        """A nested structure stored with ``trees=`` (an optimizer state dict, say). ``leaf``:
+        what stands for each tensor instead, given its key (the tensors are not decoded; a
+        caller that takes them from :meth:`iter_section` itself holds only a few at a time)."""
         try:
             skeleton = self.manifest["trees"][name]
         except KeyError:
             raise EntryNotFoundError(f"entry {self.id[:16]} has no tree {name!r} (has: {self.trees})") from None
+        if leaf is not None:
+            return unflatten_tree(skeleton, leaf)
         tensors = dict(self.iter_section(name)) if name in self.manifest["sections"] else {}
         return unflatten_tree(skeleton, lambda key: tensors[key] if key in tensors else self.tensor(name, key))
 
@@ -646,7 +657,9 @@ class CheckpointStore:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
-                for section, name, raw, codec, encoded in ordered_map(_TENSOR_POOL, encode, jobs()):
+                numel = lambda job: math.prod(job[2].shape)  # noqa: E731
+                encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=numel, budget=VALUES_IN_FLIGHT)
+                for section, name, raw, codec, encoded in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
                         raise CodecError(
                             f"tensor {section}/{name} was coded against a base entry, but the write names none"

@@ -53,6 +53,7 @@ from ..store.tree import flatten_tree
 from .optimizer_state import (
     MomentQuant,
     Reductions,
+    TensorKey,
     decode_optimizer_state,
     encode_optimizer_state,
 )
@@ -280,7 +281,9 @@ def read_optimizer_state(entry: EntryReader, where: str) -> dict[str, Any] | Non
     or without an optimizer; the metadata says which)."""
     if OPTIMIZER not in entry.trees:
         return None
-    return decode_optimizer_state(entry.tree(OPTIMIZER), where=where, consume=True)
+    tree = entry.tree(OPTIMIZER, leaf=TensorKey)
+    tensors = entry.iter_section(OPTIMIZER) if OPTIMIZER in entry.sections else iter(())
+    return decode_optimizer_state(tree, tensors, lambda key: entry.tensor(OPTIMIZER, key), where=where)
 
 
 def read_checkpoint(

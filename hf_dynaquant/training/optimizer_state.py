@@ -27,7 +27,7 @@ process the reductions are identities.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -62,6 +62,7 @@ __all__ = [
     "Reductions",
     "encode_optimizer_state",
     "decode_optimizer_state",
+    "TensorKey",
 ]
 
 OPTIMIZER_MODES = ("compress", "lossless", "drop")
@@ -329,32 +330,92 @@ def encode_optimizer_state(
     return OptimizerEncoding(tree, plans, report)
 
 
+@dataclass(frozen=True)
+class TensorKey:
+    """Stands for a tensor in a stored tree read without its tensors (see :func:`decode_optimizer_state`)."""
+
+    key: str
+
+
 def decode_optimizer_state(
-    tree: Mapping[str, Any], *, where: str = "optimizer state", consume: bool = False
+    tree: Mapping[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    fetch: Callable[[str], torch.Tensor],
+    *,
+    where: str = "optimizer state",
 ) -> dict[str, Any]:
-    """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``).
-    ``consume``: the tree is the caller's to give up (freshly read): each parameter's stored
-    form is taken out of it as it is converted, so the two forms of the whole state are never
-    held at once."""
+    """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``) whose
+    tensors arrive one by one: ``tree`` holds a :class:`TensorKey` for each tensor
+    (``EntryReader.tree(name, leaf=TensorKey)``), ``tensors`` yields ``(key, tensor)`` (the tree's
+    section decoded in order, :meth:`~hf_dynaquant.store.EntryReader.iter_section`), and ``fetch``
+    gives a key that never arrives (raising what is wrong with it). Each parameter's state is
+    converted as soon as its tensors are in, so only a few parameters' stored (float32) forms
+    are held at once, never the whole optimizer's (a bf16 model's restore held 2.2x its
+    checkpoint in them)."""
     eps_of = _group_eps(tree)
+    stored = dict(tree.get("state", {}))
+    waiting = {pid: {k.key for k in _keys_in(entry)} for pid, entry in stored.items()}
+    owner = {key: pid for pid, keys in waiting.items() for key in keys}
+    arrived: dict[str, torch.Tensor] = {}
     state: dict[Any, Any] = {}
-    stored = tree.get("state", {})
-    for pid in list(stored):
-        entry = stored.pop(pid) if consume else stored[pid]
-        kind = entry.get("dq_moments") if isinstance(entry, Mapping) else None
-        if kind is None:
-            state[pid] = entry
-            continue
-        dtype = _DTYPES.get(entry.get("dq_dtype", ""))
-        if dtype is None:
-            raise FormatError(f"{where}: parameter {pid} has an unknown moment dtype {entry.get('dq_dtype')!r}")
-        if kind == ADAM:
-            if eps_of.get(pid) is None:
-                raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
-            m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=consume)
-            state[pid] = {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
-        elif kind == SGD:
-            state[pid] = {"momentum_buffer": entry["dq_momentum"].to(dtype)}
-        else:
-            raise FormatError(f"{where}: parameter {pid} uses moment encoding {kind!r}, unknown to this version")
-    return {**tree, "state": state}
+
+    def finish(pid: Any) -> None:
+        entry = _filled(stored.pop(pid), lambda key: arrived.pop(key) if key in arrived else fetch(key))
+        state[pid] = _decoded_entry(pid, entry, eps_of, where, consume=True)
+
+    for pid in [pid for pid, keys in waiting.items() if not keys]:
+        finish(pid)
+    for key, tensor in tensors:
+        arrived[key] = tensor  # (a tensor outside the per-parameter state waits for the rest of the tree)
+        pid = owner.get(key)
+        if pid is not None:
+            waiting[pid].discard(key)
+            if not waiting[pid] and pid in stored:
+                finish(pid)
+    for pid in list(stored):  # tensors the section did not yield
+        finish(pid)
+    order = list(tree.get("state", {}))
+    rest = {k: _filled(v, lambda key: arrived.pop(key) if key in arrived else fetch(key)) for k, v in tree.items()}
+    return {**rest, "state": {pid: state[pid] for pid in order}}
+
+
+def _keys_in(obj: Any) -> Iterator[TensorKey]:
+    if isinstance(obj, TensorKey):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _keys_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _keys_in(v)
+
+
+def _filled(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
+    """``obj`` with each :class:`TensorKey` replaced by ``tensor(key)``."""
+    if isinstance(obj, TensorKey):
+        return tensor(obj.key)
+    if isinstance(obj, Mapping):
+        return {k: _filled(v, tensor) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_filled(v, tensor) for v in obj)
+    if isinstance(obj, list):
+        return [_filled(v, tensor) for v in obj]
+    return obj
+
+
+def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str, consume: bool) -> Any:
+    """One parameter's optimizer state back from its stored form."""
+    kind = entry.get("dq_moments") if isinstance(entry, Mapping) else None
+    if kind is None:
+        return entry
+    dtype = _DTYPES.get(entry.get("dq_dtype", ""))
+    if dtype is None:
+        raise FormatError(f"{where}: parameter {pid} has an unknown moment dtype {entry.get('dq_dtype')!r}")
+    if kind == ADAM:
+        if eps_of.get(pid) is None:
+            raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
+        m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=consume)
+        return {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
+    if kind == SGD:
+        return {"momentum_buffer": entry["dq_momentum"].to(dtype)}
+    raise FormatError(f"{where}: parameter {pid} uses moment encoding {kind!r}, unknown to this version")

@@ -87,8 +87,16 @@ from ..errors import (
 from ..pipeline import MODEL
 from ..search import Lockstep, SearchResult
 from ..store import CheckpointStore, EntryReader
-from .compressor import OPTIMIZER, CheckpointReport, Compressor, Snapshot, cpu_copies, cpu_tree
-from .optimizer_state import Reductions, decode_optimizer_state
+from .compressor import (
+    OPTIMIZER,
+    CheckpointReport,
+    Compressor,
+    Snapshot,
+    cpu_copies,
+    cpu_tree,
+    read_optimizer_state,
+)
+from .optimizer_state import Reductions
 
 __all__ = [
     "ShardedCompressor",
@@ -533,7 +541,7 @@ class _Shards:
         if OPTIMIZER not in entry.trees:
             raise CheckpointError(f"{self._where(shard)} holds no optimizer state")
         try:
-            return decode_optimizer_state(entry.tree(OPTIMIZER), where=self._where(shard))
+            return read_optimizer_state(entry, self._where(shard))
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{self._where(shard)}: {exc}") from exc
 
