@@ -353,18 +353,19 @@ def decode_optimizer_state(
     are held at once, never the whole optimizer's (a bf16 model's restore held 2.2x its
     checkpoint in them)."""
     eps_of = _group_eps(tree)
-    stored = dict(tree.get("state", {}))
+    order = list(tree.get("state", {}))
+    stored = dict(tree.get("state", {}))  # parameters not converted yet
     waiting = {pid: {k.key for k in _keys_in(entry)} for pid, entry in stored.items()}
     owner = {key: pid for pid, keys in waiting.items() for key in keys}
     arrived: dict[str, torch.Tensor] = {}
     state: dict[Any, Any] = {}
 
-    def finish(pid: Any) -> None:
-        entry = _filled(stored.pop(pid), lambda key: arrived.pop(key) if key in arrived else fetch(key))
-        state[pid] = _decoded_entry(pid, entry, eps_of, where, consume=True)
+    def take(key: str) -> torch.Tensor:
+        return arrived.pop(key) if key in arrived else fetch(key)
 
-    for pid in [pid for pid, keys in waiting.items() if not keys]:
-        finish(pid)
+    def finish(pid: Any) -> None:
+        state[pid] = _decoded_entry(pid, _filled(stored.pop(pid), take), eps_of, where)
+
     for key, tensor in tensors:
         arrived[key] = tensor  # (a tensor outside the per-parameter state waits for the rest of the tree)
         pid = owner.get(key)
@@ -372,10 +373,9 @@ def decode_optimizer_state(
             waiting[pid].discard(key)
             if not waiting[pid] and pid in stored:
                 finish(pid)
-    for pid in list(stored):  # tensors the section did not yield
+    for pid in list(stored):  # parameters without tensors, or whose tensors the section did not yield
         finish(pid)
-    order = list(tree.get("state", {}))
-    rest = {k: _filled(v, lambda key: arrived.pop(key) if key in arrived else fetch(key)) for k, v in tree.items()}
+    rest = {k: _filled(v, take) for k, v in tree.items() if k != "state"}
     return {**rest, "state": {pid: state[pid] for pid in order}}
 
 
@@ -403,8 +403,9 @@ def _filled(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
     return obj
 
 
-def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str, consume: bool) -> Any:
-    """One parameter's optimizer state back from its stored form."""
+def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str) -> Any:
+    """One parameter's optimizer state back from its stored form (freshly decoded: its float32
+    update and scale become the moments in place)."""
     kind = entry.get("dq_moments") if isinstance(entry, Mapping) else None
     if kind is None:
         return entry
@@ -414,7 +415,7 @@ def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], whe
     if kind == ADAM:
         if eps_of.get(pid) is None:
             raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
-        m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=consume)
+        m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=True)
         return {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
     if kind == SGD:
         return {"momentum_buffer": entry["dq_momentum"].to(dtype)}
