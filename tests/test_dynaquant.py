@@ -376,9 +376,9 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> Non
         out = []
         for w in ws:
             kept: dict = {}
-            prev = compress_state_dict(
-                store, w, config, base=prev, base_states=states if cached else None, keep_states=kept
-            )
+            given = states if cached else None
+            prev = compress_state_dict(store, w, config, base=prev, base_states=given, keep_states=kept)
+            assert not given  # consumed as the new codes replace them: never both held whole
             states = kept
             out.append(prev)
         ids[cached] = out
@@ -457,3 +457,48 @@ def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
             decode_optimizer_state(entry.tree(OPTIMIZER, leaf=TensorKey), iter(()), lambda k: fetch(k + "x"))
     assert reference["state"][0]["exp_avg"].dtype == torch.bfloat16
     assert set(reference["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:
+    """A save never holds the whole optimizer's float32 update and scale: the fidelity decisions
+    take a group of parameters at a time (here one each: the same plans and report as all at
+    once), and the encoded tree holds deferred leaves, made only when the store encodes them."""
+    from hf_dynaquant.core.moments import adam_scale, adam_update
+    from hf_dynaquant.store.tree import DeferredTensor
+    from hf_dynaquant.training import optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    together = optimizer_state.encode_optimizer_state(state)
+    monkeypatch.setattr(optimizer_state, "VALUES_IN_FLIGHT", 1)  # every parameter a group of its own
+    apart = optimizer_state.encode_optimizer_state(state)
+    assert together is not None and apart is not None
+    assert apart.report == together.report and apart.report["quantized"] == 3  # (the 8-value bias is too small)
+    assert apart.plans.keys() == together.plans.keys()
+    for key, tp in apart.plans.items():
+        assert np.array_equal(tp.centres, together.plans[key].centres), key
+    entry = apart.tree["state"][0]
+    update, scale = entry["dq_update"], entry["dq_scale"]
+    assert isinstance(update, DeferredTensor) and isinstance(scale, DeferredTensor)
+    m, v = state["state"][0]["exp_avg"], state["state"][0]["exp_avg_sq"]
+    assert update.shape == tuple(m.shape) and update.numel() == m.numel()
+    assert torch.equal(update.make(), adam_update(m, v, 1e-8).reshape(m.shape))
+    assert torch.equal(scale.make(), adam_scale(v, 1e-8).reshape(m.shape))
+    # and a checkpoint written with groups of one restores the same state as one written at once
+    restored = {}
+    for name, budget in (("apart", 1), ("together", 1 << 25)):
+        monkeypatch.setattr(optimizer_state, "VALUES_IN_FLIGHT", budget)
+        comp = Compressor(model, tmp_path / name, QuantConfig(min_numel=256), optimizer=opt)
+        comp.compress(1)
+        into = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        comp.restore(1, optimizer=into)
+        restored[name] = into.state_dict()["state"]
+    for pid, values in restored["together"].items():
+        for key, value in values.items():
+            assert torch.equal(restored["apart"][pid][key], value), (pid, key)

@@ -111,3 +111,29 @@ def test_ordered_map_keeps_order_and_bounds_what_is_in_flight() -> None:
         assert all(load <= 4 or n == 1 for n, load in peaks)  # the 5 and the 9 ran alone
     finally:
         pool.shutdown()
+
+
+def test_weighed_batches_cut_in_order_under_the_budget() -> None:
+    from hf_dynaquant.core.pool import weighed_batches
+
+    items = [1, 1, 5, 1, 1, 9, 1, 2, 2, 2]
+    batches = list(weighed_batches(items, lambda w: w, 4))
+    assert [w for b in batches for w in b] == items  # every item, in order
+    assert batches == [[1, 1], [5], [1, 1], [9], [1, 2], [2, 2]]  # a heavy item alone
+    assert list(weighed_batches([], lambda w: w, 4)) == []
+
+
+def test_freed_memory_is_released_every_so_many_values(monkeypatch) -> None:
+    import platform
+
+    from hf_dynaquant.core import memory
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert memory._TRIM is not None  # glibc's malloc_trim, found
+        memory.ReleaseFreed(every=1).processed(1)  # the real call returns normally
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_TRIM", lambda pad: calls.append(pad) or 1)
+    freed = memory.ReleaseFreed(every=10)
+    for values in (3, 3, 3, 3, 9, 1, 2):
+        freed.processed(values)
+    assert calls == [0, 0]  # after 12 values, then after 10 more

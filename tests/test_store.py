@@ -11,6 +11,7 @@ from safetensors import safe_open
 from hf_dynaquant import CheckpointStore, EntryNotFoundError
 from hf_dynaquant.store.manifest import MANIFEST, read_manifest_bytes
 from hf_dynaquant.store.safetensors_io import StreamingWriter
+from hf_dynaquant.store.tree import DeferredTensor
 
 
 def assert_state_equal(a: dict, b: dict) -> None:
@@ -76,6 +77,34 @@ def test_tree_encoding_edge_cases(store) -> None:
     nan, inf, ninf, flag, s = got["__weird"]
     assert nan != nan and inf == float("inf") and ninf == -float("inf") and flag is True and s == "s"
     assert torch.equal(got["nested"]["a/b"], torch.zeros(3)) and torch.equal(got["nested"]["a"]["b"], torch.ones(3))
+
+
+def test_deferred_tree_leaves_are_made_when_encoded_and_never_taken_for_tied(store) -> None:
+    """A tree's :class:`DeferredTensor` leaves are made one by one as the store encodes them
+    (none before the write), and each is stored as itself: fresh tensors of one shape may reuse
+    a freed one's memory, which must not make them aliases of each other."""
+    values = [torch.full((300, 300), float(i)) for i in range(6)]
+    made: list[int] = []
+
+    def maker(i: int):
+        def make() -> torch.Tensor:
+            made.append(i)
+            return values[i].clone()  # new memory each time, freed once encoded
+
+        return make
+
+    tree = {"state": {i: {"x": DeferredTensor((300, 300), maker(i)), "step": i} for i in range(6)}, "lr": 0.1}
+    with pytest.raises(ValueError):
+        store.write({"opt": {}}, trees={"opt": tree})  # (a tree and a section of one name: refused first)
+    assert made == []
+    store.write(trees={"opt": tree}, ref="d")
+    assert made == list(range(6))
+    with store.open("d") as entry:
+        back = entry.tree("opt")
+        assert not any("alias_of" in rec for rec in entry.manifest["sections"]["opt"].values())
+    for i in range(6):
+        assert torch.equal(back["state"][i]["x"], values[i]) and back["state"][i]["step"] == i
+    assert back["lr"] == 0.1
 
 
 def test_unpicklable_tree_values_refused(store) -> None:

@@ -32,7 +32,8 @@ from .quantizer import TensorPlan, flat_f32
 __all__ = [
     "MAX_SCALE_LEVELS",
     "scale_floor",
-    "adam_to_update_scale",
+    "adam_update",
+    "adam_scale",
     "update_scale_to_adam",
     "scale_plan",
     "fidelity",
@@ -50,11 +51,19 @@ def scale_floor(eps: float) -> float:
     return max(float(eps), 1e-12)
 
 
-def adam_to_update_scale(m: torch.Tensor, v: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(u, s)``: Adam's update ``m / (sqrt(v) + eps)`` and the scale ``log(sqrt(v) + eps)``,
-    float32, on the CPU."""
-    denom = v.detach().to("cpu", torch.float32).clamp_min(0).sqrt() + scale_floor(eps)
-    return m.detach().to("cpu", torch.float32) / denom, denom.log()
+def _denominator(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(v) + eps``: a new float32 tensor on the CPU (NaN stays NaN, negatives count as 0)."""
+    return v.detach().to("cpu", torch.float32, copy=True).clamp_min_(0).sqrt_().add_(scale_floor(eps))
+
+
+def adam_update(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """Adam's update ``m / (sqrt(v) + eps)``: a new float32 tensor on the CPU."""
+    return m.detach().to("cpu", torch.float32, copy=True).div_(_denominator(v, eps))
+
+
+def adam_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """The scale ``log(sqrt(v) + eps)``: a new float32 tensor on the CPU."""
+    return _denominator(v, eps).log_()
 
 
 def update_scale_to_adam(
@@ -70,17 +79,16 @@ def update_scale_to_adam(
     return m.to(dtype), v.to(dtype)
 
 
-def scale_plan(s: torch.Tensor, eps: float, step: float, *, top: float | None = None) -> TensorPlan:
-    """A plan whose codebook is the fixed log grid ``log(eps) + step * k`` covering ``s``.
+def scale_plan(top: float, eps: float, step: float) -> TensorPlan:
+    """A plan whose codebook is the fixed log grid ``log(eps) + step * k`` up to ``top``, the
+    scale's maximum (of the full tensor when a process holds a shard of it, so that every shard
+    gets the full tensor's grid).
 
-    The grid widens (``step`` grows) only if ``s`` spans more than :data:`MAX_SCALE_LEVELS`
-    steps; nothing is pruned or protected. ``top`` replaces ``s.max()``: the maximum of the
-    full tensor when ``s`` is one shard of it, so that every shard gets the full tensor's grid."""
+    The grid widens (``step`` grows) only if the scale spans more than :data:`MAX_SCALE_LEVELS`
+    steps; nothing is pruned or protected."""
     if step <= 0:
         raise ValueError(f"the scale grid step must be positive, got {step}")
     origin = math.log(scale_floor(eps))
-    if top is None:
-        top = float(s.max()) if s.numel() else origin
     span = max(top - origin, 0.0)
     if span / step > MAX_SCALE_LEVELS - 1:
         step = span / (MAX_SCALE_LEVELS - 1)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map", "VALUES_IN_FLIGHT"]
+__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map", "weighed_batches", "VALUES_IN_FLIGHT"]
 
 T = TypeVar("T")
 # Tensor values encoded or decoded at once on a pool (``ordered_map``'s budget): a tensor's
@@ -132,3 +132,20 @@ def ordered_map(
     finally:
         for future, _ in pending:  # a failure or an abandoned loop: no work goes on for nobody
             future.cancel()
+
+
+def weighed_batches(items: Iterable[U], weight: Callable[[U], int], budget: int) -> Iterator[list[U]]:
+    """``items`` in order, cut into consecutive lists that weigh at most ``budget`` together (an
+    item heavier than that makes a list of its own): work done a list at a time holds one list's
+    worth of memory, however many items there are."""
+    batch: list[U] = []
+    load = 0
+    for item in items:
+        w = weight(item)
+        if batch and load + w > budget:
+            yield batch
+            batch, load = [], 0
+        batch.append(item)
+        load += w
+    if batch:
+        yield batch

@@ -36,6 +36,7 @@ from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
+from ..core.memory import ReleaseFreed
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from ..errors import (
     CodecError,
@@ -69,7 +70,7 @@ from .manifest import (
     store_marker,
 )
 from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_checked_blob
-from .tree import flatten_tree, unflatten_tree
+from .tree import DeferredTensor, flatten_tree, unflatten_tree
 
 __all__ = ["CheckpointStore", "EntryReader", "EntryInfo", "PretrainedResolver", "set_pretrained_resolver"]
 
@@ -381,10 +382,12 @@ class EntryReader:
                 weight=lambda n: math.prod(records[n]["shape"]),
                 budget=VALUES_IN_FLIGHT,
             )
+            freed = ReleaseFreed()
             for name, tensor in zip(targets, tensors):
                 for each in (name, *aliases.pop(name, [])):
                     yield each, tensor
                     bar.update()
+                freed.processed(tensor.numel())
             for names in aliases.values():  # aliases of no stored tensor: decoding raises what is wrong
                 for name in names:
                     yield name, self.tensor(section, name)
@@ -571,7 +574,7 @@ class CheckpointStore:
         base: str | None = None,
         ref: str | None = None,
         progress: bool = False,
-        base_states: Mapping[tuple[str, str], Any] | None = None,
+        base_states: dict[tuple[str, str], Any] | None = None,
         keep_states: dict[tuple[str, str], Any] | None = None,
     ) -> str:
         """Write one checkpoint as a new entry and return its id.
@@ -581,7 +584,8 @@ class CheckpointStore:
                 Tensors sharing storage with an earlier one in the same section (tied weights)
                 are stored once.
             trees: nested structures with tensors inside, e.g. ``{"optimizer": opt.state_dict()}``;
-                their tensors form a section of the same name.
+                their tensors form a section of the same name (a :class:`~hf_dynaquant.store.tree.DeferredTensor`
+                leaf is made when it is encoded, and never taken for a tied tensor).
             extras: opaque bytes (scheduler state, RNG state); stored, never interpreted.
             metadata: small JSON (step, loss, ...).
             codecs: one codec (name or instance) for everything, ``{section: codec}`` (sections
@@ -591,7 +595,9 @@ class CheckpointStore:
             ref: a reference name to point at the new entry.
             progress: show a progress bar.
             base_states: ``{(section, name): state}`` of the base entry, as collected by
-                ``keep_states`` when it was written; saves decoding the base's chain again.
+                ``keep_states`` when it was written; saves decoding the base's chain again. Each
+                state is removed as its tensor is encoded, so the base's states and the new
+                entry's are not all held at once.
             keep_states: a dict to fill with the states a later delta on this entry will need
                 (only codecs whose state owns its memory, like ``dynaquant``'s codes).
 
@@ -635,7 +641,10 @@ class CheckpointStore:
                 seen = {}
                 for name, tensor in group.items():
                     bar.update()
-                    key = storage_key(tensor)
+                    if isinstance(tensor, DeferredTensor):  # made now; its memory may be an earlier one's
+                        tensor, key = tensor.make(), None
+                    else:
+                        key = storage_key(tensor)
                     if key in seen:
                         alias_like = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
                         writer.add_alias(section, name, seen[key], alias_like)
@@ -644,7 +653,7 @@ class CheckpointStore:
                         seen[key] = name
                     raw = to_raw(tensor, f"{section}/{name}")
                     if base_reader is not None and base_states is not None and (section, name) in base_states:
-                        base_state = base_states[(section, name)]
+                        base_state = base_states.pop((section, name))
                     else:
                         base_state = _base_state(base_reader, section, name, raw)
                     yield section, name, raw, codec_for(section, name), base_state
@@ -659,6 +668,7 @@ class CheckpointStore:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
                 numel = lambda job: math.prod(job[2].shape)  # noqa: E731
                 encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=numel, budget=VALUES_IN_FLIGHT)
+                freed = ReleaseFreed()
                 for section, name, raw, codec, encoded in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
                         raise CodecError(
@@ -667,6 +677,7 @@ class CheckpointStore:
                     writer.add_encoded(section, name, raw, codec, encoded)
                     if keep_states is not None and codec.stable_state:
                         keep_states[(section, name)] = encoded.state
+                    freed.processed(math.prod(raw.shape))
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))
             return_id = writer.finish(base_id, skeletons, dict(metadata or {}))

@@ -6,7 +6,8 @@ trips without pickle. The encoding (documented in FORMAT.md):
 
 * ``str``, ``bool``, ``None``, finite ``int``/``float``: themselves;
 * a non-finite float: ``{"__float__": "nan" | "inf" | "-inf"}``;
-* a tensor: ``{"__tensor__": "<key>"}`` where ``<key>`` names it in the tree's tensor section;
+* a tensor: ``{"__tensor__": "<key>"}`` where ``<key>`` names it in the tree's tensor section
+  (a :class:`DeferredTensor` too: the store computes it when it encodes it);
 * a tuple: ``{"__tuple__": [...]}``; a list: a JSON array;
 * a dict whose keys are all strings and none starts with ``__``: a JSON object; any other dict:
   ``{"__dict__": [[key, value], ...]}`` with keys encoded by the same rules.
@@ -19,21 +20,36 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import UnsupportedTensorError
 
-__all__ = ["flatten_tree", "unflatten_tree"]
+__all__ = ["DeferredTensor", "flatten_tree", "unflatten_tree"]
 
 
-def flatten_tree(tree: Any, where: str = "tree") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Split ``tree`` into a JSON-serialisable skeleton and ``{key: tensor}``."""
-    tensors: dict[str, torch.Tensor] = {}
+@dataclass(frozen=True, eq=False)
+class DeferredTensor:
+    """A tree leaf made only when the store encodes it, and dropped once encoded: a tree can
+    then hold tensors derived from others (Adam's update and scale, from the moments) without
+    all of them in memory at once. ``make()`` returns a new tensor of ``shape`` (never a view
+    of another leaf's memory: the store does not look for tied tensors among deferred leaves)."""
+
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def flatten_tree(tree: Any, where: str = "tree") -> tuple[Any, dict[str, torch.Tensor | DeferredTensor]]:
+    """Split ``tree`` into a JSON-serialisable skeleton and ``{key: tensor}`` (deferred leaves as they are)."""
+    tensors: dict[str, torch.Tensor | DeferredTensor] = {}
 
     def enc(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, (torch.Tensor, DeferredTensor)):
             key = path if path not in tensors else f"{path}#{len(tensors)}"
             tensors[key] = obj
             return {"__tensor__": key}

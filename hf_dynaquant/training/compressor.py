@@ -625,6 +625,10 @@ class Compressor:
             meta["optimizer_state"] = encoded.report
         elif self.optimizer is not None:
             meta["optimizer_state"] = {"mode": "drop"}
+        # the base's codes are consumed by the write as the new entry's replace them (and a
+        # keyframe needs none): the two are never all held at once
+        base_states = self._states if base is not None else None
+        self._states = {}
         states: dict[tuple[str, str], Any] = {}
         entry = write_planned(
             store,
@@ -638,7 +642,7 @@ class Compressor:
             base=base,
             ref=ref or f"step-{snap.step}",
             progress=progress,
-            base_states=self._states,
+            base_states=base_states,
             keep_states=states,
         )
         self._states = states

@@ -27,6 +27,7 @@ process the reductions are identities.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -35,14 +36,16 @@ import numpy as np
 import torch
 
 from ..core.dtypes import all_finite
+from ..core.memory import ReleaseFreed
 from ..core.moments import (
-    adam_to_update_scale,
+    adam_scale,
+    adam_update,
     fidelity_from_sums,
     fidelity_sums,
     scale_plan,
     update_scale_to_adam,
 )
-from ..core.pool import ForkSafePool, ordered_map
+from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map, weighed_batches
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -53,7 +56,7 @@ from ..core.quantizer import (
     refuse_or_warn_non_finite,
 )
 from ..errors import FormatError
-from ..store.tree import flatten_tree
+from ..store.tree import DeferredTensor, flatten_tree
 
 __all__ = [
     "OPTIMIZER_MODES",
@@ -193,6 +196,90 @@ def _group_eps(state_dict: Mapping[str, Any]) -> dict[Any, float | None]:
     return out
 
 
+@dataclass(frozen=True)
+class _Moment:
+    """One parameter's state to quantize (Adam's moments or SGD's momentum buffer), from which
+    the quantized forms are made when needed: a save never holds all of them at once."""
+
+    kind: str  # ADAM or SGD
+    entry: Mapping[str, Any]  # the parameter's optimizer state
+    eps: float | None  # Adam's eps (its param group's)
+
+    def target(self) -> torch.Tensor:
+        """The tensor quantized like a weight, flat float32 on the CPU: Adam's update, or the momentum."""
+        if self.kind == ADAM:
+            return adam_update(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps).reshape(-1)
+        return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
+
+    def scale(self) -> torch.Tensor:
+        """Adam's scale ``log(sqrt(v) + eps)``, float32 on the CPU."""
+        return adam_scale(self.entry["exp_avg_sq"], self.eps)
+
+
+def _decide(
+    group: list[Any],
+    candidates: Mapping[Any, _Moment],
+    settings: MomentQuant,
+    red: Reductions,
+    numel: Mapping[Any, int],
+) -> tuple[dict[Any, tuple[TensorPlan, int]], list[Any], dict[Any, float]]:
+    """For the parameters of ``group`` (every process calls this with the same group): the plan
+    and bin count of each whose target passes the fidelity check at some bin count, the ones
+    whose moments hold NaN or inf, and the top of each Adam scale (over the processes)."""
+
+    def facts(pid: Any) -> tuple[torch.Tensor, bool, float]:
+        """The target, whether it and the scale are finite, and the scale's maximum (this process's)."""
+        moment = candidates[pid]
+        target, top = moment.target(), -math.inf
+        finite = all_finite(target)
+        if moment.kind == ADAM:
+            scale = moment.scale()
+            finite = finite and all_finite(scale)
+            top = float(scale.max()) if scale.numel() else -math.inf
+        return target, finite, top
+
+    targets: dict[Any, torch.Tensor] = {}
+    local_bad, local_top = [], {}
+    for pid, (target, finite, top) in zip(group, ordered_map(_POOL, facts, group)):
+        targets[pid] = target
+        local_bad.append(red.counts(pid) and not finite)
+        local_top[pid] = top
+    # moments holding NaN or inf (in any process's rows) cannot be quantized: kept as they are
+    bad = [pid for pid, n in zip(group, red.total(np.array(local_bad, dtype=np.float64))) if n > 0]
+    pending = [pid for pid in group if pid not in bad]
+    chosen: dict[Any, tuple[TensorPlan, int]] = {}
+    for bins in settings.bins:
+        if not pending:
+            break
+        config = QuantConfig(
+            bins=bins, prune=settings.prune, protect=0.0, min_numel=settings.min_numel, embedding_bins=bins
+        )
+        # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
+        parts = {str(pid): (targets[pid] if red.counts(pid) else targets[pid][:0]).reshape(-1, 1) for pid in pending}
+        shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
+        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts})
+
+        def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
+            """The fidelity sums of one target quantized under ``plan`` (zeros for a copy another process counts)."""
+            tp = plan.tensors[str(pid)]
+            codes, kept = quantize(targets[pid], tp)
+            decoded = torch.from_numpy(dequantize(codes, tp.centres, kept))
+            return fidelity_sums(targets[pid], decoded) if red.counts(pid) else np.zeros(4)
+
+        # tensor by tensor on the pool (the kernels release the GIL), a few at a time
+        sums = np.array(list(ordered_map(_POOL, sums_of, pending))).reshape(-1, 4)
+        sums = red.total(sums.reshape(-1)).reshape(-1, 4)  # the full tensors' sums
+        for pid, row in zip(pending, sums):
+            cos, rel = fidelity_from_sums(row)
+            if cos >= settings.min_cosine and rel <= settings.max_rel_error:
+                chosen[pid] = (plan.tensors[str(pid)], bins)
+        pending = [pid for pid in pending if pid not in chosen]
+    # the top of each chosen Adam scale's grid: the full tensor's maximum
+    adam = [pid for pid in chosen if candidates[pid].kind == ADAM]
+    tops = dict(zip(adam, red.maximum(np.array([local_top[pid] for pid in adam])))) if adam else {}
+    return chosen, bad, tops
+
+
 def encode_optimizer_state(
     state_dict: Mapping[str, Any],
     mode: str = "compress",
@@ -239,77 +326,45 @@ def encode_optimizer_state(
     # sizes of the full tensors (each process counts its own rows)
     local_numel = np.array([t.numel() if red.counts(pid) else 0 for pid, (_, t) in eligible.items()])
     numel = dict(zip(eligible, red.total(local_numel))) if eligible else {}
-    candidates: dict[Any, tuple[str, torch.Tensor, torch.Tensor | None]] = {}  # pid -> (kind, target, scale)
-    for pid, (kind, t) in eligible.items():
-        if numel[pid] < settings.min_numel:
-            continue
-        if kind == ADAM:
-            entry = state_dict["state"][pid]
-            u, s = adam_to_update_scale(entry["exp_avg"], entry["exp_avg_sq"], eps_of[pid])
-            candidates[pid] = (ADAM, u, s)
-        else:
-            candidates[pid] = (SGD, t.detach().to("cpu", torch.float32).reshape(-1), None)
-    # moments holding NaN or inf (in any process's rows) cannot be quantized: kept as they are
-    local_bad = [
-        red.counts(pid) and not all(all_finite(x) for x in c[1:] if x is not None)
-        for pid, c in candidates.items()
-    ]
-    totals = red.total(np.array(local_bad, dtype=np.float64)) if candidates else []
-    bad = [pid for pid, n in zip(list(candidates), totals) if n > 0]
-    names = {ADAM: "Adam moments (exp_avg, exp_avg_sq)", SGD: "momentum_buffer"}
-    refuse_or_warn_non_finite([f"the {names[candidates[pid][0]]} of parameter {pid}" for pid in bad], non_finite, where)
-    for pid in bad:
-        del candidates[pid]
-
+    candidates = {
+        pid: _Moment(kind, state_dict["state"][pid], eps_of[pid])
+        for pid, (kind, _) in eligible.items()
+        if numel[pid] >= settings.min_numel
+    }
+    # the decisions, a group of parameters at a time (the same groups on every process: by the
+    # full sizes): each group's targets exist only while it is decided, and the store makes them
+    # again when it encodes them, so a save never holds the whole optimizer's float32 forms
     chosen: dict[Any, tuple[TensorPlan, int]] = {}
-    pending = dict(candidates)
-    for bins in settings.bins:
-        if not pending:
-            break
-        config = QuantConfig(
-            bins=bins, prune=settings.prune, protect=0.0, min_numel=settings.min_numel, embedding_bins=bins
-        )
-        # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
-        parts = {str(pid): (c[1] if red.counts(pid) else c[1][:0]).reshape(-1, 1) for pid, c in pending.items()}
-        shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
-        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts})
-
-        def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
-            """The fidelity sums of one moment quantized under ``plan`` (zeros for a copy another process counts)."""
-            tp = plan.tensors[str(pid)]
-            target = pending[pid][1].reshape(-1)
-            codes, kept = quantize(target, tp)
-            decoded = torch.from_numpy(dequantize(codes, tp.centres, kept))
-            return fidelity_sums(target, decoded) if red.counts(pid) else np.zeros(4)
-
-        # tensor by tensor on the pool (the kernels release the GIL), a few at a time
-        sums = np.array(list(ordered_map(_POOL, sums_of, list(pending)))).reshape(-1, 4)
-        sums = red.total(sums.reshape(-1)).reshape(-1, 4)  # the full tensors' sums
-        for pid, row in zip(list(pending), sums):
-            cos, rel = fidelity_from_sums(row)
-            if cos >= settings.min_cosine and rel <= settings.max_rel_error:
-                chosen[pid] = (plan.tensors[str(pid)], bins)
-                del pending[pid]
-
-    # the top of each chosen Adam scale's grid: the full tensor's maximum
-    adam = [pid for pid in chosen if candidates[pid][0] == ADAM]
-    local_top = [float(s.max()) if s.numel() else -np.inf for s in (candidates[p][2] for p in adam)]
-    tops = dict(zip(adam, red.maximum(np.array(local_top)))) if adam else {}
-
+    tops: dict[Any, float] = {}
+    bad: list[Any] = []
+    freed = ReleaseFreed()
+    for group in weighed_batches(list(candidates), numel.__getitem__, VALUES_IN_FLIGHT):
+        group_chosen, group_bad, group_tops = _decide(group, candidates, settings, red, numel)
+        chosen.update(group_chosen)
+        bad += group_bad
+        tops.update(group_tops)
+        freed.processed(int(sum(numel[pid] for pid in group)))
+    names = {ADAM: "Adam moments (exp_avg, exp_avg_sq)", SGD: "momentum_buffer"}
+    refuse_or_warn_non_finite(
+        [f"the {names[candidates[pid].kind]} of parameter {pid}" for pid in bad], non_finite, where
+    )
     report: dict[str, Any] = {"mode": "compress", "settings": settings.to_dict(), "lossless": [], "bins": {}}
     if bad:
         report["non_finite"] = bad  # stored losslessly: their moments hold NaN or inf
-    plan_by_tensor: dict[int, TensorPlan] = {}
-    for pid, (kind, target, scale) in candidates.items():
+    plan_by_leaf: dict[int, TensorPlan] = {}
+    for pid, moment in candidates.items():
+        if pid in bad:
+            continue
         if pid not in chosen:
             report["lossless"].append(pid)  # failed every bin count: kept as it is
             continue
         tp, bins = chosen[pid]
         report["bins"][str(pid)] = bins
-        original = state_dict["state"][pid]
-        if kind == ADAM:
-            u = target.reshape(original["exp_avg"].shape)
-            s = scale.reshape(u.shape)
+        original = moment.entry
+        if moment.kind == ADAM:
+            shape = tuple(original["exp_avg"].shape)
+            u = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.target().reshape(shape))
+            s = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.scale().reshape(shape))
             new_state[pid] = {
                 "step": original["step"],
                 "dq_moments": ADAM,
@@ -317,15 +372,16 @@ def encode_optimizer_state(
                 "dq_update": u,
                 "dq_scale": s,
             }
-            plan_by_tensor[id(u)] = tp
-            plan_by_tensor[id(s)] = scale_plan(s, eps_of[pid], settings.scale_step, top=float(tops[pid]))
+            plan_by_leaf[id(u)] = tp
+            plan_by_leaf[id(s)] = scale_plan(tops[pid], moment.eps, settings.scale_step)
         else:
-            buf = target.reshape(original["momentum_buffer"].shape)
+            shape = tuple(original["momentum_buffer"].shape)
+            buf = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.target().reshape(shape))
             new_state[pid] = {"dq_moments": SGD, "dq_dtype": str(original["momentum_buffer"].dtype), "dq_momentum": buf}
-            plan_by_tensor[id(buf)] = tp
+            plan_by_leaf[id(buf)] = tp
     tree = {**state_dict, "state": new_state}
-    _, tensors = flatten_tree(tree)
-    plans = {key: plan_by_tensor[id(t)] for key, t in tensors.items() if id(t) in plan_by_tensor}
+    _, leaves = flatten_tree(tree)
+    plans = {key: plan_by_leaf[id(t)] for key, t in leaves.items() if id(t) in plan_by_leaf}
     report["quantized"] = len(chosen)
     return OptimizerEncoding(tree, plans, report)
 

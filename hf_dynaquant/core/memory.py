@@ -1,0 +1,54 @@
+"""Memory freed during a long encode or decode, handed back to the operating system as it goes.
+
+glibc's malloc serves each thread from an arena of its own and, once a large block has been
+freed, raises its mmap threshold to that block's size (up to 32 MB). From then on a tensor's
+temporaries (float32 values, codes, coded streams) are carved from the pool threads' arenas and,
+once freed, mostly stay there, fragmented between live blocks, so the resident set grows with
+every tensor encoded, not with the few in flight. Measured at 124M parameters in bf16 (a save
+runs 3 x 124M values through the encoder): the save's peak extra memory was 1.44x the
+checkpoint, 0.81x with :class:`ReleaseFreed` trimming every 2^22 values (about a hundred
+``malloc_trim`` calls per save, a few milliseconds each); ``MALLOC_MMAP_THRESHOLD_`` gives the
+same, but it is the user's process-wide setting, not ours to change.
+
+``malloc_trim(0)`` returns the free pages of every arena (not only the top of the heap); it
+changes no allocator setting. Where the C library has no ``malloc_trim`` (macOS, musl) this
+does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+__all__ = ["TRIM_EVERY", "ReleaseFreed"]
+
+TRIM_EVERY = 1 << 22  # values processed between two trims
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
+
+
+class ReleaseFreed:
+    """Counts the values a loop has processed (and freed the temporaries of) and hands freed
+    memory back to the operating system every ``every`` of them. Used by one thread (the one
+    running the loop); the trim itself is safe from any thread."""
+
+    def __init__(self, every: int = TRIM_EVERY) -> None:
+        self.every, self._since = every, 0
+
+    def processed(self, values: int) -> None:
+        self._since += values
+        if self._since >= self.every:
+            self._since = 0
+            if _TRIM is not None:
+                _TRIM(0)
