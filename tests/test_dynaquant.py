@@ -416,6 +416,18 @@ def test_zero_sensitivity_is_pruned() -> None:
     assert np.all(codes.reshape(100, 100)[:, :40][~(codes.reshape(100, 100)[:, :40] == PROTECTED)] == PRUNED)
 
 
+def _bf16_mlp_with_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small bf16 MLP and its AdamW after three steps (both moments in bf16)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
     """A restore decodes the optimizer state parameter by parameter as the section's tensors
     arrive: the same state whatever the order they come in, a tensor that never comes is fetched
@@ -426,13 +438,7 @@ def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
     from hf_dynaquant.training.compressor import OPTIMIZER, read_optimizer_state
     from hf_dynaquant.training.optimizer_state import TensorKey, decode_optimizer_state
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _bf16_mlp_with_adam()
     comp = Compressor(model, tmp_path, QuantConfig(min_numel=256), optimizer=opt)
     comp.compress(1)
     with comp.store.open("step-1") as entry:
@@ -467,13 +473,7 @@ def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tm
     from hf_dynaquant.store.tree import DeferredTensor
     from hf_dynaquant.training import optimizer_state
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt = _bf16_mlp_with_adam()
     state = opt.state_dict()
     together = optimizer_state.encode_optimizer_state(state)
     monkeypatch.setattr(optimizer_state, "VALUES_IN_FLIGHT", 1)  # every parameter a group of its own
