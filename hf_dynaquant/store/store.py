@@ -382,12 +382,10 @@ class EntryReader:
                 weight=lambda n: math.prod(records[n]["shape"]),
                 budget=VALUES_IN_FLIGHT,
             )
-            freed = ReleaseFreed()
             for name, tensor in zip(targets, tensors):
                 for each in (name, *aliases.pop(name, [])):
                     yield each, tensor
                     bar.update()
-                freed.processed(tensor.numel())
             for names in aliases.values():  # aliases of no stored tensor: decoding raises what is wrong
                 for name in names:
                     yield name, self.tensor(section, name)
