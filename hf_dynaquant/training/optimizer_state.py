@@ -221,6 +221,11 @@ class _Moment:
         return adam_scale(self.entry["exp_avg_sq"], self.eps)
 
 
+def _deferred(make: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> DeferredTensor:
+    """A tree leaf of ``shape`` that the store makes with ``make()`` (flat) when it encodes it."""
+    return DeferredTensor(shape, lambda: make().reshape(shape))
+
+
 def _decide(
     group: list[Any],
     candidates: Mapping[Any, _Moment],
@@ -368,8 +373,7 @@ def encode_optimizer_state(
         original = moment.entry
         if moment.kind == ADAM:
             shape = tuple(original["exp_avg"].shape)
-            u = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.target().reshape(shape))
-            s = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.scale().reshape(shape))
+            u, s = _deferred(moment.target, shape), _deferred(moment.scale, shape)
             new_state[pid] = {
                 "step": original["step"],
                 "dq_moments": ADAM,
@@ -381,7 +385,7 @@ def encode_optimizer_state(
             plan_by_leaf[id(s)] = scale_plan(tops[pid], moment.eps, settings.scale_step)
         else:
             shape = tuple(original["momentum_buffer"].shape)
-            buf = DeferredTensor(shape, lambda moment=moment, shape=shape: moment.target().reshape(shape))
+            buf = _deferred(moment.target, shape)
             new_state[pid] = {"dq_moments": SGD, "dq_dtype": str(original["momentum_buffer"].dtype), "dq_momentum": buf}
             plan_by_leaf[id(buf)] = tp
     tree = {**state_dict, "state": new_state}
