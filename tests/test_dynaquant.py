@@ -465,6 +465,113 @@ def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
     assert set(reference["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_restored_momentum_keeps_the_original_norm_and_step_size(tmp_path) -> None:
+    """The quantizer's centres (about the means of their bins) change a momentum's length (Adam's
+    update, SGD's buffer); the stored norm gain gives the restored one the original's L2 norm,
+    its direction within the checked cosine. Adam's scale rounded on its log grid makes steps
+    longer on average; the stored scale gain makes their mean the original's."""
+    from hf_dynaquant.core.moments import fidelity
+    from hf_dynaquant.training.optimizer_state import MomentQuant
+
+    def updates(state: dict) -> dict:
+        out = {}
+        for pid, entry in state["state"].items():
+            if "exp_avg" in entry:
+                out[pid] = entry["exp_avg"].float() / (entry["exp_avg_sq"].float().sqrt() + 1e-8)
+            else:
+                out[pid] = entry["momentum_buffer"].float()
+        return out
+
+    adam_model, adam = _bf16_mlp_with_adam()
+    torch.manual_seed(1)
+    sgd_model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        sgd_model(torch.randn(16, 64)).pow(2).mean().backward()
+        sgd.step()
+        sgd.zero_grad()
+    for name, (model, opt, fresh) in {
+        "adam": (adam_model, adam, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
+        "sgd": (sgd_model, sgd, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+    }.items():
+        comp = Compressor(model, tmp_path / name, QuantConfig(min_numel=256), optimizer=opt)
+        comp.compress(1)
+        with comp.store.open("step-1") as entry:
+            stored = {pid: e for pid, e in entry.tree("optimizer")["state"].items() if "dq_gain" in e}
+        gains = [e["dq_gain"] for e in stored.values()]
+        assert len(gains) == 3 and max(abs(g - 1) for g in gains) > 0.01, (name, gains)  # a gain to test
+        into = fresh(model)
+        comp.restore(1, optimizer=into)
+        live, back = updates(opt.state_dict()), updates(into.state_dict())
+        for pid in stored:
+            cos, _ = fidelity(live[pid], back[pid])
+            assert cos >= MomentQuant().min_cosine, (name, pid)
+            assert float(back[pid].norm()) == pytest.approx(float(live[pid].norm()), rel=1e-2), (name, pid)
+            if name == "adam":  # the mean step-size factor a restore leaves is 1, not the grid's ~1.04
+                scale_gain = stored[pid]["dq_scale_gain"]
+                assert 1.01 < scale_gain < 1.08, pid
+                denominator = lambda state: state["state"][pid]["exp_avg_sq"].float().sqrt() + 1e-8  # noqa: E731
+                factor = denominator(opt.state_dict()) / denominator(into.state_dict())
+                assert float(factor.mean()) == pytest.approx(1.0, abs=0.01), pid
+
+
+def test_scale_gain_is_the_mean_shortfall_on_the_grid_in_use() -> None:
+    """The scale gain of values spread evenly over many bins is ``sinh(h/2)/(h/2)``; its sums add
+    over any split; a grid widened for a scale that spans too many steps gets the widened
+    grid's gain."""
+    import math
+
+    from hf_dynaquant.core.moments import MAX_SCALE_LEVELS, adam_scale, grid_step, scale_gain, scale_gain_sums
+    from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
+
+    eps = 1e-8
+    s = math.log(eps) + torch.linspace(0, 40, 400_001)
+    for h in (1.0, 0.5):
+        assert scale_gain(scale_gain_sums(s, eps, h)) == pytest.approx(math.sinh(h / 2) / (h / 2), abs=1e-3)
+    halves = scale_gain_sums(s[:1234], eps, 1.0) + scale_gain_sums(s[1234:], eps, 1.0)
+    assert np.allclose(halves, scale_gain_sums(s, eps, 1.0), rtol=1e-12)
+    assert scale_gain(np.zeros(2)) == 1.0
+    assert grid_step(math.log(eps) + 40, eps, 1.0) == 1.0
+    assert grid_step(math.log(eps) + 40, eps, 0.01) == pytest.approx(40 / (MAX_SCALE_LEVELS - 1))
+
+    _, opt = _bf16_mlp_with_adam()
+    state = opt.state_dict()
+    encoded = encode_optimizer_state(state, settings=MomentQuant(scale_step=0.01))
+    assert encoded is not None
+    scale = adam_scale(state["state"][0]["exp_avg_sq"], eps)
+    widened = grid_step(float(scale.max()), eps, 0.01)
+    assert widened > 0.01
+    expected = scale_gain(scale_gain_sums(scale, eps, widened))
+    assert encoded.tree["state"][0]["dq_scale_gain"] == pytest.approx(expected, rel=1e-12)
+    assert expected != pytest.approx(scale_gain(scale_gain_sums(scale, eps, 0.01)), rel=1e-6)
+
+
+def test_moment_gains_are_checked_when_decoded() -> None:
+    """An entry without gains (written before they existed) decodes with none; a gain that is not
+    a positive finite number is refused, naming the parameter."""
+    from hf_dynaquant.errors import FormatError
+    from hf_dynaquant.training.optimizer_state import TensorKey, decode_optimizer_state
+
+    u, s = torch.tensor([0.5, -1.0, 0.25]), torch.tensor([-2.0, -1.0, 0.0])
+
+    def decoded(**gains: object) -> dict:
+        entry = {"dq_moments": "adam-v1", "dq_dtype": "torch.float32", "step": 3.0}
+        entry |= {"dq_update": TensorKey("u"), "dq_scale": TensorKey("s"), **gains}
+        tree = {"state": {0: entry}, "param_groups": [{"params": [0], "eps": 1e-8}]}
+        tensors = iter([("u", u.clone()), ("s", s.clone())])
+        return decode_optimizer_state(tree, tensors, lambda key: None, where="step 7")["state"][0]
+
+    assert torch.allclose(decoded()["exp_avg"], u * s.exp())
+    assert torch.allclose(decoded()["exp_avg_sq"], (s.exp() - 1e-8) ** 2)
+    both = decoded(dq_gain=2.0, dq_scale_gain=1.5)
+    assert torch.allclose(both["exp_avg"], 2 * u * ((s.exp() - 1e-8) * 1.5 + 1e-8))
+    assert torch.allclose(both["exp_avg_sq"], ((s.exp() - 1e-8) * 1.5) ** 2)
+    for key, name in (("dq_gain", "moment norm gain"), ("dq_scale_gain", "scale gain")):
+        for bad in (-1.0, 0.0, float("nan"), float("inf"), "2", True, None):
+            with pytest.raises(FormatError, match=f"step 7: parameter 0 has a {name}"):
+                decoded(**{key: bad})
+
+
 def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:
     """A save never holds the whole optimizer's float32 update and scale: the fidelity decisions
     take a group of parameters at a time (here one each: the same plans and report as all at

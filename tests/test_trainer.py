@@ -215,6 +215,8 @@ def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
     trainer.train()
     live = trainer.optimizer.state_dict()
     _, stored, meta = read_checkpoint(checkpoint_store(tmp_path), "checkpoint-4")
+    with checkpoint_store(tmp_path).open("checkpoint-4") as entry:
+        trees = entry.tree("optimizer")["state"]
     report = meta["optimizer_state"]
     settings = MomentQuant()  # the defaults the callback used
     assert report["mode"] == "compress" and report["quantized"] >= 8
@@ -226,7 +228,11 @@ def test_compressed_adam_state_passes_fidelity(tmp_path, data) -> None:
         upd_dec = got["exp_avg"] / (got["exp_avg_sq"].sqrt() + eps)
         cos = torch.nn.functional.cosine_similarity(upd.flatten(), upd_dec.flatten(), dim=0)
         assert cos >= settings.min_cosine, pid  # the fidelity every stored update is checked for
-        ratio = (got["exp_avg_sq"].sqrt() + eps) / (st["exp_avg_sq"].sqrt() + eps)
+        assert float(upd_dec.norm()) == pytest.approx(float(upd.norm()), rel=1e-4), pid  # and its length kept
+        # sqrt(v) is the rounded one times the scale gain (the grid's mean shortfall, about 1.04)
+        scale_gain = trees[pid]["dq_scale_gain"]
+        assert abs(math.log(scale_gain)) <= settings.scale_step / 2, pid  # a mean of exp(rounding error)
+        ratio = (got["exp_avg_sq"].sqrt() / scale_gain + eps) / (st["exp_avg_sq"].sqrt() + eps)
         assert float((ratio - 1).abs().max()) <= math.exp(settings.scale_step / 2) - 1 + 1e-4  # the grid's bound
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -42,6 +42,10 @@ from ..core.moments import (
     adam_update,
     fidelity_from_sums,
     fidelity_sums,
+    grid_step,
+    norm_gain,
+    scale_gain,
+    scale_gain_sums,
     scale_plan,
     update_scale_to_adam,
 )
@@ -91,22 +95,17 @@ class MomentQuant:
         min_numel: smaller tensors stay lossless.
 
     The defaults accept a coarse update (2-3 bins where they keep cosine 0.7 and a 75% relative
-    error) and a coarse scale because a restored optimizer state matters briefly: an error in
-    Adam's first moment fades at rate ``beta1`` per step (75% is under 10% twenty steps later),
-    and the scale only sets each weight's step size. ``benchmarks/bench_trainer.py`` measured the
-    end-to-end effect over a training run with ten restores: with the earlier, finer defaults
-    (6 bins at cosine 0.9, a 0.5-nat grid, tensors under 256 values lossless) the run ended
-    +0.61%, with these +0.24%, at 1.4 instead of 2.3 bits per update and 0.5 instead of 0.8 per
-    scale on deltas (``benchmarks/RESULTS.md``). The scale's error does not fade as fast: Adam's
-    ``beta2 = 0.999`` keeps it for ~1,000 steps. On a run settled over 1,200 steps (3 seeds, 10
-    restores) the 1-nat grid ended -1.83 ± 0.76% in eval loss (faster training, every seed),
-    ``scale_step=0.5`` -1.30%, ``0.25`` -0.63 ± 0.62% at 26x instead of 34x on the whole
-    checkpoint: use 0.25 where a run must follow the uncompressed trajectory closely.
-    Restores a few steps apart, early in training, cost fidelity through the update instead
-    (its error has no time to fade between restores). With 10 restores 4 steps apart, a 109M
-    GPT-2 ended +3.8% in eval loss (+0.2% with the optimizer state lossless). At 0.43M the same
-    job ended +1.6% with these defaults and -0.1% with ``min_cosine=0.97, max_rel_error=0.25``,
-    at 28x instead of 48x on the whole checkpoint (``benchmarks/RESULTS.md``).
+    error) and a coarse scale, because a restored optimizer state matters briefly and the
+    decoder removes what would bias the restored run: the update keeps its original length (the
+    norm gain) and Adam's steps their mean length (the scale gain; see
+    :mod:`hf_dynaquant.core.moments`). Measured with ``benchmarks/bench_trainer.py``
+    (``benchmarks/RESULTS.md``, "Unbiased optimizer state"): a 1,200-step run restored ten times
+    ends +0.03 ± 0.76% in eval loss against the plain run (three seeds). Restores a few steps
+    apart early in training are the hard case: the update's direction error has no time to fade
+    between them (``beta1**4 = 0.66`` of it is left at the next restore). Ten restores four
+    steps apart ended +2.00 ± 1.12% with these defaults (0.43M parameters, six seeds) and
+    +0.68 ± 0.81% with ``min_cosine=0.97, max_rel_error=0.25``, which costs about 40% of the
+    whole-checkpoint ratio (29x instead of 47x); a run that restores that often sets those.
     """
 
     bins: tuple[int, ...] = (2, 3, 4, 6, 8, 16, 32)
@@ -221,6 +220,18 @@ class _Moment:
         return adam_scale(self.entry["exp_avg_sq"], self.eps)
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """How one parameter's target is quantized: its plan, the bin count that passed the fidelity
+    check, and the gains the decoder applies (:func:`~hf_dynaquant.core.moments.norm_gain`,
+    of the full tensor: the same on every process)."""
+
+    plan: TensorPlan
+    bins: int
+    gain: float
+    scale_gain: float = 1.0  # Adam's (:func:`~hf_dynaquant.core.moments.scale_gain`)
+
+
 def _deferred(make: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> DeferredTensor:
     """A tree leaf of ``shape`` that the store makes with ``make()`` (flat) when it encodes it."""
     return DeferredTensor(shape, lambda: make().reshape(shape))
@@ -232,32 +243,36 @@ def _decide(
     settings: MomentQuant,
     red: Reductions,
     numel: Mapping[Any, int],
-) -> tuple[dict[Any, tuple[TensorPlan, int]], list[Any], dict[Any, float]]:
-    """For the parameters of ``group`` (every process calls this with the same group): the plan
-    and bin count of each whose target passes the fidelity check at some bin count, the ones
-    whose moments hold NaN or inf, and the top of each Adam scale (over the processes)."""
+) -> tuple[dict[Any, _Choice], list[Any], dict[Any, float]]:
+    """For the parameters of ``group`` (every process calls this with the same group): the
+    choice for each whose target passes the fidelity check at some bin count, the ones whose
+    moments hold NaN or inf, and the top of each Adam scale (over the processes)."""
 
-    def facts(pid: Any) -> tuple[torch.Tensor, bool, float]:
-        """The target, whether it and the scale are finite, and the scale's maximum (this process's)."""
+    def facts(pid: Any) -> tuple[torch.Tensor, bool, float, np.ndarray]:
+        """The target, whether it and the scale are finite, and the scale's maximum and scale
+        gain sums on the configured grid (this process's)."""
         moment = candidates[pid]
-        target, top = moment.target(), -math.inf
+        target, top, gain_sums = moment.target(), -math.inf, np.zeros(2)
         finite = all_finite(target)
         if moment.kind == ADAM:
             scale = moment.scale()
             finite = finite and all_finite(scale)
             top = float(scale.max()) if scale.numel() else -math.inf
-        return target, finite, top
+            if finite:
+                gain_sums = scale_gain_sums(scale, moment.eps, settings.scale_step)
+        return target, finite, top, gain_sums
 
     targets: dict[Any, torch.Tensor] = {}
-    local_bad, local_top = [], {}
-    for pid, (target, finite, top) in zip(group, ordered_map(_POOL, facts, group)):
+    local_bad, local_top, local_gain_sums = [], {}, {}
+    for pid, (target, finite, top, gain_sums) in zip(group, ordered_map(_POOL, facts, group)):
         targets[pid] = target
         local_bad.append(red.counts(pid) and not finite)
         local_top[pid] = top
+        local_gain_sums[pid] = gain_sums if red.counts(pid) else np.zeros(2)
     # moments holding NaN or inf (in any process's rows) cannot be quantized: kept as they are
     bad = [pid for pid, n in zip(group, red.total(np.array(local_bad, dtype=np.float64))) if n > 0]
     pending = [pid for pid in group if pid not in bad]
-    chosen: dict[Any, tuple[TensorPlan, int]] = {}
+    chosen: dict[Any, _Choice] = {}
     for bins in settings.bins:
         if not pending:
             break
@@ -282,11 +297,21 @@ def _decide(
         for pid, row in zip(pending, sums):
             cos, rel = fidelity_from_sums(row)
             if cos >= settings.min_cosine and rel <= settings.max_rel_error:
-                chosen[pid] = (plan.tensors[str(pid)], bins)
+                chosen[pid] = _Choice(plan.tensors[str(pid)], bins, norm_gain(row))
         pending = [pid for pid in pending if pid not in chosen]
-    # the top of each chosen Adam scale's grid: the full tensor's maximum
+    # the top of each chosen Adam scale's grid (the full tensor's maximum), and its scale gain
+    # on that grid (the configured one unless the scale spans too many steps for it)
     adam = [pid for pid in chosen if candidates[pid].kind == ADAM]
-    tops = dict(zip(adam, red.maximum(np.array([local_top[pid] for pid in adam])))) if adam else {}
+    if not adam:
+        return chosen, bad, {}
+    tops = dict(zip(adam, red.maximum(np.array([local_top[pid] for pid in adam]))))
+    for pid in adam:
+        step = grid_step(tops[pid], candidates[pid].eps, settings.scale_step)
+        if step != settings.scale_step and red.counts(pid):
+            local_gain_sums[pid] = scale_gain_sums(candidates[pid].scale(), candidates[pid].eps, step)
+    gain_sums = red.total(np.concatenate([local_gain_sums[pid] for pid in adam])).reshape(-1, 2)
+    for pid, row in zip(adam, gain_sums):
+        chosen[pid] = replace(chosen[pid], scale_gain=scale_gain(row))
     return chosen, bad, tops
 
 
@@ -344,7 +369,7 @@ def encode_optimizer_state(
     # the decisions, a group of parameters at a time (the same groups on every process: by the
     # full sizes): each group's targets exist only while it is decided, and the store makes them
     # again when it encodes them, so a save never holds the whole optimizer's float32 forms
-    chosen: dict[Any, tuple[TensorPlan, int]] = {}
+    chosen: dict[Any, _Choice] = {}
     tops: dict[Any, float] = {}
     bad: list[Any] = []
     freed = ReleaseFreed()
@@ -368,8 +393,8 @@ def encode_optimizer_state(
         if pid not in chosen:
             report["lossless"].append(pid)  # failed every bin count: kept as it is
             continue
-        tp, bins = chosen[pid]
-        report["bins"][str(pid)] = bins
+        choice = chosen[pid]
+        report["bins"][str(pid)] = choice.bins
         original = moment.entry
         if moment.kind == ADAM:
             shape = tuple(original["exp_avg"].shape)
@@ -380,14 +405,21 @@ def encode_optimizer_state(
                 "dq_dtype": str(original["exp_avg"].dtype),
                 "dq_update": u,
                 "dq_scale": s,
+                "dq_gain": choice.gain,
+                "dq_scale_gain": choice.scale_gain,
             }
-            plan_by_leaf[id(u)] = tp
+            plan_by_leaf[id(u)] = choice.plan
             plan_by_leaf[id(s)] = scale_plan(tops[pid], moment.eps, settings.scale_step)
         else:
             shape = tuple(original["momentum_buffer"].shape)
             buf = _deferred(moment.target, shape)
-            new_state[pid] = {"dq_moments": SGD, "dq_dtype": str(original["momentum_buffer"].dtype), "dq_momentum": buf}
-            plan_by_leaf[id(buf)] = tp
+            new_state[pid] = {
+                "dq_moments": SGD,
+                "dq_dtype": str(original["momentum_buffer"].dtype),
+                "dq_momentum": buf,
+                "dq_gain": choice.gain,
+            }
+            plan_by_leaf[id(buf)] = choice.plan
     tree = {**state_dict, "state": new_state}
     _, leaves = flatten_tree(tree)
     plans = {key: plan_by_leaf[id(t)] for key, t in leaves.items() if id(t) in plan_by_leaf}
@@ -468,6 +500,16 @@ def _filled(obj: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
     return obj
 
 
+def _gain(entry: Mapping[str, Any], key: str, pid: Any, where: str) -> float:
+    """A stored gain (``dq_gain`` or ``dq_scale_gain``): 1.0 where the entry has none (written
+    before it existed), refused unless a positive finite number."""
+    gain = entry.get(key, 1.0)
+    if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 < gain < math.inf:
+        name = {"dq_gain": "moment norm gain", "dq_scale_gain": "scale gain"}[key]
+        raise FormatError(f"{where}: parameter {pid} has a {name} {gain!r}, not a positive finite number")
+    return float(gain)
+
+
 def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str) -> Any:
     """One parameter's optimizer state back from its stored form (freshly decoded: its float32
     update and scale become the moments in place)."""
@@ -477,11 +519,20 @@ def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], whe
     dtype = _DTYPES.get(entry.get("dq_dtype", ""))
     if dtype is None:
         raise FormatError(f"{where}: parameter {pid} has an unknown moment dtype {entry.get('dq_dtype')!r}")
+    gain = _gain(entry, "dq_gain", pid, where)
     if kind == ADAM:
         if eps_of.get(pid) is None:
             raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
-        m, v = update_scale_to_adam(entry["dq_update"], entry["dq_scale"], eps_of[pid], dtype, inplace=True)
+        m, v = update_scale_to_adam(
+            entry["dq_update"],
+            entry["dq_scale"],
+            eps_of[pid],
+            dtype,
+            gain=gain,
+            scale_gain=_gain(entry, "dq_scale_gain", pid, where),
+            inplace=True,
+        )
         return {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
     if kind == SGD:
-        return {"momentum_buffer": entry["dq_momentum"].to(dtype)}
+        return {"momentum_buffer": entry["dq_momentum"].mul(gain).to(dtype)}
     raise FormatError(f"{where}: parameter {pid} uses moment encoding {kind!r}, unknown to this version")
