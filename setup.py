@@ -39,7 +39,9 @@ setup(
     ext_modules=[
         Extension(
             "hf_dynaquant.core._kernels",
-            sources=[f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta")],
+            sources=[
+                f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta", "ans")
+            ],
             depends=[f"{CSRC}/kernels.h"],
             optional=True,
         ),

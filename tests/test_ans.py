@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.core.ans import ans_decode, ans_encode
 from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes
+from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
 from hf_dynaquant.errors import CorruptCheckpointError
@@ -155,9 +156,10 @@ def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
 
 
 def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch) -> None:
-    """The coder sees at most ``_SLICE`` symbols at once (bounded memory); the stream is the same."""
+    """constriction sees at most ``_SLICE`` symbols at once (bounded memory); the stream is the same."""
     import hf_dynaquant.core.ans as ans
 
+    monkeypatch.setattr(ans, "native", None)  # constriction's path (the C kernels take whole groups)
     rng = np.random.default_rng(3)
     symbols = rng.choice(5, 12_345, p=[0.1, 0.2, 0.3, 0.3, 0.1]).astype(np.uint8)
     groups = np.array([5000, 0, 7345])
@@ -166,3 +168,33 @@ def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch)
     assert ans_encode(symbols, groups) == whole
     monkeypatch.setattr(ans, "_SLICE", 777)
     assert np.array_equal(ans_decode(whole, symbols.size, groups), symbols)
+
+
+@pytest.mark.skipif(native is None, reason="the C kernels are not built")
+def test_c_kernels_code_constrictions_streams_bit_for_bit(monkeypatch) -> None:
+    """The C coder writes the words constriction writes and reads them back to the same symbols,
+    on skewed alphabets of 2-256 symbols with gaps (counts of 0 inside the alphabet), symbols
+    seen once among hundreds of thousands, and several groups in one stream; its cumulative
+    tables are constriction's quantization (which sums the probabilities left to right: a
+    pairwise sum would give other tables for some of these)."""
+    import hf_dynaquant.core.ans as ans
+
+    rng = np.random.default_rng(7)
+    cases = []
+    for _ in range(120):
+        k = int(rng.integers(2, 257))
+        p = rng.pareto(1.0, k) * (rng.random(k) < 0.7)  # skewed, with gaps
+        p[rng.integers(k)] += 1.0
+        sizes = rng.integers(0, 3000, int(rng.integers(1, 5)))
+        symbols = np.concatenate([rng.choice(k, int(n), p=p / p.sum()) for n in sizes]).astype(np.uint8)
+        cases.append((symbols, sizes))
+    rare = np.zeros(400_000, np.uint8)
+    rare[[5, 200_000]] = [1, 37]  # two symbols seen once, a gap between them
+    cases.append((rare, np.array([rare.size])))
+    for symbols, sizes in cases:
+        ours = ans_encode(symbols, sizes)
+        assert np.array_equal(ans_decode(ours, symbols.size, sizes), symbols)
+        with monkeypatch.context() as patch:
+            patch.setattr(ans, "native", None)
+            assert ans_encode(symbols, sizes) == ours
+            assert np.array_equal(ans_decode(ours, symbols.size, sizes), symbols)

@@ -4,10 +4,13 @@ Quantized codes and their deltas are streams of a few distinct byte values with 
 histogram. zstd's Huffman stage spends whole bits per symbol and a block header per 128 KiB,
 which on such streams measured 1.4-1.5x their order-0 entropy (4-level codes: 2.15 bits per
 value against 1.55; deltas after a restore: 353 KB against 233 KB over a training run). An
-asymmetric numeral system (rANS, Duda 2013) reaches the entropy to within a few bytes. We use
-``constriction``'s ``AnsCoder`` (Bamler 2022: a maintained Rust implementation with 32-bit
-words and 24-bit probabilities, over 100 M symbols/s each way on one core here) rather than
-a coder of our own.
+asymmetric numeral system (rANS, Duda 2013) reaches the entropy to within a few bytes. The
+streams are those of ``constriction``'s ``AnsCoder`` (Bamler 2022: a maintained Rust
+implementation with 32-bit words, a 64-bit state and 24-bit probabilities), which is the
+reference implementation here. constriction holds the GIL while it codes, so a restore's
+decoding ran on one core at about 50 M symbols/s and held up every other thread; the C kernels
+(``csrc/ans.c``) code the same streams bit for bit with the GIL released, and are used when
+built (the tests hold them to constriction's words and symbols).
 
 The stream may be cut into *groups*: consecutive runs of symbols, each coded with its own
 histogram (the delta encoder's groups are the previous checkpoint's codes, so a group's
@@ -27,6 +30,7 @@ import constriction
 import numpy as np
 
 from .histogram import byte_counts
+from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
 __all__ = ["ans_encode", "ans_decode"]
@@ -41,6 +45,37 @@ def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
     """The group's model: a pure function of its exact counts, so encoder and decoder agree."""
     freq = counts.astype(np.float64)
     return constriction.stream.model.Categorical(freq / freq.sum(), perfect=False)
+
+
+def quantized_cdf(counts: np.ndarray) -> np.ndarray:
+    """The cumulative table (``uint32``, ``K + 1`` entries from 0 to ``2**24``) that
+    :func:`_model` makes of ``counts``, computed as constriction 0.5 does
+    (``fast_quantized_cdf``): ``p = counts / sum``, the running sum of ``p`` added left to right
+    in float64 (``np.cumsum`` is sequential, unlike ``np.sum``), ``cdf[i] = floor(sum_{j<i} p_j *
+    (2**24 - K) / sum_j p_j) + i``. Every symbol, even one of count 0, gets a frequency of at least 1."""
+    freq = counts.astype(np.float64)
+    p = freq / freq.sum()
+    running = np.cumsum(p)
+    scale = float((1 << 24) - p.size) / float(running[-1])
+    cdf = np.empty(p.size + 1, dtype=np.uint32)
+    cdf[0] = 0
+    cdf[1:-1] = (running[:-1] * scale).astype(np.uint32) + np.arange(1, p.size, dtype=np.uint32)
+    cdf[-1] = 1 << 24
+    return cdf
+
+
+def _tables(coded: list[tuple[int, int, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """The C kernels' arguments for coded groups ``(start, stop, counts)``: the concatenated
+    cumulative tables, each one's offset and symbol count, the starts and the stops."""
+    cdfs = [quantized_cdf(counts) for _, _, counts in coded]
+    offsets = np.cumsum([0] + [c.size for c in cdfs[:-1]], dtype=np.int64)
+    return (
+        np.concatenate(cdfs) if cdfs else np.zeros(0, np.uint32),
+        offsets,
+        np.array([c.size - 1 for c in cdfs], dtype=np.int64),
+        np.array([start for start, _, _ in coded], dtype=np.int64),
+        np.array([stop for _, stop, _ in coded], dtype=np.int64),
+    )
 
 
 def _sizes(n: int, groups: np.ndarray | None) -> np.ndarray:
@@ -58,18 +93,22 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None) -> bytes:
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     table, coded = [], []
     for g in np.flatnonzero(sizes):
-        part = sym[bounds[g] : bounds[g + 1]]
-        counts = byte_counts(part)
+        start, stop = int(bounds[g]), int(bounds[g + 1])
+        counts = byte_counts(sym[start:stop])
         table += [counts.size, *counts.tolist()]
         if np.count_nonzero(counts) > 1:
-            coded.append((part, counts))
-    coder = constriction.stream.stack.AnsCoder()
-    for part, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
-        model = _model(counts)
-        for start in reversed(range(0, part.size, _SLICE)):
-            coder.encode_reverse(part[start : start + _SLICE].astype(np.int32), model)
+            coded.append((start, stop, counts))
     header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
-    words = coder.get_compressed().astype("<u4").tobytes()
+    if native is not None:
+        cdf, offsets, _, starts, stops = _tables(coded)
+        words = native.ans_encode(sym, cdf, offsets, starts, stops)  # little-endian words
+    else:
+        coder = constriction.stream.stack.AnsCoder()
+        for start, stop, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
+            model = _model(counts)
+            for at in reversed(range(start, stop, _SLICE)):
+                coder.encode_reverse(sym[at : min(at + _SLICE, stop)].astype(np.int32), model)
+        words = coder.get_compressed().astype("<u4").tobytes()
     return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + words
 
 
@@ -97,18 +136,23 @@ def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndar
         if np.count_nonzero(counts) == 1:
             out[bounds[g] : bounds[g + 1]] = int(np.flatnonzero(counts)[0])
         else:
-            coded.append((g, counts))
+            coded.append((int(bounds[g]), int(bounds[g + 1]), counts))
     if pos != table.size:
         raise ValueError("rANS table has entries for more groups than the stream has")
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
-    decoder = constriction.stream.stack.AnsCoder(words)
-    for g, counts in coded:
-        model = _model(counts)
-        for start in range(int(bounds[g]), int(bounds[g + 1]), _SLICE):
-            stop = min(start + _SLICE, int(bounds[g + 1]))
-            out[start:stop] = decoder.decode(model, stop - start)
-        if not np.array_equal(byte_counts(out[bounds[g] : bounds[g + 1]], counts.size), counts):
-            raise ValueError(f"rANS group {g} decodes to a histogram other than its table's")
-    if not decoder.is_empty():
+    if native is not None:
+        left, state = native.ans_decode(words, *_tables(coded), out)
+        empty = left == 0 and state == 0
+    else:
+        decoder = constriction.stream.stack.AnsCoder(words)
+        for start, stop, counts in coded:
+            model = _model(counts)
+            for at in range(start, stop, _SLICE):
+                out[at : min(at + _SLICE, stop)] = decoder.decode(model, min(at + _SLICE, stop) - at)
+        empty = decoder.is_empty()
+    for start, stop, counts in coded:
+        if not np.array_equal(byte_counts(out[start:stop], counts.size), counts):
+            raise ValueError(f"rANS group of symbols {start}-{stop} decodes to a histogram other than its table's")
+    if not empty:
         raise ValueError("rANS stream has words left over after its last symbol")
     return out

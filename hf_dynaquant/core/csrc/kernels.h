@@ -8,6 +8,7 @@
  *   moments.c    the float64 sums of the optimizer moments' fidelity check (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
  *                previous codes (delta.py), and counts of uint8 symbols (histogram.py);
+ *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
 #define HF_DYNAQUANT_KERNELS_H
@@ -28,5 +29,7 @@ PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
+PyObject *py_ans_encode(PyObject *self, PyObject *args);
+PyObject *py_ans_decode(PyObject *self, PyObject *args);
 
 #endif

@@ -19,6 +19,10 @@ static PyMethodDef methods[] = {
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
+    {"ans_encode", py_ans_encode, METH_VARARGS,
+     "ans_encode(symbols, cdf, cdf_offsets, starts, stops) -> rANS words (constriction's stream)"},
+    {"ans_decode", py_ans_decode, METH_VARARGS,
+     "ans_decode(words, cdf, cdf_offsets, sizes, starts, stops, out) -> (words left, final state)"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
     {NULL, NULL, 0, NULL}};
 
