@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -156,12 +157,14 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
     grouped, back = regroup(values, prev), ungroup(regroup(values, prev), prev)
     deltas = {levels: cyclic_delta(prev % levels, values % levels, levels) for levels in (2, 7, 255)}
     full = cyclic_delta(prev, values, 256)
+    unbounded = cyclic_delta(prev, values, 7)  # codes past the levels (a corrupt stream) as well
     monkeypatch.setattr(delta_mod, "native", None)  # the numpy reference
     assert np.array_equal(regroup(values, prev), grouped)
     assert np.array_equal(back, values)
     for levels, delta in deltas.items():
         assert np.array_equal(cyclic_delta(prev % levels, values % levels, levels), delta)
     assert np.array_equal(cyclic_delta(prev, values, 256), full)
+    assert np.array_equal(cyclic_delta(prev, values, 7), unbounded)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])
@@ -183,6 +186,75 @@ def test_fidelity_kernel_matches_float64_reference(monkeypatch) -> None:
     sums = moments_mod.fidelity_sums(a, b)
     monkeypatch.setattr(moments_mod, "native", None)
     np.testing.assert_allclose(sums, moments_mod.fidelity_sums(a, b), rtol=1e-9)
+
+
+def _special_moments(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adam moments with every special case: zeros, a negative and NaN v, NaN and inf m."""
+    g = torch.Generator().manual_seed(5)
+    m = (torch.randn(317 * 313, generator=g) * 1e-3).to(dtype)
+    v = (torch.randn(317 * 313, generator=g) * 1e-3).square().to(dtype)
+    v[:5] = torch.tensor([0.0, -1e-9, float("nan"), 1e-30, 4.0], dtype=dtype)
+    m[5:8] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    m[8] = 0.0
+    return m, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_update_kernel_matches_torch(monkeypatch, dtype) -> None:
+    """The compiled update is torch's to an ulp (torch's vectorised sqrt is not always
+    correctly rounded), NaN and inf where torch has them, from float32 and bf16 moments."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    m, v = (t.view(317, 313) for t in _special_moments(dtype))
+    fast = moments_mod.adam_update(m, v, 1e-8)
+    monkeypatch.setattr(moments_mod, "native", None)
+    reference = moments_mod.adam_update(m, v, 1e-8)
+    assert fast.dtype == torch.float32 and fast.shape == m.shape
+    torch.testing.assert_close(fast, reference, rtol=2.5e-7, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("step", [1.0, 0.25, 3.0])
+def test_scale_stats_kernel_matches_torch(monkeypatch, step) -> None:
+    """Finiteness, maximum and scale-gain sums of the compiled pass agree with torch's (the
+    vectorised exp to 1e-7; a step above 1 takes the C library's exp)."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    _, v = _special_moments(torch.float32)
+    scale = moments_mod.adam_scale(v[3:], 1e-8)  # finite (no NaN v)
+    bad = scale.clone()
+    bad[17] = float("inf")
+    fast = [moments_mod.scale_stats(s, 1e-8, step) for s in (scale, bad, scale[:0])]
+    monkeypatch.setattr(moments_mod, "native", None)
+    finite, top, sums = moments_mod.scale_stats(scale, 1e-8, step)
+    assert fast[0][:2] == (True, top) and finite
+    np.testing.assert_allclose(fast[0][2], sums, rtol=2e-7)
+    assert not fast[1][0] and not moments_mod.scale_stats(bad, 1e-8, step)[0]
+    assert fast[2][0] and fast[2][1] == -math.inf and list(fast[2][2]) == [0.0, 0.0]
+
+
+def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
+    from hf_dynaquant.core import quantizer as quantizer_mod
+
+    assert quantizer_mod.native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 10, 50_001).astype(np.uint8)
+    centres = np.sort(rng.normal(size=8)).astype(np.float32)
+    count = int((codes == PROTECTED).sum())
+    protected = torch.randn(count).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    reference = rng.normal(size=codes.size).astype(np.float32)
+    fast = [dequantize(codes, centres, protected), dequantize(codes, centres, protected, reference)]
+    with pytest.raises(ValueError, match="protected values stored"):
+        dequantize(codes, centres, protected[1:])
+    with pytest.raises(ValueError, match="beyond the stored centres"):
+        dequantize(np.full(3, 10, np.uint8), centres, protected[:0])
+    monkeypatch.setattr(quantizer_mod, "native", None)
+    slow = [dequantize(codes, centres, protected), dequantize(codes, centres, protected, reference)]
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    with pytest.raises(ValueError, match="protected values stored"):
+        dequantize(codes, centres, protected[1:])
 
 
 def test_rle_rejects_malformed_streams() -> None:
@@ -609,3 +681,51 @@ def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tm
     for pid, values in restored["together"].items():
         for key, value in values.items():
             assert torch.equal(restored["apart"][pid][key], value), (pid, key)
+
+
+def test_pair_counts_is_joint_bincount(monkeypatch) -> None:
+    from hf_dynaquant.core import histogram as histogram_mod
+
+    rng = np.random.default_rng(8)
+    keys, values = (rng.integers(0, 256, 100_003).astype(np.uint8) for _ in range(2))
+    expected = np.bincount(keys.astype(np.int64) * 256 + values, minlength=65536).reshape(256, 256)
+    assert histogram_mod.native is not None, "the compiled kernels were not built"
+    assert np.array_equal(histogram_mod.pair_counts(keys, values), expected)
+    monkeypatch.setattr(histogram_mod, "native", None)
+    assert np.array_equal(histogram_mod.pair_counts(keys, values), expected)
+    with pytest.raises(ValueError, match="keys for"):
+        histogram_mod.pair_counts(keys[1:], values)
+
+
+def _codes_state(codes: np.ndarray) -> QuantState:
+    return QuantState(codes, 6, np.linspace(-1, 1, 4).astype(np.float32), np.zeros(0, np.uint16), "F32", codes.shape)
+
+
+def test_delta_size_is_known_before_coding_it(monkeypatch) -> None:
+    """The regrouped delta's and the keyframe's rANS sizes are known from their histograms to a
+    few bytes; a delta estimated no smaller than the keyframe is never coded."""
+    from hf_dynaquant.codecs import dynaquant as dynaquant_mod
+    from hf_dynaquant.core.ans import ans_encode
+    from hf_dynaquant.core.entropy import ans_bytes
+    from hf_dynaquant.core.histogram import byte_counts, pair_counts
+
+    rng = np.random.default_rng(9)
+    prev = rng.integers(2, 6, 400_000).astype(np.uint8)
+    moved = rng.random(prev.size) < 0.05
+    close = np.where(moved, rng.integers(2, 6, prev.size), prev).astype(np.uint8)  # a slow-moving tensor
+    delta = cyclic_delta(prev, close, 6)
+    for stream, groups, counts in [
+        (regroup(delta, prev), byte_counts(prev), pair_counts(prev, delta)),
+        (close, None, byte_counts(close)),
+    ]:
+        coded, estimate = len(ans_encode(stream, groups)), ans_bytes(counts)
+        assert abs(coded - estimate) <= 0.001 * estimate + 16
+    codec = DynaQuantCodec()
+    assert codec._encode_state(_codes_state(close), _codes_state(prev), {}).params["mode"] == "delta"
+    unrelated = rng.integers(2, 6, prev.size).astype(np.uint8)  # its delta's tables make it the larger
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the losing delta was coded")
+
+    monkeypatch.setattr(dynaquant_mod, "_delta_payload", refuse)
+    assert codec._encode_state(_codes_state(unrelated), _codes_state(prev), {}).params["mode"] == "keyframe"

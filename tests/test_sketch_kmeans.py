@@ -147,3 +147,20 @@ def test_magnitude_mode_leaves_earlier_signed_values_alone() -> None:
     mixed = LogSketch(0.01).add(x).add(x[:10], magnitude=True)
     assert mixed.negative.total == int((x < 0).sum())
     assert mixed.positive.total == int((x > 0).sum()) + 10
+
+
+def test_where_counts_only_the_selected_values(monkeypatch) -> None:
+    """``add(values, where=(codes, code))`` is the sketch of ``values[codes == code]``, from the
+    kernel (over several parts) and from the torch path alike."""
+    rng = np.random.default_rng(4)
+    values = rng.normal(size=(1 << 22) + 1001).astype(np.float32)  # more than one kernel part
+    values[:7] = [0.0, np.inf, -np.inf, 1e-40, -1e-40, 3.0, -3.0]
+    codes = rng.integers(0, 5, values.size).astype(np.uint8)
+    expected = LogSketch(0.001).add(values[codes == 2]).to_dict()
+    assert sketch_mod.native is not None, "the compiled kernels were not built"
+    assert LogSketch(0.001).add(values, where=(codes, 2)).to_dict() == expected
+    assert LogSketch(0.001).add(values, where=(codes, 9)).count == 0
+    with pytest.raises(ValueError, match="codes for"):
+        LogSketch(0.001).add(values, where=(codes[1:], 2))
+    monkeypatch.setattr(sketch_mod, "native", None)
+    assert LogSketch(0.001).add(values, where=(codes, 2)).to_dict() == expected

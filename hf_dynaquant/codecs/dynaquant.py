@@ -43,8 +43,8 @@ from ..core.delta import (
     varint_encode,
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
-from ..core.entropy import ANS, decode_stream, encode_codes, encode_stream, order0_bits
-from ..core.histogram import byte_counts
+from ..core.entropy import ANS, ans_bytes, decode_stream, encode_codes, encode_stream, order0_bits
+from ..core.histogram import byte_counts, pair_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
@@ -72,15 +72,25 @@ class QuantState:
     reference: np.ndarray | None = None  # its flat float32 values (None: direct coding)
 
 
-def _delta_payload(prev: np.ndarray, cur: np.ndarray, levels: int, coding: str) -> tuple[str, bytes, int]:
-    """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' delta."""
-    delta = cyclic_delta(prev, cur, levels)
+def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str) -> tuple[str, bytes, int]:
+    """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic delta."""
     if coding == "ans":
         return ANS, ans_encode(regroup(delta, prev), _groups(prev)), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
     return (*encode_stream(tokens, level=_TOKEN_LEVEL), int(tokens.size))
+
+
+def _delta_may_win(prev: np.ndarray, delta: np.ndarray, codes: np.ndarray) -> bool:
+    """Whether an "ans" delta is worth coding: its size (one rANS model per previous code) and
+    the keyframe's rANS size (one model) are known from their histograms to a few bytes
+    (:func:`~hf_dynaquant.core.entropy.ans_bytes`), and the keyframe stored takes at most its
+    rANS size (zstd only where smaller), so a delta estimated no smaller than that cannot win and
+    is not coded at all. It is the usual case for Adam's update, which changes a lot between
+    checkpoints. Where the delta may win, both are coded and the smaller kept (zstd can beat the
+    order-0 estimate on long runs of one code, such as the moments of unused embedding rows)."""
+    return ans_bytes(pair_counts(prev, delta)) < ans_bytes(byte_counts(codes))
 
 
 def _groups(prev: np.ndarray) -> np.ndarray:
@@ -174,13 +184,15 @@ class DynaQuantCodec(Codec):
         delta = None
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
-            stream_coding, delta, size = _delta_payload(base.codes, state.codes, levels, self.delta_coding)
-            delta_params = {
-                "mode": "delta",
-                "delta_levels": levels,
-                "delta_coding": self.delta_coding,
-                "delta_stream": [stream_coding, size],
-            }
+            diff = cyclic_delta(base.codes, state.codes, levels)
+            if self.delta_coding != "ans" or _delta_may_win(base.codes, diff, state.codes):
+                stream_coding, delta, size = _delta_payload(base.codes, diff, self.delta_coding)
+                delta_params = {
+                    "mode": "delta",
+                    "delta_levels": levels,
+                    "delta_coding": self.delta_coding,
+                    "delta_stream": [stream_coding, size],
+                }
         # The delta is kept when it is smaller than the keyframe. Coding the keyframe too only to
         # compare is skipped when the delta is under half the codes' order-0 entropy: no coding
         # of the codes on their own comes near that (rANS reaches the entropy; zstd's matches

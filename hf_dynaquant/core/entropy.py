@@ -21,6 +21,7 @@ from .bitplanes import pack_bits, unpack_bits
 from .histogram import byte_counts
 
 __all__ = [
+    "ans_bytes",
     "order0_bits",
     "encode_stream",
     "encode_symbols",
@@ -96,7 +97,31 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
 def order0_bits(symbols: np.ndarray) -> float:
     """Total bits of uint8 ``symbols`` at their order-0 entropy: what rANS codes them in, to
     within its table and a few bytes."""
-    counts = byte_counts(symbols)
+    return _entropy_bits(byte_counts(symbols))
+
+
+def ans_bytes(counts: np.ndarray) -> float:
+    """The size an rANS payload (:func:`~hf_dynaquant.core.ans.ans_encode`) takes for symbols
+    with these counts, one row per group (a 2-D array, a group per row; empty rows are no
+    group): each group's order-0 entropy, which rANS reaches to within a few bytes, plus the
+    exact table. Lets a coder choose between two streams without coding both."""
+    rows = np.atleast_2d(counts)
+    rows = rows[rows.any(axis=1)]
+    if not rows.size:
+        return 0.0
+    bits = sum(_entropy_bits(row) for row in rows)
+    used = [row[: int(np.flatnonzero(row)[-1]) + 1] for row in rows]  # K = largest symbol + 1
+    table = sum(int(_uleb128_length(row).sum()) + int(_uleb128_length(np.array([row.size]))[0]) for row in used)
+    return bits / 8 + table + float(_uleb128_length(np.array([table]))[0])
+
+
+def _uleb128_length(values: np.ndarray) -> np.ndarray:
+    """Bytes of each value's uleb128 encoding (7 bits a byte)."""
+    top = np.floor(np.log2(np.maximum(values, 1).astype(np.float64))).astype(np.int64)
+    return top // 7 + 1
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
     counts = counts[counts > 0]
     return float(-(counts * np.log2(counts / counts.sum())).sum())
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .sketch import LogSketch
 
-__all__ = ["weighted_kmeans", "approximate_kmeans", "bucket_weights", "assign"]
+__all__ = ["weighted_kmeans", "approximate_kmeans", "bucket_weights", "assign", "KMEANS_ALPHA"]
 
 
 def assign(values: np.ndarray, centres: np.ndarray) -> np.ndarray:
@@ -101,8 +101,11 @@ def bucket_weights(centres: np.ndarray, counts: np.ndarray, sigma: float) -> np.
     return sigma * freq + (1 - sigma) * mag
 
 
+KMEANS_ALPHA = 0.001  # the relative accuracy of the sketch the centres are clustered from
+
+
 def approximate_kmeans(
-    values: LogSketch | np.ndarray, k: int, *, sigma: float = 0.2, alpha: float = 0.001, seed: int = 0
+    values: LogSketch | np.ndarray, k: int, *, sigma: float = 0.2, alpha: float = KMEANS_ALPHA, seed: int = 0
 ) -> np.ndarray:
     """DynaQuant's approximate K-means: ``k`` sorted centres for ``values`` (or a ready sketch)."""
     sketch = values if isinstance(values, LogSketch) else LogSketch(alpha).add(values)

@@ -55,7 +55,7 @@ from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
-from .kmeans import approximate_kmeans
+from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .pool import ForkSafePool, ordered_map
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
@@ -427,9 +427,10 @@ def plan_quantization(
         )
         w = plan.target(tensors[n])
         codes, _ = plan.codes(w, np.zeros(0, np.float32))
-        rest = w[codes == FIRST_CENTRE]
+        # the sketch of the values neither pruned nor protected, counted in place
+        rest = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
-        centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.size else np.zeros(1)
+        centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
         plan.centres = centres.astype(np.float32)
         return plan
 
@@ -468,14 +469,35 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     return codes, kept
 
 
-def dequantize(codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray) -> np.ndarray:
-    """Float32 values of codes (pruned: 0, protected: their bf16 values, in order)."""
+def dequantize(
+    codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
+) -> np.ndarray:
+    """Float32 values of codes (pruned: 0, protected: their bf16 values, in order), plus
+    ``reference`` (flat float32) when given; one pass in the compiled kernel."""
     table = np.concatenate(([0.0, 0.0], centres)).astype(np.float32)
-    out = table[codes]
-    prot = codes == PROTECTED
-    if int(prot.sum()) != protected_bf16.size:
-        raise ValueError(f"{protected_bf16.size} protected values stored, {int(prot.sum())} codes need one")
-    out[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
+    if reference is not None and reference.size != codes.size:
+        raise ValueError(f"the reference holds {reference.size} values, the codes {codes.size}")
+    if native is not None and codes.dtype == np.uint8:
+        out = np.empty(codes.size, dtype=np.float32)
+        ref = np.ascontiguousarray(reference, dtype=np.float32) if reference is not None else out[:0]
+        used = native.dequantize_u8(
+            np.ascontiguousarray(codes).reshape(-1),
+            table,
+            np.ascontiguousarray(protected_bf16, dtype=np.uint16),
+            ref,
+            reference is not None,
+            out,
+        )
+    else:
+        out = table[codes]
+        prot = codes == PROTECTED
+        used = int(prot.sum())
+        if used == protected_bf16.size:
+            out[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
+        if reference is not None:
+            out += reference
+    if used != protected_bf16.size:
+        raise ValueError(f"{protected_bf16.size} protected values stored, {used} codes need one")
     return out
 
 
@@ -485,9 +507,4 @@ def decoded_values(
     """The flat float32 values a tensor decodes to: :func:`dequantize`, plus the reference of a
     residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
     the codec's encode and its decode share, so a restore gives exactly what the search judged."""
-    out = dequantize(codes, centres, protected_bf16)
-    if reference is not None:
-        if reference.size != out.size:
-            raise ValueError(f"the reference holds {reference.size} values, the codes {out.size}")
-        out += reference
-    return out
+    return dequantize(codes, centres, protected_bf16, reference)

@@ -110,28 +110,44 @@ class LogSketch:
         """The representative magnitude of a bucket (within ``alpha`` of all its values)."""
         return 2.0 * np.power(self.gamma, key) / (self.gamma + 1.0)
 
-    def add(self, values: torch.Tensor | np.ndarray, *, magnitude: bool = False) -> LogSketch:
+    def add(
+        self,
+        values: torch.Tensor | np.ndarray,
+        *,
+        magnitude: bool = False,
+        where: tuple[np.ndarray, int] | None = None,
+    ) -> LogSketch:
         """Add values (any shape, any float dtype, float32 precision; NaNs are refused).
-        With ``magnitude``, add their absolute values (without computing them)."""
+        With ``magnitude``, add their absolute values (without computing them). ``where=(codes,
+        code)`` (uint8, one per value) adds only the values whose code is ``code``, as if
+        ``values[codes == code]`` had been added (the compiled kernel skips the others in place)."""
         x = torch.as_tensor(values).detach().reshape(-1).float()
+        if where is not None:
+            codes, code = where
+            if codes.size != x.numel():
+                raise ValueError(f"{codes.size} codes for {x.numel()} values")
+            if magnitude or x.device.type != "cpu" or native is None or codes.dtype != np.uint8:
+                return self.add(x[torch.from_numpy(np.asarray(codes).reshape(-1) == code)], magnitude=magnitude)
         if magnitude:  # sketch the signed values apart, then fold their negative store over
             signed = LogSketch(self.alpha).add(x)
             signed.positive.add_counts(signed.negative.offset, signed.negative.counts)
             signed.negative = _Store()
             return self.merge(signed)
         if x.device.type == "cpu" and native is not None:
-            self._add_cpu(x.contiguous().numpy())
+            self._add_cpu(x.contiguous().numpy(), where)
         else:
             self._add_torch(x)
         return self
 
-    def _add_cpu(self, x: np.ndarray) -> None:
+    def _add_cpu(self, x: np.ndarray, where: tuple[np.ndarray, int] | None = None) -> None:
         table, kmin, nkeys, tiny = _key_table(self.alpha)
+        codes, code = (np.ascontiguousarray(where[0]).reshape(-1), int(where[1])) if where else (None, 0)
 
         def part(i: int) -> tuple[int, int, np.ndarray, np.ndarray]:
             pos, neg = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
+            selected = codes[i : i + _PART] if codes is not None else b""
             nans, zeros = native.sketch_f32(
-                x[i : i + _PART], table, _EXACT, self._inv_log_gamma, tiny, kmin, pos, neg
+                x[i : i + _PART], table, _EXACT, self._inv_log_gamma, tiny, kmin, pos, neg, selected, code
             )
             return nans, zeros, pos, neg
 

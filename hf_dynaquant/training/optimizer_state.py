@@ -47,6 +47,7 @@ from ..core.moments import (
     scale_gain,
     scale_gain_sums,
     scale_plan,
+    scale_stats,
     update_scale_to_adam,
 )
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map, weighed_batches
@@ -255,11 +256,8 @@ def _decide(
         target, top, gain_sums = moment.target(), -math.inf, np.zeros(2)
         finite = all_finite(target)
         if moment.kind == ADAM:
-            scale = moment.scale()
-            finite = finite and all_finite(scale)
-            top = float(scale.max()) if scale.numel() else -math.inf
-            if finite:
-                gain_sums = scale_gain_sums(scale, moment.eps, settings.scale_step)
+            scale_finite, top, gain_sums = scale_stats(moment.scale(), moment.eps, settings.scale_step)
+            finite = finite and scale_finite
         return target, finite, top, gain_sums
 
     targets: dict[Any, torch.Tensor] = {}

@@ -61,7 +61,7 @@ from torch.optim import Optimizer
 
 from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
 from ..core.dtypes import all_finite
-from ..core.kmeans import approximate_kmeans
+from ..core.kmeans import KMEANS_ALPHA, approximate_kmeans
 from ..core.quantizer import (
     EMBEDDING,
     FIRST_CENTRE,
@@ -111,9 +111,6 @@ __all__ = [
 
 SHARDED_FORMAT = "hf_dynaquant.sharded"  # the format name (the module it was first written by)
 SHARDED_VERSION = 1
-# the relative accuracy of the sketch approximate_kmeans builds from raw values (its default),
-# which plan_quantization clusters; merged shard sketches must use the same to give the same centres
-_KMEANS_ALPHA = 0.001
 
 
 def merge_sketches(sketches: Mapping[Any, LogSketch]) -> dict[Any, LogSketch]:
@@ -278,7 +275,7 @@ def plan_sharded(
     )
     values = {n: flat_f32(selected[n]).numpy() for n in plan.tensors}
     rest = {
-        n: LogSketch(_KMEANS_ALPHA).add(w[tp.codes(w, np.zeros(0, np.float32))[0] == FIRST_CENTRE])
+        n: LogSketch(KMEANS_ALPHA).add(w, where=(tp.codes(w, np.zeros(0, np.float32))[0], FIRST_CENTRE))
         for (n, tp), w in zip(plan.tensors.items(), values.values())
     }
     for n, merged in merge_sketches(rest).items():

@@ -57,8 +57,33 @@ PyObject *py_byte_counts(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Counts of each (key, value) pair of two uint8 arrays: counts[256 * key + value]. The regrouped
+ * delta is coded with one model per key (the previous code), so these give its size before it
+ * is coded (entropy.py, conditional_bits). */
+PyObject *py_pair_counts(PyObject *self, PyObject *args) {
+    Py_buffer keys, values, counts;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &keys, &values, &counts)) return NULL;
+    int ok = keys.len == values.len && counts.len == 65536 * (Py_ssize_t)sizeof(int64_t);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "pair_counts: keys and values differ in length, or counts is not 65536");
+    else {
+        const uint8_t *k = keys.buf, *v = values.buf;
+        int64_t *c = counts.buf;
+        Py_ssize_t n = keys.len;
+        Py_BEGIN_ALLOW_THREADS
+        memset(c, 0, 65536 * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < n; i++) c[(k[i] << 8) | v[i]]++;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&keys); PyBuffer_Release(&values); PyBuffer_Release(&counts);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
- * the same operation on the previous codes and the delta), with a non-negative remainder. */
+ * the same operation on the previous codes and the delta), with a non-negative remainder. The
+ * difference of two bytes lies in -255..255: its remainder is looked up in a table made once
+ * per call (a division per value cost more than the rest of a delta's coding). */
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_buffer a, b, out;
     int levels;
@@ -68,13 +93,14 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "cyclic: arrays differ in length or levels outside 1..256");
     else {
         const uint8_t *x = a.buf, *y = b.buf;
-        uint8_t *o = out.buf;
+        uint8_t *o = out.buf, table[511];
         Py_ssize_t n = a.len;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int d = ((int)x[i] - (int)y[i]) % levels;
-            o[i] = (uint8_t)(d < 0 ? d + levels : d);
+        for (int d = -255; d <= 255; d++) {
+            const int r = d % levels;
+            table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
         }
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)x[i] - (int)y[i] + 255];
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out);

@@ -4,10 +4,13 @@
  *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
  *                dense b-bit packing;
  *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
- *   partition.c  DynaQuant's partition and code assignment of float32 weights (quantizer.py);
- *   moments.c    the float64 sums of the optimizer moments' fidelity check (moments.py);
+ *   partition.c  DynaQuant's partition and code assignment of float32 weights, and codes back
+ *                to float32 values (quantizer.py);
+ *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update,
+ *                and the finiteness, maximum and scale-gain sum of Adam's scale (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
- *                previous codes (delta.py), and counts of uint8 symbols (histogram.py);
+ *                previous codes (delta.py), and counts of uint8 symbols and of pairs of them
+ *                (histogram.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
@@ -26,8 +29,12 @@ PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
+PyObject *py_adam_update(PyObject *self, PyObject *args);
+PyObject *py_scale_stats_f32(PyObject *self, PyObject *args);
+PyObject *py_dequantize_u8(PyObject *self, PyObject *args);
 PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
+PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_ans_encode(PyObject *self, PyObject *args);
 PyObject *py_ans_decode(PyObject *self, PyObject *args);

@@ -9,7 +9,8 @@ static PyMethodDef methods[] = {
      "join(out, width, exponent_bits, k, exponents, head, side, side_packed_bits, rest, escapes)"
      " -> escapes used or -1"},
     {"sketch_f32", py_sketch_f32, METH_VARARGS,
-     "sketch_f32(values, lut, exact, inv_log_gamma, tiny_bits, kmin, pos, neg) -> (nans, zeros)"},
+     "sketch_f32(values, lut, exact, inv_log_gamma, tiny_bits, kmin, pos, neg, codes, only)"
+     " -> (nans, zeros)"},
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
@@ -17,7 +18,13 @@ static PyMethodDef methods[] = {
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
     {"cyclic_u8", py_cyclic_u8, METH_VARARGS, "cyclic_u8(a, b, levels, out): (a - b) mod levels"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
+    {"pair_counts", py_pair_counts, METH_VARARGS, "pair_counts(keys, values, counts): counts[256 * key + value]"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
+    {"adam_update", py_adam_update, METH_VARARGS, "adam_update(m, m_bf16, v, v_bf16, floor, u): Adam's update, float32"},
+    {"scale_stats_f32", py_scale_stats_f32, METH_VARARGS,
+     "scale_stats_f32(s, origin, step) -> (all finite, maximum, scale gain sum)"},
+    {"dequantize_u8", py_dequantize_u8, METH_VARARGS,
+     "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
     {"ans_encode", py_ans_encode, METH_VARARGS,
      "ans_encode(symbols, cdf, cdf_offsets, starts, stops) -> rANS words (constriction's stream)"},

@@ -45,3 +45,52 @@ PyObject *py_partition_f32(PyObject *self, PyObject *args) {
     PyBuffer_Release(&w); PyBuffer_Release(&sens); PyBuffer_Release(&mids); PyBuffer_Release(&codes);
     return nprot < 0 ? NULL : PyLong_FromSsize_t(nprot);
 }
+
+/* Float32 values of codes (quantizer.py, dequantize and decoded_values): 0 for a pruned code,
+ * the next stored bfloat16 value (in order) for a protected one, table[code] otherwise (the
+ * table being 0, 0, then the centres), plus ref[i] when a reference is given. Returns the
+ * number of protected codes (values past the stored ones read as 0; the caller refuses a
+ * count that differs), or -1 when a code lies beyond the table (out is then not written).
+ * Three plain loops (the largest code, the table look-up, the protected values in order) run
+ * several times faster than one loop carrying the protected values' running index. */
+static Py_ssize_t dequantize_u8(const uint8_t *codes, Py_ssize_t n, const float *table, Py_ssize_t ntable,
+                                const uint16_t *prot, Py_ssize_t nprot, const float *ref, float *out) {
+    uint8_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) top = codes[i] > top ? codes[i] : top;
+    if (n && top >= ntable) return -1;
+    if (ref)
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = table[codes[i]] + ref[i];
+    else
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = table[codes[i]];
+    Py_ssize_t j = 0;
+    const uint8_t *c = codes, *end = codes + n;
+    while ((c = memchr(c, 1, (size_t)(end - c))) != NULL) { /* the protected codes, in order */
+        const Py_ssize_t i = c - codes;
+        uint32_t bits = j < nprot ? (uint32_t)prot[j] << 16 : 0;
+        float v;
+        memcpy(&v, &bits, 4);
+        out[i] = ref ? v + ref[i] : v;
+        j++;
+        c++;
+    }
+    return j;
+}
+
+PyObject *py_dequantize_u8(PyObject *self, PyObject *args) {
+    Py_buffer codes, table, prot, ref, out;
+    int has_ref;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*pw*", &codes, &table, &prot, &ref, &has_ref, &out)) return NULL;
+    Py_ssize_t n = codes.len, used = -2;
+    if (out.len != 4 * n || (has_ref && ref.len != 4 * n) || table.len / 4 > 256)
+        PyErr_SetString(PyExc_ValueError, "dequantize: buffers disagree in length or too large a table");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        used = dequantize_u8(codes.buf, n, table.buf, table.len / 4, prot.buf, prot.len / 2,
+                             has_ref ? ref.buf : NULL, out.buf);
+        Py_END_ALLOW_THREADS
+        if (used < 0) PyErr_SetString(PyExc_ValueError, "a code lies beyond the stored centres");
+    }
+    PyBuffer_Release(&codes); PyBuffer_Release(&table); PyBuffer_Release(&prot); PyBuffer_Release(&ref);
+    PyBuffer_Release(&out);
+    return used < 0 ? NULL : PyLong_FromSsize_t(used);
+}
