@@ -7,6 +7,7 @@ Run it with::
                                             #   --seeds 0,1,2 --json PATH --plot PATH
                                             #   --width 128 --layers 2 --heads 4 --context 64
                                             #   --vocab char|wordpiece (the model)
+                                            #   --dtype bfloat16 (pure bf16 weights and moments)
                                             #   --bins 4,6,... (the search's bin counts)
                                             #   --moments 'key=value ...' (MomentQuant settings)
                                             #   --callback 'key=value ...' (DynaQuantCallback settings)
@@ -85,8 +86,16 @@ OUT = Path(__file__).resolve().parent / "out"
 
 
 def make_model(
-    width: int = 128, layers: int = 2, seed: int = 0, heads: int = 4, context: int = 64, vocab: int | None = None
+    width: int = 128,
+    layers: int = 2,
+    seed: int = 0,
+    heads: int = 4,
+    context: int = 64,
+    vocab: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> GPT2LMHeadModel:
+    """The GPT-2 of the job; ``dtype`` bfloat16: pure bf16 (weights, gradients and AdamW's
+    moments all stored in bf16, as many users train), initialised as in float32 then cast."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=vocab or CharTokenizer().vocab_size,
@@ -97,7 +106,7 @@ def make_model(
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config).to(dtype)
 
 
 def wordpiece_lm_datasets(block: int, eval_blocks: int) -> tuple[Any, Any, int]:
@@ -239,6 +248,9 @@ def main() -> None:
         "--vocab", choices=("char", "wordpiece"), default="char", help="characters, or MiniLM's WordPiece tokens"
     )
     parser.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks evaluated at each checkpoint")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="bfloat16: pure bf16 weights and moments"
+    )
     parser.add_argument("--batch", type=int, default=16, help="blocks per training batch")
     parser.add_argument("--json", default=str(OUT / "trainer.json"))
     parser.add_argument("--plot", default=str(OUT / "trainer_ratios.png"))
@@ -259,7 +271,9 @@ def main() -> None:
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            make = partial(make_model, args.width, args.layers, seed, args.heads, args.context, vocab)
+            make = partial(
+                make_model, args.width, args.layers, seed, args.heads, args.context, vocab, getattr(torch, args.dtype)
+            )
             if seed == seeds[0]:
                 print(f"model: {sum(p.numel() for p in make().parameters()) / 1e6:.1f} M parameters", flush=True)
             plain = run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed, args.batch)
@@ -273,7 +287,7 @@ def main() -> None:
     report(results, args, seeds, modes)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    title = f"{args.vocab} GPT-2 ({args.layers}x{args.width}) from scratch, seed {seeds[0]}"
+    title = f"{args.vocab} GPT-2 ({args.layers}x{args.width}, {args.dtype}) from scratch, seed {seeds[0]}"
     plot(results[seeds[0]], args.plot, title, "eval loss", key=modes[0])
 
 

@@ -703,7 +703,7 @@ def _codes_state(codes: np.ndarray) -> QuantState:
 
 def test_delta_size_is_known_before_coding_it(monkeypatch) -> None:
     """The regrouped delta's and the keyframe's rANS sizes are known from their histograms to a
-    few bytes; a delta estimated no smaller than the keyframe is never coded."""
+    few bytes; a delta estimated no smaller than the keyframe as coded is never coded."""
     from hf_dynaquant.codecs import dynaquant as dynaquant_mod
     from hf_dynaquant.core.ans import ans_encode
     from hf_dynaquant.core.entropy import ans_bytes

@@ -82,17 +82,6 @@ def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str) -> tuple[st
     return (*encode_stream(tokens, level=_TOKEN_LEVEL), int(tokens.size))
 
 
-def _delta_may_win(prev: np.ndarray, delta: np.ndarray, codes: np.ndarray) -> bool:
-    """Whether an "ans" delta is worth coding: its size (one rANS model per previous code) and
-    the keyframe's rANS size (one model) are known from their histograms to a few bytes
-    (:func:`~hf_dynaquant.core.entropy.ans_bytes`), and the keyframe stored takes at most its
-    rANS size (zstd only where smaller), so a delta estimated no smaller than that cannot win and
-    is not coded at all. It is the usual case for Adam's update, which changes a lot between
-    checkpoints. Where the delta may win, both are coded and the smaller kept (zstd can beat the
-    order-0 estimate on long runs of one code, such as the moments of unused embedding rows)."""
-    return ans_bytes(pair_counts(prev, delta)) < ans_bytes(byte_counts(codes))
-
-
 def _groups(prev: np.ndarray) -> np.ndarray:
     """Sizes of the regrouped delta's groups: how many values the base has at each code."""
     return byte_counts(prev)
@@ -181,23 +170,32 @@ class DynaQuantCodec(Codec):
         params: dict[str, Any] = {"levels": state.levels, "centres": _shortest(state.centres), **extra}
         if state.residual != "none":
             params["residual"] = state.residual
-        delta = None
+        # A delta is kept when it is smaller than the keyframe. Under "ans" the delta's size is
+        # known to a few bytes before coding it (ans_bytes of its groups' histograms), so it is
+        # coded only when it is sure to win (under half the codes' order-0 entropy, which no
+        # keyframe comes near) or may win against the keyframe as coded; Adam's update, which
+        # changes a lot between checkpoints, usually may not (coding its delta only to discard
+        # it took a third of a delta save). The paper's codings code the delta, then the
+        # keyframe unless the delta is sure to win, and keep the smaller.
+        delta: bytes | None = None
+        estimate: float | None = None  # the delta's size under "ans", before coding it
+        delta_params: dict[str, Any] = {}
+        key_bits = order0_bits(state.codes)
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
             diff = cyclic_delta(base.codes, state.codes, levels)
-            if self.delta_coding != "ans" or _delta_may_win(base.codes, diff, state.codes):
-                stream_coding, delta, size = _delta_payload(base.codes, diff, self.delta_coding)
-                delta_params = {
-                    "mode": "delta",
-                    "delta_levels": levels,
-                    "delta_coding": self.delta_coding,
-                    "delta_stream": [stream_coding, size],
-                }
-        # The delta is kept when it is smaller than the keyframe. Coding the keyframe too only to
-        # compare is skipped when the delta is under half the codes' order-0 entropy: no coding
-        # of the codes on their own comes near that (rANS reaches the entropy; zstd's matches
-        # would need long repeats that quantization codes do not have).
-        if delta is not None and len(delta) * 8 < _SURE_DELTA * order0_bits(state.codes):
+            if self.delta_coding == "ans":
+                estimate = ans_bytes(pair_counts(base.codes, diff))
+            delta_params = {"mode": "delta", "delta_levels": levels, "delta_coding": self.delta_coding}
+
+            def code_delta() -> bytes:
+                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding)
+                delta_params["delta_stream"] = [stream_coding, size]
+                return payload
+
+            if estimate is None or estimate * 8 < _SURE_DELTA * key_bits:
+                delta = code_delta()
+        if delta is not None and len(delta) * 8 < _SURE_DELTA * key_bits:
             blobs, params = {"delta": delta}, {**params, **delta_params}
         else:
             # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
@@ -205,6 +203,8 @@ class DynaQuantCodec(Codec):
             codes_coding, codes_payload = (
                 encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
             )
+            if delta is None and estimate is not None and estimate < len(codes_payload):
+                delta = code_delta()
             if delta is not None and len(delta) < len(codes_payload):
                 blobs, params = {"delta": delta}, {**params, **delta_params}
             else:

@@ -89,13 +89,16 @@ PyObject *py_ans_decode(PyObject *self, PyObject *args) {
 
 /* encode: the groups in reverse, each group's symbols in reverse, pushing words onto a buffer
  * that grows as needed; then the final state's words, least significant first (none for a state
- * of 0, one below 2^32). Returns the word count or -1 when memory ran out (*buf then freed). */
+ * of 0, one below 2^32). Returns the word count or -1 when memory ran out (*buf then freed).
+ * The state's division by a symbol's frequency is a multiplication by its reciprocal (a 64-bit
+ * division took a sixth of the time): the same quotient and remainder, so the same stream. */
 static Py_ssize_t encode(const uint8_t *sym, const uint32_t *cdf, const int64_t *cdf_off, const int64_t *start,
                          const int64_t *stop, Py_ssize_t n_groups, uint32_t **buf, Py_ssize_t cap) {
     Py_ssize_t n = 0;
-    uint64_t state = 0;
+    uint64_t state = 0, rcp[256];
     for (Py_ssize_t g = n_groups - 1; g >= 0; g--) {
         const uint32_t *c = cdf + cdf_off[g];
+        memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals, made as its symbols first occur */
         for (int64_t i = stop[g] - 1; i >= start[g]; i--) {
             const uint32_t left = c[sym[i]], freq = c[sym[i] + 1] - left;
             if ((state >> (64 - PRECISION)) >= freq) {
@@ -108,7 +111,18 @@ static Py_ssize_t encode(const uint8_t *sym, const uint32_t *cdf, const int64_t 
                 (*buf)[n++] = (uint32_t)state;
                 state >>= 32;
             }
-            state = ((state / freq) << PRECISION) | (left + state % freq);
+            /* state / freq by a reciprocal: floor(2^64 / freq) underestimates the quotient by at
+             * most one, which the remainder corrects (freq 1 has no 64-bit reciprocal) */
+            uint64_t q, r;
+            if (freq == 1) { q = state; r = 0; }
+            else {
+                uint64_t m = rcp[sym[i]];
+                if (m == 0) m = rcp[sym[i]] = UINT64_MAX / freq + (UINT64_MAX % freq == freq - 1);
+                q = (uint64_t)(((unsigned __int128)state * m) >> 64);
+                r = state - q * freq;
+                if (r >= freq) { q++; r -= freq; }
+            }
+            state = (q << PRECISION) | (left + r);
         }
     }
     if (n + 2 > cap) {
