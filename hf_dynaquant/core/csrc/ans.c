@@ -114,6 +114,7 @@ static Py_ssize_t encode(const uint8_t *sym, const uint32_t *cdf, const int64_t 
             /* state / freq by a reciprocal: floor(2^64 / freq) underestimates the quotient by at
              * most one, which the remainder corrects (freq 1 has no 64-bit reciprocal) */
             uint64_t q, r;
+#ifdef __SIZEOF_INT128__
             if (freq == 1) { q = state; r = 0; }
             else {
                 uint64_t m = rcp[sym[i]];
@@ -122,6 +123,9 @@ static Py_ssize_t encode(const uint8_t *sym, const uint32_t *cdf, const int64_t 
                 r = state - q * freq;
                 if (r >= freq) { q++; r -= freq; }
             }
+#else
+            q = state / freq; r = state % freq;
+#endif
             state = (q << PRECISION) | (left + r);
         }
     }
