@@ -566,7 +566,9 @@ def test_restored_momentum_keeps_the_original_norm_and_step_size(tmp_path) -> No
         "adam": (adam_model, adam, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)),
         "sgd": (sgd_model, sgd, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
     }.items():
-        comp = Compressor(model, tmp_path / name, QuantConfig(min_numel=256), optimizer=opt)
+        # the 1-nat grid for the bf16 moments too, whose rounding bias is large enough to see
+        coarse = MomentQuant(bf16_scale_step=1.0)
+        comp = Compressor(model, tmp_path / name, QuantConfig(min_numel=256), optimizer=opt, moment_quant=coarse)
         comp.compress(1)
         with comp.store.open("step-1") as entry:
             stored = {pid: e for pid, e in entry.tree("optimizer")["state"].items() if "dq_gain" in e}
@@ -608,7 +610,7 @@ def test_scale_gain_is_the_mean_shortfall_on_the_grid_in_use() -> None:
 
     _, opt = _bf16_mlp_with_adam()
     state = opt.state_dict()
-    encoded = encode_optimizer_state(state, settings=MomentQuant(scale_step=0.01))
+    encoded = encode_optimizer_state(state, settings=MomentQuant(scale_step=0.01, bf16_scale_step=0.01))
     assert encoded is not None
     scale = adam_scale(state["state"][0]["exp_avg_sq"], eps)
     widened = grid_step(float(scale.max()), eps, 0.01)
@@ -616,6 +618,28 @@ def test_scale_gain_is_the_mean_shortfall_on_the_grid_in_use() -> None:
     expected = scale_gain(scale_gain_sums(scale, eps, widened))
     assert encoded.tree["state"][0]["dq_scale_gain"] == pytest.approx(expected, rel=1e-12)
     assert expected != pytest.approx(scale_gain(scale_gain_sums(scale, eps, 0.01)), rel=1e-6)
+
+
+def test_bf16_second_moments_take_the_finer_scale_grid() -> None:
+    """A bf16 ``v`` hardly decays (bf16 cannot hold 0.1% steps), so its scale grid is
+    ``bf16_scale_step``; a float32 one keeps ``scale_step``."""
+    from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
+
+    settings = MomentQuant()
+    assert settings.scale_step_for(torch.bfloat16) == 0.25 and settings.scale_step_for(torch.float32) == 1.0
+    with pytest.raises(ValueError, match="scale steps must be positive"):
+        MomentQuant(bf16_scale_step=0.0)
+    _, opt = _bf16_mlp_with_adam()
+    bf16_state = opt.state_dict()
+    fp32_state = {
+        "state": {pid: {k: v.float() if k != "step" else v for k, v in e.items()} for pid, e in bf16_state["state"].items()},
+        "param_groups": bf16_state["param_groups"],
+    }
+    for state, step in ((bf16_state, 0.25), (fp32_state, 1.0)):
+        encoded = encode_optimizer_state(state, settings=settings)
+        assert encoded is not None
+        grids = [tp.centres for tp in encoded.plans.values() if tp.layer_type == "moment_scale"]
+        assert grids and all(np.allclose(np.diff(c), step, rtol=1e-5) for c in grids if c.size > 1)
 
 
 def test_moment_gains_are_checked_when_decoded() -> None:
