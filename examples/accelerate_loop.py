@@ -19,6 +19,7 @@ for any number of processes (a check of the plugin, not a way to train).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 from pathlib import Path
@@ -120,6 +121,15 @@ def main() -> None:
     )
     phase = "resume" if args.resume else "train"
     (args.output_dir / f"rank{accelerator.process_index}-{phase}.json").write_text(json.dumps(record))
+    # Free the DDP wrapper (its reducer holds the gloo process group) on every rank together,
+    # then end: left to interpreter exit, a rank whose peer is gone can hang for good in gloo's
+    # destructor, joining a worker thread that waits on that peer.
+    dq.detach()
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    del model, optimizer, scheduler, loader, dq
+    gc.collect()
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
