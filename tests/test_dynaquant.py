@@ -29,6 +29,7 @@ from hf_dynaquant.core.quantizer import (
     PROTECTED,
     PRUNED,
     QuantConfig,
+    decoded_values,
     dequantize,
     layer_types,
     plan_quantization,
@@ -244,13 +245,13 @@ def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
     count = int((codes == PROTECTED).sum())
     protected = torch.randn(count).bfloat16().view(torch.int16).numpy().view(np.uint16)
     reference = rng.normal(size=codes.size).astype(np.float32)
-    fast = [dequantize(codes, centres, protected), dequantize(codes, centres, protected, reference)]
+    fast = [dequantize(codes, centres, protected), decoded_values(codes, centres, protected, reference)]
     with pytest.raises(ValueError, match="protected values stored"):
         dequantize(codes, centres, protected[1:])
     with pytest.raises(ValueError, match="beyond the stored centres"):
         dequantize(np.full(3, 10, np.uint8), centres, protected[:0])
     monkeypatch.setattr(quantizer_mod, "native", None)
-    slow = [dequantize(codes, centres, protected), dequantize(codes, centres, protected, reference)]
+    slow = [dequantize(codes, centres, protected), decoded_values(codes, centres, protected, reference)]
     for a, b in zip(fast, slow):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     with pytest.raises(ValueError, match="protected values stored"):

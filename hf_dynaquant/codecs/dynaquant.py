@@ -180,8 +180,9 @@ class DynaQuantCodec(Codec):
         delta: bytes | None = None
         estimate: float | None = None  # the delta's size under "ans", before coding it
         delta_params: dict[str, Any] = {}
-        key_bits = order0_bits(state.codes)
+        key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
+            key_bits = order0_bits(state.codes)
             levels = max(base.levels, state.levels)
             diff = cyclic_delta(base.codes, state.codes, levels)
             if self.delta_coding == "ans":

@@ -469,11 +469,18 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     return codes, kept
 
 
-def dequantize(
+def dequantize(codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray) -> np.ndarray:
+    """Float32 values of codes (pruned: 0, protected: their bf16 values, in order)."""
+    return decoded_values(codes, centres, protected_bf16)
+
+
+def decoded_values(
     codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
 ) -> np.ndarray:
-    """Float32 values of codes (pruned: 0, protected: their bf16 values, in order), plus
-    ``reference`` (flat float32) when given; one pass in the compiled kernel."""
+    """The flat float32 values a tensor decodes to: :func:`dequantize`, plus the reference of a
+    residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
+    the codec's encode and its decode share, so a restore gives exactly what the search judged.
+    One pass in the compiled kernel."""
     table = np.concatenate(([0.0, 0.0], centres)).astype(np.float32)
     if reference is not None and reference.size != codes.size:
         raise ValueError(f"the reference holds {reference.size} values, the codes {codes.size}")
@@ -499,12 +506,3 @@ def dequantize(
     if used != protected_bf16.size:
         raise ValueError(f"{protected_bf16.size} protected values stored, {used} codes need one")
     return out
-
-
-def decoded_values(
-    codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
-) -> np.ndarray:
-    """The flat float32 values a tensor decodes to: :func:`dequantize`, plus the reference of a
-    residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
-    the codec's encode and its decode share, so a restore gives exactly what the search judged."""
-    return dequantize(codes, centres, protected_bf16, reference)
