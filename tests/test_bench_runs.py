@@ -31,3 +31,25 @@ def test_callback_settings_parsed_and_checked():
         _runs.callback_settings("no_such_setting=1")
     with pytest.raises(SystemExit, match="not key=value"):
         _runs.callback_settings("threshold")
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_every_arm_on_a_toy_model(tmp_path):
+    """``bench_gpu.py`` (run on a lent GPU, whose time is short) end to end at toy size on the
+    CPU: each arm in its own process, the stalls, the DCP writes and the decoded checkpoint."""
+    import json
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+    out = tmp_path / "gpu.json"
+    argv = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--batch", "4", "--steps", "20",
+            "--save-steps", "10", "--eval-blocks", "8", "--json", str(out), "--plot", str(tmp_path / "gpu.png")]
+    done = subprocess.run([sys.executable, str(bench), *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["arm"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"plain", "dynaquant", "dcp"}, done.stdout[-3000:]
+    assert all(len(r["stalls"]) == 2 and sorted(r["eval_at_save"]) == ["10", "20"] for r in results.values())
+    assert results["plain"]["weights_bytes"] > 0 and len(results["dcp"]["background"]) == 2
+    dq = results["dynaquant"]
+    assert dq["compressed_steps"] and dq["decoded_step"] in dq["compressed_steps"] and dq["total_bytes"] > 0
+    assert "| dynaquant |" in done.stdout and (tmp_path / "gpu.png").is_file()

@@ -158,7 +158,11 @@ def test_trainer_on_cuda_saves_in_background_and_resumes(tmp_path) -> None:
         )
 
     space = SearchSpace(bins=(4, 8, 16), prune=(0.2, 0.0), protect=(0.005,), prune_by=("magnitude", "sensitivity"))
-    cb = DynaQuantCallback(0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2)
+    # "wait": on a GPU four steps take milliseconds, and the default ("plain") would save step 8
+    # uncompressed while step 4 is still being encoded; this test is about the compressed path
+    cb = DynaQuantCallback(
+        0.02, search_space=space, config=QuantConfig(min_numel=1024), ema_steps=2, busy_saves="wait"
+    )
     trainer = DynaQuantTrainer(
         model=model(), args=args(8), train_dataset=_Blocks(), eval_dataset=_Blocks(32), callbacks=[cb]
     )
