@@ -42,6 +42,7 @@ from .search import QualityMetric, SearchSpace
 from .store import CheckpointStore, EntryInfo, EntryReader
 from .training.checkpoint_dir import materialize_checkpoint
 from .training.compressor import Compressor
+from .training.manager import CheckpointManager
 from .training.optimizer_state import MomentQuant
 from .training.settings import CheckpointSettings
 from .training.sharded import ShardedCompressor
@@ -52,6 +53,7 @@ __all__ = [
     "__version__",
     "CheckpointStore",
     "Compressor",
+    "CheckpointManager",
     "ShardedCompressor",
     "CheckpointSettings",
     "QuantConfig",

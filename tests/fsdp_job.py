@@ -12,6 +12,8 @@
 * ``search``: compress with a threshold: the ranks search in lockstep.
 * ``replicated``: the optimizer also holds a parameter outside the FSDP model, whose state every
   rank holds whole: its encoding must count it once.
+* ``background``: the same three checkpoints written in the foreground and by a
+  ``CheckpointManager`` on its background thread, while training goes on.
 
 Each rank writes ``OUT/rank<r>-<phase>.json`` and tensors as safetensors (never pickle).
 """
@@ -246,6 +248,29 @@ def main(out: Path, phase: str) -> None:
         report["degradation"] = comp.last_search.degradation
         report["evaluations"] = comp.last_search.evaluations
         dump(out, rank, phase, model, report)
+    elif phase == "background":
+        # the same checkpoints written in the foreground (store "foreground") and by a
+        # CheckpointManager on its background thread (store "store"), whose collectives go on
+        # while the training thread's FSDP collectives and the foreground saves' go on too
+        from hf_dynaquant import CheckpointManager
+
+        fg = ShardedCompressor(model, out / "foreground", CONFIG, optimizer=optimizer, moment_quant=MOMENTS)
+        bg = ShardedCompressor(model, store, CONFIG, optimizer=optimizer, moment_quant=MOMENTS)
+        manager = CheckpointManager(bg)
+        report["own_group"] = manager.group is not None
+        for step, (x, y) in enumerate(batches(rank, 6), 1):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            fg.on_backward_pass_end()
+            bg.on_backward_pass_end()
+            optimizer.step()
+            fg.before_gradient_flush()
+            bg.before_gradient_flush()
+            optimizer.zero_grad()
+            if step % 2 == 0:
+                fg.compress(step)
+                manager.save(step)
+        manager.close()
+        report["reports"] = [[r.step, r.entry, r.keyframe] for r in manager.reports]
     (out / f"rank{rank}-{phase}.json").write_text(json.dumps(report))
     dist.barrier()  # without it a rank may tear the process group down while another still uses it
     dist.destroy_process_group()

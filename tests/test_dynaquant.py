@@ -397,6 +397,34 @@ def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
 
 
+def test_manager_saves_in_the_background_what_compress_writes(tmp_path, tiny_net) -> None:
+    """A loop without a framework: ``CheckpointManager(compressor).save(step)`` returns after the
+    snapshot and writes on the background thread; the entries decode to exactly what the same
+    steps' foreground ``compress`` wrote, and training after the snapshot does not reach them."""
+    from hf_dynaquant import CheckpointManager
+
+    opt = torch.optim.AdamW(tiny_net.parameters(), lr=1e-3)
+    config = QuantConfig(bins=12, prune=0.1, min_numel=256)
+    fg = Compressor(tiny_net, tmp_path / "foreground", config, optimizer=opt, keyframe_every=2)
+    manager = CheckpointManager(Compressor(tiny_net, tmp_path / "background", config, optimizer=opt, keyframe_every=2))
+    for step in range(1, 7):
+        tiny_net(torch.randint(0, 50, (4, 6))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            fg.compress(step)
+            manager.save(step)
+    manager.close()
+    assert [(r.step, r.keyframe) for r in manager.reports] == [(2, True), (4, False), (6, True)]
+    bg = manager.compressor.store
+    for step in (2, 4, 6):
+        ref = f"step-{step}"
+        assert (bg.info(ref).base is None) == (fg.store.info(ref).base is None)
+        for section in ("model", "optimizer"):
+            for name, t in fg.store.open(ref).load_section(section).items():
+                assert torch.equal(bg.open(ref).load_section(section)[name], t), (step, section, name)
+
+
 def test_compressor_warns_without_gradients_only_when_sensitivity_is_used(tmp_path, tiny_net) -> None:
     with warnings.catch_warnings():  # pruning by magnitude needs no gradients: nothing to warn about
         warnings.simplefilter("error")

@@ -296,6 +296,31 @@ def test_search_in_lockstep(tmp_path) -> None:
     assert meta["search"]["config"] == ranks[0]["chosen"] and meta["sharded"]["optimizer"] is None
 
 
+def test_background_saves_equal_foreground_saves(tmp_path) -> None:
+    """CheckpointManager(ShardedCompressor).save on every rank: each rank's shard is encoded on
+    the background thread (its collectives on a gloo group of its own) while the training
+    thread's FSDP collectives and foreground saves go on; the checkpoints decode to exactly what
+    the foreground saves of the same steps decode to, a keyframe then deltas."""
+    torchrun(2, JOB, str(tmp_path), "background")
+    ranks = _ranks(tmp_path, "background")
+    assert len(ranks) == 2 and all(r["own_group"] for r in ranks)
+    assert ranks[0]["reports"] == ranks[1]["reports"]  # each report names the index entry
+    assert [(step, keyframe) for step, _, keyframe in ranks[0]["reports"]] == [(2, True), (4, False), (6, False)]
+    for step in (2, 4, 6):
+        decoded = []
+        for folder in ("foreground", "store"):
+            model = net(sharded=False)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            assert load_sharded(tmp_path / folder, f"step-{step}", model, optimizer)["step"] == step
+            decoded.append((model.state_dict(), optimizer.state_dict()["state"]))
+        (fg_weights, fg_moments), (bg_weights, bg_moments) = decoded
+        for name, t in fg_weights.items():
+            assert torch.equal(bg_weights[name], t), (step, name)
+        for pid, entry in fg_moments.items():
+            for key, t in entry.items():
+                assert torch.equal(bg_moments[pid][key], t), (step, pid, key)
+
+
 @pytest.mark.slow
 def test_example_trains_saves_and_restores_onto_one_process(tmp_path) -> None:
     """examples/fsdp_sharded.py: 2 ranks train and save sharded checkpoints, then one process

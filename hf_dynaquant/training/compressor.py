@@ -318,6 +318,9 @@ class Compressor:
             to search against.
     """
 
+    #: whether :meth:`write` is a collective that every rank calls (each writing its own part)
+    collective_write: bool = False
+
     def __init__(
         self,
         model: torch.nn.Module,

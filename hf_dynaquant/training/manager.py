@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..core.collectives import is_distributed
+from ..core.collectives import is_distributed, new_group, on_group, rank_world
 from ..errors import CheckpointError
 from ..search import SearchResult
 from .background import BackgroundWorker
@@ -90,6 +90,9 @@ class CheckpointManager:
         self.progress = progress
         self.on_report = on_report
         self.worker = BackgroundWorker() if background else None
+        # a collective write on the background thread needs collectives of its own (see
+        # hf_dynaquant.core.collectives): made here, so every rank makes it together
+        self.group = new_group() if background and compressor.collective_write and is_distributed() else None
         self.reports: list[CheckpointReport] = []  # one per checkpoint this process wrote
         self.chosen: list[tuple[int, dict | None]] = []  # (step, searched configuration), on every searching rank
         self.plain_steps: list[int] = []  # checkpoints left to the framework's plain save (encoder busy)
@@ -151,10 +154,41 @@ class CheckpointManager:
             release_rotated(store, run_dir, keep={name}, every_ref=every_ref)
             return replace(report, stall_seconds=stall)
 
-        if self.worker is not None:
-            self.worker.submit(name, job)
-        else:
+        self._submit(name, job)
+
+    def save(self, step: int, *, ref: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint ``step`` of a loop without a framework (reference ``ref``, default
+        ``step-<step>``): snapshot it now, encode and write it on the background thread (or now,
+        without one). A save while the previous checkpoint is still being encoded waits for it.
+        With a collective compressor (:class:`~hf_dynaquant.training.sharded.ShardedCompressor`)
+        every rank calls it and writes its own shard; otherwise rank 0 writes. The report reaches
+        :attr:`reports` once the write is collected (:meth:`check`, :meth:`wait`, the next save)."""
+        writer = self.compressor.collective_write or rank_world()[0] == 0
+        pending = self.take(step, writer=writer, metadata=metadata)
+        snap = pending.snapshot
+        if snap is None:
+            return
+        name, searched = ref or f"step-{step}", pending.searched
+        stall = time.perf_counter() - pending.started
+
+        def job() -> CheckpointReport:
+            progress = self.progress if self.progress is not None else snap.nbytes() > PROGRESS_BYTES
+            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
+            return replace(report, stall_seconds=stall)
+
+        self._submit(name, job)
+
+    def _submit(self, name: str, job: Callable[[], CheckpointReport]) -> None:
+        """Run ``job`` on the background thread (its collectives on :attr:`group`), or now."""
+        if self.worker is None:
             self._collect(job())
+            return
+
+        def on_own_group() -> CheckpointReport:
+            with on_group(self.group):
+                return job()
+
+        self.worker.submit(name, on_own_group if self.group is not None else job)
 
     def save_plainly(self, step: int, *, keep_last: int | None = None) -> bool:
         """Whether checkpoint ``step`` is to be saved plainly by the framework because the one

@@ -325,7 +325,14 @@ class ShardedCompressor(Compressor):
     (the value is averaged over the ranks); every forward is collective, so every rank must run it.
 
     Reports (:meth:`write`) give the index entry as ``entry`` and this rank's shard's sizes.
+
+    ``CheckpointManager(sharded_compressor).save(step)`` (every rank) writes in the background:
+    the snapshot (and the search, in lockstep) in the training thread, then each rank encodes and
+    writes its shard on a background thread whose collectives go through a gloo group of their
+    own, made when the manager is, so they never pair up with the training's FSDP collectives.
     """
+
+    collective_write = True
 
     def __init__(self, model: torch.nn.Module, store: CheckpointStore | str | Path, *args: Any, **kwargs: Any) -> None:
         super().__init__(model, None, *args, **kwargs)
