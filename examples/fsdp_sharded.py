@@ -2,7 +2,8 @@
 
 Two processes (CPU, gloo) train a small character model on the standard library's docstrings
 (offline) with its parameters sharded by ``torch.distributed.fsdp.fully_shard``. Every
-``--every`` optimizer steps each rank writes its own shard of a compressed checkpoint (weights
+``--every`` optimizer steps each rank takes a snapshot and, on a background thread (a
+``CheckpointManager``), writes its own shard of a compressed checkpoint (weights
 quantized with one plan for the full tensors, Adam moments compressed with the decisions one
 process would take for the full optimizer state, delta chains per rank between keyframes) and
 rank 0 the index that makes it a checkpoint. At the end the processes leave the process group
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hf_dynaquant import QuantConfig
+from hf_dynaquant import CheckpointManager, QuantConfig
 from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_corpus, lm_batches
 from hf_dynaquant.training.sharded import ShardedCompressor, load_sharded
 
@@ -106,7 +107,8 @@ def main() -> None:
         ema_steps=10,
         keyframe_every=4,
     )
-    written = []
+    saves = CheckpointManager(dq)  # every rank encodes its own shard on a background thread
+    losses = {}
     for step in range(1, args.steps + 1):
         loss = loss_of(model, train_batches[(step - 1) % len(train_batches)])
         loss.backward()
@@ -115,19 +117,23 @@ def main() -> None:
         dq.before_gradient_flush()
         optimizer.zero_grad()
         if step % args.every == 0:
-            report = dq.write(dq.snapshot(step))  # collective: every rank writes its shard, rank 0 the index
-            sizes = [None] * world
-            dist.all_gather_object(sizes, (report.raw, report.stored, report.weights_stored, report.optimizer_stored))
-            raw, stored = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
-            written.append({"step": step, "keyframe": report.keyframe, "raw": raw, "stored": stored})
-            if rank == 0:
-                kind = "keyframe" if report.keyframe else "delta"
-                print(
-                    f"step {step:3d}  loss {loss.item():.3f}  checkpoint ({kind}): {raw / 1e3:.0f} kB raw -> "
-                    f"{stored / 1e3:.1f} kB stored ({raw / stored:.1f}x; weights "
-                    f"{sum(s[2] for s in sizes) / 1e3:.1f} kB, optimizer {sum(s[3] for s in sizes) / 1e3:.1f} kB)",
-                    flush=True,
-                )
+            saves.save(step)  # every rank: the snapshot now; its shard (rank 0: then the index) in the background
+            losses[step] = loss.item()
+    saves.close()  # waits for the checkpoint in flight
+    written = []
+    for report in saves.reports:  # every rank has the same reports, in order: gather their sizes
+        sizes = [None] * world
+        dist.all_gather_object(sizes, (report.raw, report.stored, report.weights_stored, report.optimizer_stored))
+        raw, stored = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+        written.append({"step": report.step, "keyframe": report.keyframe, "raw": raw, "stored": stored})
+        if rank == 0:
+            kind = "keyframe" if report.keyframe else "delta"
+            print(
+                f"step {report.step:3d}  loss {losses[report.step]:.3f}  checkpoint ({kind}): {raw / 1e3:.0f} kB "
+                f"raw -> {stored / 1e3:.1f} kB stored ({raw / stored:.1f}x; weights "
+                f"{sum(s[2] for s in sizes) / 1e3:.1f} kB, optimizer {sum(s[3] for s in sizes) / 1e3:.1f} kB)",
+                flush=True,
+            )
     with torch.no_grad():
         live_loss = loss_of(model, eval_batch).item()  # collective forward, the same batch on every rank
     live = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in model.state_dict().items()}
