@@ -3,6 +3,7 @@
 from .base import BlobSource, Codec, Encoded, codec_names, get_codec, register_codec
 from .dynaquant import DynaQuantCodec, QuantState
 from .lossless import LosslessCodec
+from .peers import NF4Codec
 
 __all__ = [
     "BlobSource",
@@ -10,6 +11,7 @@ __all__ = [
     "DynaQuantCodec",
     "Encoded",
     "LosslessCodec",
+    "NF4Codec",
     "QuantState",
     "codec_names",
     "get_codec",

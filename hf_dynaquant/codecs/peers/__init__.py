@@ -1,0 +1,13 @@
+"""Other methods' codecs, for side-by-side comparisons with DynaQuant (issue "Peers side by side").
+
+Each peer follows its paper and shares the core primitives and the store with our own codecs; it
+is registered by name, so ``hf-dynaquant compress --codec <name>`` and
+``compress_folder(codec=<name>)`` use it and any reader decodes it.
+
+* ``nf4`` (:mod:`.nf4`): QLoRA's 4-bit NormalFloat, blocks of 64 values with an absmax scale, the
+  quantization people publish pre-trained models with (bitsandbytes).
+"""
+
+from .nf4 import NF4Codec
+
+__all__ = ["NF4Codec"]

@@ -1,0 +1,119 @@
+"""Peer codecs (hf_dynaquant.codecs.peers), held to their reference implementations.
+
+NF4: codes, block scales and decoded values equal bitsandbytes' ``quantize_4bit`` /
+``dequantize_4bit`` (``quant_type="nf4"``, blocks of 64) bit for bit; what it does not quantize
+(1-D, small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are
+named; a model folder compressed with ``--codec nf4`` loads back through transformers."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_codec_lossless import Blobs
+
+from hf_dynaquant import CheckpointStore, codec_names, get_codec
+from hf_dynaquant.codecs.peers.nf4 import LEVELS
+from hf_dynaquant.core.dtypes import from_raw, to_raw
+from hf_dynaquant.errors import CorruptCheckpointError, InvalidSettingError
+
+
+@pytest.fixture(scope="module")
+def bnb():
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "no CPU gemm kernel": not used here
+    import bitsandbytes.functional as functional
+
+    return functional
+
+
+def roundtrip(codec, t: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    raw = to_raw(t)
+    enc = codec.encode(raw)
+    out = from_raw(codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs)))
+    assert np.array_equal(to_raw(out).bits, enc.state.bits)  # the state a later entry sees is what decodes
+    return out, enc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(300, 129), (64, 64), (7, 1001)])
+def test_nf4_equals_bitsandbytes(bnb, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    t = (torch.randn(shape) * torch.logspace(-2, 1, shape[1])).to(dtype)
+    t[0, :5] = 0  # exact zeros, and (below) an all-zero block
+    t.view(-1)[64:128] = 0
+    out, enc = roundtrip(get_codec("nf4", min_numel=0), t)
+    assert enc.params["mode"] == "nf4"
+    packed, state = bnb.quantize_4bit(t, blocksize=64, quant_type="nf4")
+    assert np.allclose(state.code.numpy(), LEVELS)
+    assert enc.blobs["codes"] == packed.numpy().tobytes()
+    assert enc.blobs["absmax"] == state.absmax.to(torch.float32).numpy().tobytes()
+    assert torch.equal(out, bnb.dequantize_4bit(packed, state).view(shape))
+
+
+def test_nf4_stores_what_it_does_not_quantize_exactly() -> None:
+    codec = get_codec("nf4")  # min_numel 4096
+    nan = torch.randn(100, 100)
+    nan[3, 4] = float("nan")
+    kept = {
+        "bias": torch.randn(5000),
+        "small": torch.randn(60, 60),
+        "ints": torch.arange(10_000).view(100, 100),
+        "non_finite": nan,
+    }
+    for name, t in kept.items():
+        out, enc = roundtrip(codec, t)
+        assert enc.params["mode"] == "lossless" and np.array_equal(to_raw(out).bits, to_raw(t).bits), name
+    _, enc = roundtrip(codec, torch.randn(64, 64))
+    assert enc.params["mode"] == "nf4"
+
+
+def test_nf4_ratio_and_error_on_a_large_tensor() -> None:
+    t = torch.randn(1024, 1024)
+    out, enc = roundtrip(get_codec("nf4"), t)
+    assert t.numel() * 4 / sum(len(b) for b in enc.blobs.values()) == pytest.approx(32 / 4.5)
+    assert 0.05 < float((out - t).norm() / t.norm()) < 0.12  # 16 levels over a block's range
+
+
+def test_nf4_settings_and_damage_are_named() -> None:
+    with pytest.raises(InvalidSettingError, match="block_size"):
+        get_codec("nf4", block_size=63)
+    codec = get_codec("nf4", min_numel=0)
+    raw = to_raw(torch.randn(50, 70))
+    enc = codec.encode(raw)
+    with pytest.raises(CorruptCheckpointError, match="test: NF4 blobs hold"):
+        codec.decode(raw.dtype, (50, 71), enc.params, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="test: NF4 parameters"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "block_size": "64"}, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="unknown NF4 mode"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "mode": "nf3"}, Blobs(enc.blobs))
+    inf = np.frombuffer(enc.blobs["absmax"], dtype="<f4").copy()
+    inf[1] = np.inf
+    with pytest.raises(CorruptCheckpointError, match="scale is not finite"):
+        codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "absmax": inf.tobytes()}))
+
+
+def test_nf4_in_a_store_and_from_the_cli(minilm_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModel
+
+    from hf_dynaquant.cli import main
+
+    assert "nf4" in codec_names()
+    store = CheckpointStore(tmp_path / "store")
+    state = {"w": torch.randn(128, 256), "b": torch.randn(256)}
+    store.write({"model": state}, codecs=lambda section, name: "nf4", ref="x")
+    loaded = store.open("x").load_section("model")
+    assert torch.equal(loaded["b"], state["b"]) and not torch.equal(loaded["w"], state["w"])
+
+    packed, restored = tmp_path / "packed", tmp_path / "restored"
+    assert main(["compress", str(minilm_dir), str(packed), "--codec", "nf4", "--quiet"]) == 0
+    assert main(["decompress", str(packed), str(restored), "--quiet"]) == 0
+    stored = sum(p.stat().st_size for p in (packed / "dynaquant").rglob("*") if p.is_file())
+    assert (minilm_dir / "model.safetensors").stat().st_size / stored > 6
+    original, decoded = AutoModel.from_pretrained(str(minilm_dir)), AutoModel.from_pretrained(str(restored))
+    ids = torch.randint(1000, 20000, (2, 16))
+    with torch.no_grad():
+        a, b = original(input_ids=ids).last_hidden_state, decoded(input_ids=ids).last_hidden_state
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
