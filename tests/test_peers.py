@@ -1,9 +1,11 @@
 """Peer codecs (hf_dynaquant.codecs.peers), held to their reference implementations.
 
 NF4: codes, block scales and decoded values equal bitsandbytes' ``quantize_4bit`` /
-``dequantize_4bit`` (``quant_type="nf4"``, blocks of 64) bit for bit; what it does not quantize
-(1-D, small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are
-named; a model folder compressed with ``--codec nf4`` loads back through transformers."""
+``dequantize_4bit`` (``quant_type="nf4"``, blocks of 64) bit for bit. CNR: the greedy range
+search, row scales, offsets and codes equal FBGEMM's ``embedding_bag_{4,2}bit_prepack`` with
+``optimized_qparams=True`` (in PyTorch) byte for byte. What a peer does not quantize (1-D,
+small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are named; a
+model folder compressed with ``--codec nf4`` loads back through transformers."""
 
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def test_nf4_settings_and_damage_are_named() -> None:
         codec.decode(raw.dtype, (50, 71), enc.params, Blobs(enc.blobs))
     with pytest.raises(CorruptCheckpointError, match="test: NF4 parameters"):
         codec.decode(raw.dtype, raw.shape, {**enc.params, "block_size": "64"}, Blobs(enc.blobs))
-    with pytest.raises(CorruptCheckpointError, match="unknown NF4 mode"):
+    with pytest.raises(CorruptCheckpointError, match="unknown nf4 mode"):
         codec.decode(raw.dtype, raw.shape, {**enc.params, "mode": "nf3"}, Blobs(enc.blobs))
     inf = np.frombuffer(enc.blobs["absmax"], dtype="<f4").copy()
     inf[1] = np.inf
@@ -117,3 +119,42 @@ def test_nf4_in_a_store_and_from_the_cli(minilm_dir: Path, tmp_path: Path) -> No
     with torch.no_grad():
         a, b = original(input_ids=ids).last_hidden_state, decoded(input_ids=ids).last_hidden_state
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cnr_equals_fbgemm_greedy_prepack(bits: int, seed: int) -> None:
+    prepack = {4: torch.ops.quantized.embedding_bag_4bit_prepack, 2: torch.ops.quantized.embedding_bag_2bit_prepack}
+    torch.manual_seed(seed)
+    t = torch.randn(200, 128) * torch.rand(200, 1)  # rows of different ranges
+    t[3] = 0.5  # a constant row
+    out, enc = roundtrip(get_codec("cnr", bins=2**bits, min_numel=0), t)
+    reference = prepack[bits](t, True, 200, 0.16).numpy()  # per row: codes, float16 scale, float16 offset
+    width = 128 * bits // 8
+    assert enc.blobs["codes"] == reference[:, :width].tobytes()
+    assert enc.blobs["scale"] == reference[:, width : width + 2].tobytes()
+    assert enc.blobs["low"] == reference[:, width + 2 : width + 4].tobytes()
+    unpack = {4: torch.ops.quantized.embedding_bag_4bit_unpack, 2: torch.ops.quantized.embedding_bag_2bit_unpack}
+    assert torch.allclose(out, unpack[bits](torch.from_numpy(reference)), rtol=0, atol=1e-6)
+
+
+def test_cnr_other_bin_counts_settings_and_damage() -> None:
+    t = torch.randn(33, 70)
+    errors = {}
+    for bins in (8, 12, 256):
+        out, enc = roundtrip(get_codec("cnr", bins=bins, min_numel=0), t)
+        assert len(enc.blobs["codes"]) == -(-t.numel() * (bins - 1).bit_length() // 8)
+        errors[bins] = float((out - t).norm() / t.norm())
+    assert errors[256] < errors[12] < errors[8] < 0.2
+    for bad in ({"bins": 1}, {"bins": 300}, {"step_bins": 0}, {"clip_ratio": 1.0}):
+        with pytest.raises(InvalidSettingError):
+            get_codec("cnr", **bad)
+    codec = get_codec("cnr", bins=8, min_numel=0)
+    raw = to_raw(t)
+    enc = codec.encode(raw)
+    with pytest.raises(CorruptCheckpointError, match="test: CNR blobs hold"):
+        codec.decode(raw.dtype, (33, 71), enc.params, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="test: CNR parameters"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "bins": 0}, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="not below its 7 bins"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "bins": 7}, Blobs(enc.blobs))

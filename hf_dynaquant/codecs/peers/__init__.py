@@ -6,8 +6,11 @@ is registered by name, so ``hf-dynaquant compress --codec <name>`` and
 
 * ``nf4`` (:mod:`.nf4`): QLoRA's 4-bit NormalFloat, blocks of 64 values with an absmax scale, the
   quantization people publish pre-trained models with (bitsandbytes).
+* ``cnr`` (:mod:`.cnr`): Check-N-Run's row-wise uniform quantizer with a greedy clipping-range
+  search (FBGEMM's ``embedding_bag_4bit_prepack(optimized_qparams=True)``).
 """
 
+from .cnr import CNRCodec
 from .nf4 import NF4Codec
 
-__all__ = ["NF4Codec"]
+__all__ = ["CNRCodec", "NF4Codec"]

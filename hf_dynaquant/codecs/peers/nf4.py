@@ -10,10 +10,9 @@ Codes, scales and decoded values equal bitsandbytes' ``quantize_4bit`` / ``dequa
 (``quant_type="nf4"``) bit for bit (tested). At 4 bits a value plus 32 bits per block of 64, a
 float32 tensor shrinks 7.1x.
 
-What is quantized (the paper and bitsandbytes quantize the weights of linear layers only): float
-tensors of at least two dimensions and ``min_numel`` values (4,096), all of whose values are
-finite. Every other tensor (biases, norms, integer buffers, tensors holding NaN or inf) is stored
-bit-exactly by the lossless codec, so nothing the quantizer cannot represent is lost. Not taken
+What is quantized (the paper and bitsandbytes quantize the weights of linear layers only): see
+:mod:`.base` (float tensors of 2+ dimensions and ``min_numel`` (4,096) finite values; every other
+tensor is stored bit-exactly). Not taken
 from the paper: the double quantization of the absmax values (section 3, "Double Quantization",
 a further 0.37 bits per value) is not applied; the paper names it a memory saving for fine-tuning,
 and without it the scales are exact. There is no delta coding between checkpoints (the method has
@@ -25,12 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
-from ...core.dtypes import FLOAT_LAYOUTS, RawTensor, from_raw, to_raw, torch_dtype
 from ...errors import CorruptCheckpointError, InvalidSettingError
-from ..base import BlobSource, Codec, Encoded, register_codec
-from ..lossless import LosslessCodec
+from ..base import BlobSource, register_codec
+from .base import PeerCodec
 
 __all__ = ["NF4Codec", "LEVELS"]
 
@@ -88,7 +85,7 @@ def unpack_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
 
 
 @register_codec
-class NF4Codec(Codec):
+class NF4Codec(PeerCodec):
     """QLoRA's NF4 (see the module docstring). ``block_size``: values per absmax block (64, as
     bitsandbytes); ``min_numel``: smaller tensors are stored losslessly."""
 
@@ -96,52 +93,22 @@ class NF4Codec(Codec):
     version = 1
 
     def __init__(self, block_size: int = 64, min_numel: int = 4096) -> None:
-        if block_size < 2 or block_size % 2:
+        super().__init__(min_numel)
+        if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
             raise InvalidSettingError(f"NF4 block_size must be an even number >= 2, got {block_size!r}")
-        if min_numel < 0:
-            raise InvalidSettingError(f"NF4 min_numel must be >= 0, got {min_numel!r}")
-        self.block_size, self.min_numel = block_size, min_numel
-        self._lossless = LosslessCodec(delta=False)
+        self.block_size = block_size
 
-    def max_blobs(self, numel: int) -> int:
-        return max(2, self._lossless.max_blobs(numel))
+    def quantize(self, matrix: np.ndarray) -> tuple[dict[str, bytes], dict[str, Any], np.ndarray]:
+        codes, absmax = quantize_nf4(matrix.reshape(-1), self.block_size)
+        blobs = {"codes": pack_nibbles(codes).tobytes(), "absmax": absmax.tobytes()}
+        decoded = dequantize_nf4(codes, absmax, self.block_size).reshape(matrix.shape)
+        return blobs, {"block_size": self.block_size}, decoded
 
-    def quantizes(self, tensor: RawTensor) -> bool:
-        """Whether ``tensor`` is quantized (else stored losslessly): see the module docstring."""
-        numel = tensor.bits.size
-        return tensor.dtype in FLOAT_LAYOUTS and len(tensor.shape) >= 2 and numel >= max(self.min_numel, 1)
-
-    def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
-        if self.quantizes(tensor):
-            values = from_raw(tensor).detach().reshape(-1).to(torch.float32).numpy()
-            if np.isfinite(values).all():
-                codes, absmax = quantize_nf4(values, self.block_size)
-                blobs = {"codes": pack_nibbles(codes).tobytes(), "absmax": absmax.tobytes()}
-                params = {"mode": "nf4", "block_size": self.block_size}
-                state = self._raw(tensor.dtype, tensor.shape, dequantize_nf4(codes, absmax, self.block_size))
-                return Encoded(blobs, params, state=state)
-        encoded = self._lossless.encode(tensor)
-        return Encoded(encoded.blobs, {"mode": "lossless", **encoded.params}, state=encoded.state)
-
-    def decode(
-        self,
-        dtype: str,
-        shape: tuple[int, ...],
-        params: dict[str, Any],
-        blobs: BlobSource,
-        base: Any = None,
-        *,
-        reference: np.ndarray | None = None,
-    ) -> RawTensor:
-        where, mode = blobs.where, params.get("mode")
-        if mode == "lossless":
-            return self._lossless.decode(dtype, shape, params, blobs)
-        if mode != "nf4":
-            raise CorruptCheckpointError(f"{where}: unknown NF4 mode {mode!r}")
-        block = params.get("block_size")
-        if not isinstance(block, int) or block < 2 or dtype not in FLOAT_LAYOUTS:
-            raise CorruptCheckpointError(f"{where}: NF4 parameters are invalid (block_size {block!r}, dtype {dtype})")
-        n = int(np.prod(shape, dtype=np.int64))
+    def dequantize(self, shape: tuple[int, int], params: dict[str, Any], blobs: BlobSource) -> np.ndarray:
+        where, block = blobs.where, params.get("block_size")
+        if not isinstance(block, int) or block < 2:
+            raise CorruptCheckpointError(f"{where}: NF4 parameters are invalid (block_size {block!r})")
+        n = shape[0] * shape[1]
         packed, absmax = blobs("codes"), blobs("absmax")
         if packed.size != -(-n // 2) or absmax.size != 4 * -(-n // block):
             raise CorruptCheckpointError(
@@ -151,11 +118,4 @@ class NF4Codec(Codec):
         scales = absmax.view("<f4")
         if not np.isfinite(scales).all():
             raise CorruptCheckpointError(f"{where}: an NF4 block scale is not finite")
-        codes = unpack_nibbles(packed, n)
-        return self._raw(dtype, tuple(shape), dequantize_nf4(codes, scales.astype(np.float32), block))
-
-    @staticmethod
-    def _raw(dtype: str, shape: tuple[int, ...], values: np.ndarray) -> RawTensor:
-        """``values`` (flat float32) as a tensor of ``dtype`` and ``shape`` (rounded to nearest)."""
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
-        return to_raw(t.to(torch_dtype(dtype)))
+        return dequantize_nf4(unpack_nibbles(packed, n), scales.astype(np.float32), block).reshape(shape)
