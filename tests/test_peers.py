@@ -3,7 +3,9 @@
 NF4: codes, block scales and decoded values equal bitsandbytes' ``quantize_4bit`` /
 ``dequantize_4bit`` (``quant_type="nf4"``, blocks of 64) bit for bit. CNR: the greedy range
 search, row scales, offsets and codes equal FBGEMM's ``embedding_bag_{4,2}bit_prepack`` with
-``optimized_qparams=True`` (in PyTorch) byte for byte. What a peer does not quantize (1-D,
+``optimized_qparams=True`` (in PyTorch) byte for byte. GOBO: outliers by scipy's Gaussian
+log-density, centroids equal to a plain Lloyd loop with the paper's L1 stopping rule, outliers
+restored exactly. What a peer does not quantize (1-D,
 small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are named; a
 model folder compressed with ``--codec nf4`` loads back through transformers."""
 
@@ -158,3 +160,67 @@ def test_cnr_other_bin_counts_settings_and_damage() -> None:
         codec.decode(raw.dtype, raw.shape, {**enc.params, "bins": 0}, Blobs(enc.blobs))
     with pytest.raises(CorruptCheckpointError, match="not below its 7 bins"):
         codec.decode(raw.dtype, raw.shape, {**enc.params, "bins": 7}, Blobs(enc.blobs))
+
+
+def _lloyd_l1_reference(values: np.ndarray, bins: int, max_iterations: int) -> np.ndarray:
+    """GOBO's clustering written plainly: equal-count initial groups, nearest-centroid assignment,
+    mean update, stop when the L1 error stops decreasing (keeping the best)."""
+    ordered = np.sort(values.astype(np.float64))
+    groups = np.array_split(ordered, bins)
+    centroids = np.array([g.mean() for g in groups])
+
+    def assign(c: np.ndarray) -> np.ndarray:
+        return np.abs(ordered[:, None] - c[None, :]).argmin(axis=1)  # ties: the lower centroid
+
+    def l1(c: np.ndarray) -> float:
+        return float(np.abs(ordered - c[assign(c)]).sum())
+
+    best, best_l1 = centroids, l1(centroids)
+    for _ in range(max_iterations):
+        labels = assign(best)
+        moved = np.sort([ordered[labels == k].mean() if (labels == k).any() else best[k] for k in range(bins)])
+        if not l1(moved) < best_l1:
+            break
+        best, best_l1 = moved, l1(moved)
+    return best
+
+
+def test_gobo_outliers_and_clustering_follow_the_paper() -> None:
+    from scipy.stats import norm
+
+    from hf_dynaquant.codecs.peers.gobo import gobo_centroids, gobo_outliers
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(3000) * 0.04).astype(np.float32)
+    x[::500] = 0.3
+    expected = norm.logpdf(x.astype(np.float64), x.mean(dtype=np.float64), x.std(dtype=np.float64)) < -4
+    assert np.array_equal(gobo_outliers(x, -4.0), expected) and 0 < expected.sum() < 60
+    group = x[~expected]
+    for bins in (4, 8, 16):
+        np.testing.assert_allclose(gobo_centroids(group, bins, 1000), _lloyd_l1_reference(group, bins, 1000), rtol=1e-12)
+
+
+def test_gobo_roundtrip_settings_and_damage() -> None:
+    torch.manual_seed(0)
+    t = torch.randn(96, 128) * 0.04
+    t.view(-1)[::997] = 0.5  # outliers
+    codec = get_codec("gobo", min_numel=0)
+    out, enc = roundtrip(codec, t)
+    centroids = np.frombuffer(enc.blobs["centroids"], dtype="<f4")
+    at = np.frombuffer(enc.blobs["outlier_positions"], dtype="<u8")
+    flat_in, flat_out = t.reshape(-1).numpy(), out.reshape(-1).numpy()
+    assert set(np.flatnonzero(flat_in == 0.5)) <= set(at) and np.array_equal(flat_out[at], flat_in[at])
+    rest = np.setdiff1d(np.arange(flat_in.size), at)
+    nearest = centroids[np.abs(flat_in[rest, None] - centroids[None, :]).argmin(axis=1)]
+    assert np.array_equal(flat_out[rest], nearest)
+    assert len(enc.blobs["codes"]) == t.numel() * 3 // 8  # 8 bins: 3 bits
+    for bad in ({"bins": 1}, {"max_iterations": -1}, {"outlier_log_prob": float("nan")}):
+        with pytest.raises(InvalidSettingError):
+            get_codec("gobo", **bad)
+    raw = to_raw(t)
+    with pytest.raises(CorruptCheckpointError, match="test: GOBO blobs do not fit"):
+        codec.decode(raw.dtype, (96, 129), enc.params, Blobs(enc.blobs))
+    far = at.copy()
+    far[0] = t.numel()
+    with pytest.raises(CorruptCheckpointError, match="out of range"):
+        codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "outlier_positions": far.tobytes()}))

@@ -8,9 +8,12 @@ is registered by name, so ``hf-dynaquant compress --codec <name>`` and
   quantization people publish pre-trained models with (bitsandbytes).
 * ``cnr`` (:mod:`.cnr`): Check-N-Run's row-wise uniform quantizer with a greedy clipping-range
   search (FBGEMM's ``embedding_bag_4bit_prepack(optimized_qparams=True)``).
+* ``gobo`` (:mod:`.gobo`): GOBO's Gaussian outliers kept exact, the rest clustered to a few
+  centroids by Lloyd iterations that stop on the L1 error.
 """
 
 from .cnr import CNRCodec
+from .gobo import GOBOCodec
 from .nf4 import NF4Codec
 
-__all__ = ["CNRCodec", "NF4Codec"]
+__all__ = ["CNRCodec", "GOBOCodec", "NF4Codec"]
