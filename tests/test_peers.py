@@ -5,7 +5,8 @@ NF4: codes, block scales and decoded values equal bitsandbytes' ``quantize_4bit`
 search, row scales, offsets and codes equal FBGEMM's ``embedding_bag_{4,2}bit_prepack`` with
 ``optimized_qparams=True`` (in PyTorch) byte for byte. GOBO: outliers by scipy's Gaussian
 log-density, centroids equal to a plain Lloyd loop with the paper's L1 stopping rule, outliers
-restored exactly. What a peer does not quantize (1-D,
+restored exactly. QD: the entropy-driven bit widths of eq. 2, the min-max quantizer, and cyclic
+code deltas that stay exact when the bit width changes between checkpoints. What a peer does not quantize (1-D,
 small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are named; a
 model folder compressed with ``--codec nf4`` loads back through transformers."""
 
@@ -36,8 +37,8 @@ def bnb():
 def roundtrip(codec, t: torch.Tensor) -> tuple[torch.Tensor, dict]:
     raw = to_raw(t)
     enc = codec.encode(raw)
-    out = from_raw(codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs)))
-    assert np.array_equal(to_raw(out).bits, enc.state.bits)  # the state a later entry sees is what decodes
+    out = from_raw(codec.to_raw(codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs))))
+    assert np.array_equal(to_raw(out).bits, codec.to_raw(enc.state).bits)  # a later entry's base is what decodes
     return out, enc
 
 
@@ -224,3 +225,65 @@ def test_gobo_roundtrip_settings_and_damage() -> None:
     far[0] = t.numel()
     with pytest.raises(CorruptCheckpointError, match="out of range"):
         codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "outlier_positions": far.tobytes()}))
+
+
+def test_qd_bit_widths_follow_the_layers_entropy() -> None:
+    from hf_dynaquant.codecs.peers import qd_bits
+    from hf_dynaquant.codecs.peers.qd import layer_entropy
+
+    torch.manual_seed(0)
+    layers = {"flat": torch.rand(200, 50), "normal": torch.randn(200, 50), "peaked": torch.randn(200, 50) ** 5}
+    entropy = {n: layer_entropy(t.reshape(-1).numpy()) for n, t in layers.items()}
+    assert entropy["flat"] > entropy["normal"] > entropy["peaked"]
+    low, high = entropy["peaked"], entropy["flat"]
+    expected = round(4 + 4 * (entropy["normal"] - low) / (high - low))
+    assert qd_bits(layers) == {"flat": 8, "normal": expected, "peaked": 4}
+    assert qd_bits({"a": torch.ones(3, 3), "b": torch.ones(3, 3)}, 3, 6) == {"a": 6, "b": 6}
+    with pytest.raises(InvalidSettingError):
+        qd_bits(layers, 6, 4)
+
+
+def test_qd_quantizer_and_cyclic_deltas_across_bit_widths(tmp_path: Path) -> None:
+    from hf_dynaquant.codecs.peers import QDCodec
+
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 128)]
+    for _ in range(4):
+        weights.append(weights[-1] + 0.01 * torch.randn(64, 128))
+    widths = [4, 4, 8, 3, 8]  # the width changes both ways between checkpoints
+    chained, alone = CheckpointStore(tmp_path / "chained"), CheckpointStore(tmp_path / "alone")
+    for i, (w, bits) in enumerate(zip(weights, widths)):
+        codec = QDCodec(bits=bits, min_numel=0)
+        chained.write({"model": {"w": w}}, codecs=codec, ref=f"s{i}", base=f"s{i - 1}" if i else None)
+        alone.write({"model": {"w": w}}, codecs=codec, ref=f"s{i}")
+        assert (chained.info(f"s{i}").base is None) == (i == 0)
+        decoded = chained.open(f"s{i}").load_section("model")["w"]
+        assert torch.equal(decoded, alone.open(f"s{i}").load_section("model")["w"])
+        scale = (w.max() - w.min()) / (2**bits - 1)
+        assert float((decoded - w).abs().max()) <= float(scale) / 2 * (1 + 1e-5)
+    constant = torch.full((64, 64), 0.25)
+    out, _ = roundtrip(QDCodec(bits=4, min_numel=0), constant)
+    assert torch.equal(out, constant)
+
+
+def test_qd_damage_is_named() -> None:
+    from hf_dynaquant.codecs.peers import QDCodec
+
+    codec = QDCodec(bits=4, min_numel=0)
+    raw = to_raw(torch.randn(32, 64))
+    first = codec.encode(raw)
+    second = codec.encode(to_raw(torch.randn(32, 64)), base=first.state)
+    assert second.uses_base and second.params["modulus"] == 16
+    with pytest.raises(CorruptCheckpointError, match="base tensor is missing"):
+        codec.decode(raw.dtype, raw.shape, second.params, Blobs(second.blobs))
+    with pytest.raises(CorruptCheckpointError, match="does not decompress"):
+        codec.decode(raw.dtype, raw.shape, first.params, Blobs({**first.blobs, "codes": b"not lzma"}))
+    with pytest.raises(CorruptCheckpointError, match="QD parameters are invalid"):
+        codec.decode(raw.dtype, raw.shape, {**first.params, "levels": 12}, Blobs(first.blobs))
+    with pytest.raises(CorruptCheckpointError, match="not below its 8 levels"):
+        codec.decode(raw.dtype, raw.shape, {**first.params, "levels": 8}, Blobs(first.blobs))
+    with pytest.raises(InvalidSettingError):
+        QDCodec(bits=9)
+    again = codec.keyframe(second.state)  # compaction re-encodes a delta's state on its own
+    assert not again.uses_base
+    assert np.array_equal(codec.decode(raw.dtype, raw.shape, again.params, Blobs(again.blobs)).codes, second.state.codes)

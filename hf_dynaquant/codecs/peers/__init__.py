@@ -10,10 +10,13 @@ is registered by name, so ``hf-dynaquant compress --codec <name>`` and
   search (FBGEMM's ``embedding_bag_4bit_prepack(optimized_qparams=True)``).
 * ``gobo`` (:mod:`.gobo`): GOBO's Gaussian outliers kept exact, the rest clustered to a few
   centroids by Lloyd iterations that stop on the L1 error.
+* ``qd`` (:mod:`.qd`): QD-Compressor's min-max uniform quantizer at per-layer bit widths from the
+  weights' entropy (:func:`qd_bits`), a cyclic delta of the codes between checkpoints, LZMA.
 """
 
 from .cnr import CNRCodec
 from .gobo import GOBOCodec
 from .nf4 import NF4Codec
+from .qd import QDCodec, qd_bits
 
-__all__ = ["CNRCodec", "GOBOCodec", "NF4Codec"]
+__all__ = ["CNRCodec", "GOBOCodec", "NF4Codec", "QDCodec", "qd_bits"]

@@ -10,7 +10,6 @@ represent is lost. A record's ``params.mode`` says which (FORMAT.md section 13).
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from ...errors import CorruptCheckpointError, InvalidSettingError
 from ..base import BlobSource, Codec, Encoded
 from ..lossless import LosslessCodec
 
-__all__ = ["PeerCodec", "pack_bits", "unpack_bits"]
+__all__ = ["PeerCodec", "as_raw", "pack_bits", "unpack_bits"]
 
 
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -38,8 +37,9 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 
 class PeerCodec(Codec):
-    """A peer method's codec (see the module docstring): subclasses quantize a float32 matrix
-    (:meth:`quantize`) and turn their blobs back into one (:meth:`dequantize`)."""
+    """A peer method's codec (see the module docstring). A method without deltas implements
+    :meth:`quantize` and :meth:`dequantize` on a float32 matrix; one with deltas overrides
+    :meth:`encode_matrix` and :meth:`decode_matrix`, which see the base entry's state."""
 
     def __init__(self, min_numel: int = 4096) -> None:
         if not isinstance(min_numel, int) or min_numel < 0:
@@ -54,22 +54,32 @@ class PeerCodec(Codec):
         """Whether ``tensor`` is quantized (when its values are finite) or stored losslessly."""
         return tensor.dtype in FLOAT_LAYOUTS and len(tensor.shape) >= 2 and tensor.bits.size >= max(self.min_numel, 1)
 
-    @abstractmethod
     def quantize(self, matrix: np.ndarray) -> tuple[dict[str, bytes], dict[str, Any], np.ndarray]:
         """``(blobs, params, decoded)`` of a finite float32 matrix; ``decoded`` is what
         :meth:`dequantize` will give back (float32, the matrix's shape)."""
+        raise NotImplementedError(f"{type(self).__name__} implements encode_matrix instead")
 
-    @abstractmethod
     def dequantize(self, shape: tuple[int, int], params: dict[str, Any], blobs: BlobSource) -> np.ndarray:
         """The float32 matrix of ``shape`` a record stored; damaged input raises
         :class:`CorruptCheckpointError` naming ``blobs.where``."""
+        raise NotImplementedError(f"{type(self).__name__} implements decode_matrix instead")
+
+    def encode_matrix(self, matrix: np.ndarray, tensor: RawTensor, base: Any) -> Encoded:
+        """A quantized record of ``tensor`` (``matrix``: its finite values as float32 rows)."""
+        blobs, params, decoded = self.quantize(matrix)
+        return Encoded(blobs, {"mode": self.name, **params}, state=as_raw(decoded, tensor.dtype, tensor.shape))
+
+    def decode_matrix(
+        self, dtype: str, shape: tuple[int, ...], matrix: tuple[int, int], params: dict[str, Any], blobs: BlobSource, base: Any
+    ) -> Any:
+        """The state of a quantized record (``matrix``: its rows and columns)."""
+        return as_raw(self.dequantize(matrix, params, blobs), dtype, shape)
 
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
         if self.quantizes(tensor):
             matrix = from_raw(tensor).detach().reshape(-1, tensor.shape[-1]).to(torch.float32).numpy()
             if np.isfinite(matrix).all():
-                blobs, params, decoded = self.quantize(matrix)
-                return Encoded(blobs, {"mode": self.name, **params}, state=_as_raw(decoded, tensor.dtype, tensor.shape))
+                return self.encode_matrix(matrix, tensor, base)
         encoded = self._lossless.encode(tensor)
         return Encoded(encoded.blobs, {"mode": "lossless", **encoded.params}, state=encoded.state)
 
@@ -82,7 +92,7 @@ class PeerCodec(Codec):
         base: Any = None,
         *,
         reference: np.ndarray | None = None,
-    ) -> RawTensor:
+    ) -> Any:
         mode = params.get("mode")
         if mode == "lossless":
             return self._lossless.decode(dtype, shape, params, blobs)
@@ -92,10 +102,10 @@ class PeerCodec(Codec):
             raise CorruptCheckpointError(f"{blobs.where}: a {self.name} record must be a float matrix, not {dtype} {shape}")
         cols = int(shape[-1])
         rows = int(np.prod(shape, dtype=np.int64)) // max(cols, 1)
-        return _as_raw(self.dequantize((rows, cols), params, blobs), dtype, tuple(shape))
+        return self.decode_matrix(dtype, tuple(shape), (rows, cols), params, blobs, base)
 
 
-def _as_raw(values: np.ndarray, dtype: str, shape: tuple[int, ...]) -> RawTensor:
+def as_raw(values: np.ndarray, dtype: str, shape: tuple[int, ...]) -> RawTensor:
     """float32 ``values`` as a tensor of ``dtype`` (rounded to nearest) and ``shape``."""
     t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
     return to_raw(t.to(torch_dtype(dtype)))
