@@ -6,7 +6,8 @@ search, row scales, offsets and codes equal FBGEMM's ``embedding_bag_{4,2}bit_pr
 ``optimized_qparams=True`` (in PyTorch) byte for byte. GOBO: outliers by scipy's Gaussian
 log-density, centroids equal to a plain Lloyd loop with the paper's L1 stopping rule, outliers
 restored exactly. QD: the entropy-driven bit widths of eq. 2, the min-max quantizer, and cyclic
-code deltas that stay exact when the bit width changes between checkpoints. What a peer does not quantize (1-D,
+code deltas that stay exact when the bit width changes between checkpoints. JointSQ: the
+allocation equals the paper's heap walk over upgrade steps. What a peer does not quantize (1-D,
 small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are named; a
 model folder compressed with ``--codec nf4`` loads back through transformers."""
 
@@ -287,3 +288,65 @@ def test_qd_damage_is_named() -> None:
     again = codec.keyframe(second.state)  # compaction re-encodes a delta's state on its own
     assert not again.uses_base
     assert np.array_equal(codec.decode(raw.dtype, raw.shape, again.params, Blobs(again.blobs)).codes, second.state.codes)
+
+
+def _heap_allocation(values: np.ndarray, budget: float) -> np.ndarray:
+    """JointSQ's greedy written as the paper's heap walk: pop the step of largest profit per bit,
+    take it if it fits, push that value's next step."""
+    import heapq
+
+    widths, level = [0, 2, 4, 8], np.zeros(values.size, dtype=np.int64)
+
+    def step(i: int, k: int) -> tuple[float, int, int]:
+        gain = (4.0 ** -widths[k] - 4.0 ** -widths[k + 1]) * float(values[i]) ** 2
+        return (-gain / (widths[k + 1] - widths[k]), 3 * i + k, i)
+
+    heap = [step(i, 0) for i in range(values.size)]
+    heapq.heapify(heap)
+    left = budget
+    while heap:
+        _, key, i = heapq.heappop(heap)
+        k = key % 3
+        cost = widths[k + 1] - widths[k]
+        if cost <= left:
+            level[i], left = k + 1, left - cost
+            if k < 2:
+                heapq.heappush(heap, step(i, k + 1))
+    return level
+
+
+def test_jointsq_allocation_is_the_papers_greedy() -> None:
+    from hf_dynaquant.codecs.peers.jointsq import WIDTHS, allocate_bits
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(2000) * rng.uniform(0.1, 2, 2000)).astype(np.float32)
+    for bits_per_value in (0.5, 1.6, 3.0, 7.9):
+        budget = bits_per_value * x.size
+        level = allocate_bits(x, budget)
+        assert np.array_equal(level, _heap_allocation(x, budget)), bits_per_value
+        assert WIDTHS[level].sum() <= budget
+        order = np.argsort(np.abs(x))
+        assert (np.diff(level[order]) >= 0).all()  # more bits for larger magnitudes
+
+
+def test_jointsq_roundtrip_and_damage() -> None:
+    from hf_dynaquant.codecs.peers import JointSQCodec
+
+    torch.manual_seed(0)
+    t = torch.randn(96, 128)
+    codec = JointSQCodec(bits_per_value=1.6, min_numel=0)
+    out, enc = roundtrip(codec, t)
+    zero = out == 0
+    assert 0.1 < float(zero.float().mean()) < 0.6  # the smallest values are pruned
+    assert float(t.abs()[zero].max()) <= float(t.abs()[~zero].min())
+    assert float((out - t).norm() / t.norm()) < 0.35
+    assert float((roundtrip(JointSQCodec(bits_per_value=6, min_numel=0), t)[0] - t).norm() / t.norm()) < 0.02
+    raw = to_raw(t)
+    with pytest.raises(CorruptCheckpointError, match="does not decompress"):
+        codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "widths": b"junk"}))
+    with pytest.raises(CorruptCheckpointError, match="do not fit"):
+        codec.decode(raw.dtype, (96, 129), enc.params, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="2-bit codes"):
+        codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "codes2": b"\x00"}))
+    with pytest.raises(InvalidSettingError):
+        JointSQCodec(bits_per_value=9)

@@ -12,11 +12,14 @@ is registered by name, so ``hf-dynaquant compress --codec <name>`` and
   centroids by Lloyd iterations that stop on the L1 error.
 * ``qd`` (:mod:`.qd`): QD-Compressor's min-max uniform quantizer at per-layer bit widths from the
   weights' entropy (:func:`qd_bits`), a cyclic delta of the codes between checkpoints, LZMA.
+* ``jointsq`` (:mod:`.jointsq`): JointSQ's 0/2/4/8 bits per value by a greedy multiple-choice
+  knapsack under a budget of bits (0 bits: pruned).
 """
 
 from .cnr import CNRCodec
 from .gobo import GOBOCodec
+from .jointsq import JointSQCodec
 from .nf4 import NF4Codec
 from .qd import QDCodec, qd_bits
 
-__all__ = ["CNRCodec", "GOBOCodec", "NF4Codec", "QDCodec", "qd_bits"]
+__all__ = ["CNRCodec", "GOBOCodec", "JointSQCodec", "NF4Codec", "QDCodec", "qd_bits"]
