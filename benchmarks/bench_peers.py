@@ -1,0 +1,193 @@
+"""Peers side by side: bins needed for a given quality (the DynaQuant paper's Table 4 shape),
+DynaQuant against QD+, CNR+ and GOBO+ built from their papers, and every codec's size and quality
+at its defaults, on the same checkpoints.
+
+Run it with::
+
+    python benchmarks/bench_peers.py      # options: --every N (checkpoints), --retrain, --json PATH
+
+The checkpoints are the ten of the small GPT-2 run of ``benchmarks/_gpt2_run.py`` (a character
+model trained from scratch, cached in ``benchmarks/out/gpt2_run/``). Quality is the mean
+next-character loss on its 20 held-out batches; a quantized checkpoint's degradation is
+``(loss_q - loss) / loss`` against the same checkpoint's fp32 weights (as in ``bench_bins.py``).
+Every method quantizes the same tensors (float, 2+ dimensions, 4,096+ values; the rest stay
+exact), and each peer goes through its registered codec (``hf_dynaquant.codecs.peers``):
+
+* **DynaQuant**: ``QuantConfig(bins=K, embedding_bins=K, prune=0, protect=0.005)`` through a
+  store and back (``bench_bins.dynaquant_quantizer``), K in 2-254; pruning off, as in the paper's
+  Table 4 experiment.
+* **QD+** (``qd``): min-max uniform per tensor at ``K = 2^b`` levels, b in 1-8 (the paper's cube,
+  Table 8, is 8-256 bins).
+* **CNR+** (``cnr``): row-wise uniform with the greedy range search, K in 2-256; at each K the
+  best of the paper's cube for the search (Table 9: step bins 10, 25, 50, 100; range 0.1-0.5).
+* **GOBO+** (``gobo``): Gaussian outliers (log-density < -4) exact, K L1-stopped centroids,
+  1,000 iterations at most (Table 10), K in 2-256.
+
+For each checkpoint and method the smallest K whose degradation is at most 0.1%, 1% and 5% is
+found (scanning K upwards); the tables give the median (and mean) over the checkpoints and the
+peers' K against DynaQuant's. The paper's claim (section 9.3.1): CNR+ and QD+ need 2-4x
+DynaQuant's bins. A second table gives, on the last checkpoint, each codec at its defaults
+(``nf4``, ``jointsq`` too, which have no bin count): stored bytes of the quantized tensors against
+their fp32 bytes, and the degradation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from _gpt2_run import StateDict, add_arguments, describe, get_run
+from bench_bins import BINS, THRESHOLDS, Search, dynaquant_quantizer, search
+
+from hf_dynaquant import CheckpointStore, get_codec
+from hf_dynaquant.core.dtypes import from_raw, to_raw
+from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable
+
+OUT = Path(__file__).resolve().parent / "out"
+CNR_CUBE = [(s, r) for s in (10, 25, 50, 100) for r in (0.1, 0.2, 0.3, 0.4, 0.5)]  # Table 9
+PEER_BINS = (*BINS, 256)
+QD_BINS = tuple(1 << b for b in range(1, 9))
+PAPER_CLAIM = 2.0  # CNR+ and QD+ need 2-4x DynaQuant's bins (section 9.3.1)
+
+Quantizer = Callable[[StateDict, int], StateDict]
+
+
+def through_codec(state: StateDict, codec: Any) -> StateDict:
+    """Every quantizable tensor encoded by ``codec`` and decoded (the state the encoder keeps,
+    which the peers' tests hold equal to decoding the record); tied tensors stay shared."""
+    config, done, out = QuantConfig(), {}, {}
+    for name, t in state.items():
+        if not is_quantizable(t, config):
+            out[name] = t
+            continue
+        if id(t) not in done:
+            done[id(t)] = from_raw(codec.to_raw(codec.encode(to_raw(t)).state)).reshape(t.shape)
+        out[name] = done[id(t)]
+    return out
+
+
+def peer_quantizer(name: str, **fixed: Any) -> Quantizer:
+    def quantize(state: StateDict, k: int) -> StateDict:
+        option = {"bits": k.bit_length() - 1} if name == "qd" else {"bins": k}
+        return through_codec(state, get_codec(name, **option, **fixed))
+
+    return quantize
+
+
+def cnr_cube_quantizer(run) -> Quantizer:
+    """CNR+ at ``k`` bins: the state of the cube's best search settings (lowest held-out loss)."""
+
+    def quantize(state: StateDict, k: int) -> StateDict:
+        best, best_loss = None, math.inf
+        for step_bins, clip_ratio in CNR_CUBE:
+            candidate = through_codec(state, get_codec("cnr", bins=k, step_bins=step_bins, clip_ratio=clip_ratio))
+            loss = run.eval_loss(candidate)
+            if loss < best_loss:
+                best, best_loss = candidate, loss
+        return best
+
+    return quantize
+
+
+def median_bins(values: list[int | None]) -> float:
+    return statistics.median(math.inf if v is None else v for v in values)
+
+
+def fmt(value: float) -> str:
+    return ">256" if value == math.inf else f"{value:g}"
+
+
+def defaults_table(run, state: StateDict) -> list[dict[str, Any]]:
+    """Each codec at its defaults on ``state``: bytes of the quantized tensors and degradation."""
+    loss = run.eval_loss(state)
+    quantized = {n: t for n, t in state.items() if is_quantizable(t, QuantConfig())}
+    raw = sum(t.numel() * t.element_size() for t in {id(t): t for t in quantized.values()}.values())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(tmp)
+        from hf_dynaquant.pipeline import compress_state_dict
+
+        entry = compress_state_dict(store, quantized, QuantConfig(prune=0.0), types=run.layer_types(), ref="dynaquant")
+        decoded = store.open(entry).load_section("model")
+        size = store.info(entry).nbytes
+        rows.append({"codec": "dynaquant (16 bins, protect 0.005)", "ratio": raw / size,
+                     "degradation": (run.eval_loss({**state, **decoded}) - loss) / loss})
+        for name in ("qd", "cnr", "gobo", "nf4", "jointsq"):
+            store.write({"model": quantized}, codecs=name, ref=name)
+            decoded = store.open(name).load_section("model")
+            rows.append({"codec": name, "ratio": raw / store.info(name).nbytes,
+                         "degradation": (run.eval_loss({**state, **decoded}) - loss) / loss})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--every", type=int, default=1, help="use every N-th checkpoint, ending at the last")
+    parser.add_argument("--json", type=Path, default=OUT / "peers.json")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    run = get_run(args.retrain)
+    last = len(run.checkpoints) - 1
+    picked = list(range(last, -1, -args.every))[::-1]
+    methods: dict[str, tuple[Quantizer, tuple[int, ...]]] = {
+        "DynaQuant": (dynaquant_quantizer(run, QuantConfig().protect), BINS),
+        "QD+": (peer_quantizer("qd"), QD_BINS),
+        "CNR+": (cnr_cube_quantizer(run), PEER_BINS),
+        "GOBO+": (peer_quantizer("gobo"), PEER_BINS),
+    }
+    results: dict[str, list[Search]] = {m: [] for m in methods}
+    for i in picked:
+        for method, (quantize, bins) in methods.items():
+            results[method].append(search(run, run.checkpoints[i].state, quantize, bins, full=False))
+        print(f"checkpoint {i}: done ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(describe(run))
+    print(f"\ncheckpoints {picked}\n")
+    header = "| degradation <= | " + " | ".join(f"median bins {m}" for m in methods) + " | " + " | ".join(
+        f"{m} / DynaQuant" for m in list(methods)[1:]) + " |"
+    print(header + "\n|" + "---|" * (header.count("|") - 1))
+    summary = []
+    for t in THRESHOLDS:
+        med = {m: median_bins([s.needed[t] for s in results[m]]) for m in methods}
+        ratios = {m: med[m] / med["DynaQuant"] for m in list(methods)[1:]}
+        summary.append({"threshold": t, "median": med, "ratio_to_dynaquant": ratios})
+        print(f"| {t:.1%} | " + " | ".join(fmt(med[m]) for m in methods) + " | "
+              + " | ".join(f"{'>' if med[m] == math.inf else ''}{min(r, 256 / med['DynaQuant']):.2f}"
+                           for m, r in ratios.items()) + " |")
+    for t, row in zip(THRESHOLDS, summary):
+        for m in ("QD+", "CNR+"):
+            r = row["ratio_to_dynaquant"][m]
+            verdict = "holds" if r >= PAPER_CLAIM else "does not hold"
+            print(f"{t:.1%}: {m} needs {r:.2f}x DynaQuant's bins; the paper's 2-4x claim {verdict} here")
+    print("\nper checkpoint (bins needed at 0.1% / 1% / 5%):")
+    for j, i in enumerate(picked):
+        print(f"  ckpt {i} (step {run.checkpoints[i].step}): " + "; ".join(
+            f"{m} " + "/".join(fmt(median_bins([results[m][j].needed[t]])) for t in THRESHOLDS) for m in methods))
+    defaults = defaults_table(run, run.checkpoints[last].state)
+    print(f"\nlast checkpoint, every codec at its defaults (quantized tensors only):\n")
+    print("| codec | ratio | degradation |\n|---|---:|---:|")
+    for row in defaults:
+        print(f"| {row['codec']} | {row['ratio']:.2f}x | {row['degradation']:+.3%} |")
+    print(f"\ntotal time: {time.perf_counter() - started:.0f} s")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "checkpoints": picked,
+        "summary": [{**r, "median": {m: (None if v == math.inf else v) for m, v in r["median"].items()},
+                     "ratio_to_dynaquant": {m: (None if v == math.inf else v) for m, v in r["ratio_to_dynaquant"].items()}}
+                    for r in summary],
+        "searches": {m: [asdict(s) for s in results[m]] for m in methods},
+        "defaults": defaults,
+    }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
