@@ -7,7 +7,9 @@ search, row scales, offsets and codes equal FBGEMM's ``embedding_bag_{4,2}bit_pr
 log-density, centroids equal to a plain Lloyd loop with the paper's L1 stopping rule, outliers
 restored exactly. QD: the entropy-driven bit widths of eq. 2, the min-max quantizer, and cyclic
 code deltas that stay exact when the bit width changes between checkpoints. JointSQ: the
-allocation equals the paper's heap walk over upgrade steps. What a peer does not quantize (1-D,
+allocation equals the paper's heap walk over upgrade steps. ExCP: the joint shrinking as the
+authors' code writes it, K-means codes with 0 for exact zeros, residuals on the previous entry.
+What a peer does not quantize (1-D,
 small, integer, non-finite tensors) is stored exactly; damaged parameters or blobs are named; a
 model folder compressed with ``--codec nf4`` loads back through transformers."""
 
@@ -350,3 +352,74 @@ def test_jointsq_roundtrip_and_damage() -> None:
         codec.decode(raw.dtype, raw.shape, enc.params, Blobs({**enc.blobs, "codes2": b"\x00"}))
     with pytest.raises(InvalidSettingError):
         JointSQCodec(bits_per_value=9)
+
+
+def test_excp_shrink_follows_the_authors_code() -> None:
+    from hf_dynaquant.codecs.peers import excp_shrink
+
+    torch.manual_seed(0)
+    delta, m, v = torch.randn(4000) * 1e-3, torch.randn(4000) * 1e-2, torch.rand(4000) * 1e-9  # s about 2.2
+    # compress_pythia.py's rule, in torch as written there (its opt_v is exp_avg, opt_m exp_avg_sq)
+    scale = min(2.5, 5e-5 / float(torch.sqrt(v.mean())))
+    expected_delta = delta * (delta.abs() > scale * delta.abs().median())
+    keep = (m.abs() > 2.0 * m.abs().mean()) & (expected_delta != 0)
+    got_delta, got_m, got_v = excp_shrink(delta.numpy(), m.numpy(), v.numpy())
+    assert 0.05 < float((expected_delta != 0).float().mean()) < 0.95
+    assert np.array_equal(got_delta, expected_delta.numpy())
+    assert np.array_equal(got_m, (m * keep).numpy()) and np.array_equal(got_v, (v * keep).numpy())
+    none_delta, first_m, _ = excp_shrink(None, m.numpy(), v.numpy())
+    assert none_delta is None and np.array_equal(first_m != 0, (m.abs() > 2.0 * m.abs().mean()).numpy())
+
+
+def test_excp_checkpoints_through_a_store(tmp_path: Path) -> None:
+    from hf_dynaquant.codecs.peers import ExCPCodec, excp_state
+    from hf_dynaquant.codecs.peers.excp import kmeans_nonzero
+
+    torch.manual_seed(0)
+    x = np.where(np.random.default_rng(0).random(5000) < 0.3, np.random.default_rng(1).standard_normal(5000), 0)
+    codes, codebook = kmeans_nonzero(x, 15)
+    assert codebook.dtype == np.float16 and codebook.size == 15 and np.array_equal(codes == 0, x == 0)
+    levels = codebook.astype(np.float64)
+    nz = x != 0
+    assert np.array_equal(codes[nz] - 1, np.abs(x[nz, None] - levels[None, :]).argmin(axis=1))
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    names = {id(p): n for n, p in model.named_parameters()}
+    store = CheckpointStore(tmp_path / "store")
+
+    def train_and_take() -> tuple[dict, dict, dict]:
+        for _ in range(5):
+            model(torch.randn(32, 64)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        m = {names[id(p)]: s["exp_avg"] for p, s in optimizer.state.items()}
+        v = {names[id(p)]: s["exp_avg_sq"] for p, s in optimizer.state.items()}
+        return {n: t.detach().clone() for n, t in model.state_dict().items()}, m, v
+
+    weights, m, v = train_and_take()
+    sections, codecs = excp_state(weights, None, m, v)
+    store.write(sections, codecs=codecs, ref="c1")
+    first = store.open("c1").load_section("model")
+    assert all(torch.equal(first[n], t) for n, t in weights.items())  # no previous: the weights exactly
+    weights2, m2, v2 = train_and_take()
+    sections, codecs = excp_state(weights2, first, m2, v2)
+    store.write(sections, codecs=codecs, ref="c2", base="c1")
+    second = store.open("c2")
+    decoded, moments = second.load_section("model"), second.load_section("exp_avg")
+    for name, w in weights2.items():
+        change = w - first[name]
+        assert float((decoded[name] - w).norm()) < 0.35 * float(change.norm()), name
+        assert torch.equal(moments[name] != 0, sections["exp_avg"][name] != 0)
+    assert second.record("model", "0.weight")["params"]["residual"] == "previous"
+    codec = ExCPCodec()
+    raw = to_raw(torch.randn(4000))
+    enc = codec.encode(raw)
+    with pytest.raises(CorruptCheckpointError, match="ExCP blobs do not fit"):
+        codec.decode(raw.dtype, (4001,), enc.params, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="ExCP parameters are invalid"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "centres": 16}, Blobs(enc.blobs))
+    with pytest.raises(CorruptCheckpointError, match="residual whose base tensor is missing"):
+        codec.decode(raw.dtype, raw.shape, {**enc.params, "residual": "previous"}, Blobs(enc.blobs))
+    with pytest.raises(InvalidSettingError, match="needs its base entry"):
+        ExCPCodec(delta=np.zeros(4000)).encode(raw)

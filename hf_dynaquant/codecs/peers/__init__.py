@@ -14,12 +14,25 @@ is registered by name, so ``hf-dynaquant compress --codec <name>`` and
   weights' entropy (:func:`qd_bits`), a cyclic delta of the codes between checkpoints, LZMA.
 * ``jointsq`` (:mod:`.jointsq`): JointSQ's 0/2/4/8 bits per value by a greedy multiple-choice
   knapsack under a budget of bits (0 bits: pruned).
+* ``excp`` (:mod:`.excp`): ExCP's weight-momentum joint shrinking of the residual between
+  checkpoints and of Adam's moments, then K-means (:func:`excp_state` writes a checkpoint).
 """
 
 from .cnr import CNRCodec
+from .excp import ExCPCodec, excp_shrink, excp_state
 from .gobo import GOBOCodec
 from .jointsq import JointSQCodec
 from .nf4 import NF4Codec
 from .qd import QDCodec, qd_bits
 
-__all__ = ["CNRCodec", "GOBOCodec", "JointSQCodec", "NF4Codec", "QDCodec", "qd_bits"]
+__all__ = [
+    "CNRCodec",
+    "ExCPCodec",
+    "GOBOCodec",
+    "JointSQCodec",
+    "NF4Codec",
+    "QDCodec",
+    "excp_shrink",
+    "excp_state",
+    "qd_bits",
+]

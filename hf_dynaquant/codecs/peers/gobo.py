@@ -31,7 +31,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, InvalidSettingError
 from ..base import BlobSource, register_codec
-from .base import PeerCodec, pack_bits, unpack_bits
+from .base import PeerCodec, lloyd_step, nearest_runs, pack_bits, unpack_bits
 
 __all__ = ["GOBOCodec", "gobo_outliers", "gobo_centroids"]
 
@@ -46,42 +46,27 @@ def gobo_outliers(values: np.ndarray, log_prob: float) -> np.ndarray:
     return density < log_prob
 
 
-def _clusters(ordered: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """End (exclusive) of each centroid's run in the sorted values: a value belongs to the nearest
-    centroid, a value at a midpoint to the lower one."""
-    return np.searchsorted(ordered, (centroids[1:] + centroids[:-1]) / 2, side="right")
-
-
 def gobo_centroids(values: np.ndarray, bins: int, max_iterations: int) -> np.ndarray:
     """The ascending float64 centroids GOBO's clustering gives ``values`` (see the module docstring)."""
     ordered = np.sort(values.astype(np.float64))
     n = ordered.size
     prefix = np.concatenate(([0.0], np.cumsum(ordered)))
 
-    def run_sums(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        return prefix[ends] - prefix[starts]
-
     def l1(centroids: np.ndarray) -> float:
-        ends = _clusters(ordered, centroids)
-        starts = np.concatenate(([0], ends))
-        ends = np.concatenate((ends, [n]))
+        starts, ends = nearest_runs(ordered, centroids)
         split = np.clip(np.searchsorted(ordered, centroids, side="left"), starts, ends)
-        below = centroids * (split - starts) - run_sums(starts, split)
-        above = run_sums(split, ends) - centroids * (ends - split)
+        below = centroids * (split - starts) - (prefix[split] - prefix[starts])
+        above = (prefix[ends] - prefix[split]) - centroids * (ends - split)
         return float((below + above).sum())
 
     edges = np.linspace(0, n, bins + 1).round().astype(np.int64)
     counts = np.diff(edges)
-    centroids = np.where(counts > 0, run_sums(edges[:-1], edges[1:]) / np.maximum(counts, 1), 0.0)
-    centroids = np.maximum.accumulate(np.where(counts > 0, centroids, -np.inf))  # empty leading groups
+    means = (prefix[edges[1:]] - prefix[edges[:-1]]) / np.maximum(counts, 1)
+    centroids = np.maximum.accumulate(np.where(counts > 0, means, -np.inf))  # empty leading groups
     centroids = np.where(np.isfinite(centroids), centroids, ordered[0] if n else 0.0)
     best, best_l1 = centroids, l1(centroids)
     for _ in range(max_iterations):
-        ends = _clusters(ordered, best)
-        starts = np.concatenate(([0], ends))
-        ends = np.concatenate((ends, [n]))
-        sizes = ends - starts
-        moved = np.sort(np.where(sizes > 0, run_sums(starts, ends) / np.maximum(sizes, 1), best))
+        moved = lloyd_step(ordered, prefix, best)
         error = l1(moved)
         if not error < best_l1:
             break
