@@ -50,7 +50,7 @@ def write_planned(
     *,
     config: QuantConfig | None = None,
     delta_coding: str = DEFAULT_DELTA_CODING,
-    fallback: Codec | str = "lossless",
+    fallback: Codec | str | Mapping[str, Codec | str] = "lossless",
     metadata: Mapping[str, Any] | None = None,
     **write: Any,
 ) -> str:
@@ -63,7 +63,8 @@ def write_planned(
         config: the configuration recorded as the entry's ``quant_config`` (the one the plan
             was made with; ``None`` records none, e.g. when a search found nothing that passes).
         delta_coding: how the DynaQuant codec codes a delta on its base entry's codes.
-        fallback: the codec of every tensor outside the plan.
+        fallback: the codec of every tensor outside the plan, or ``{section: codec}`` (sections
+            not named: lossless).
         metadata: more metadata for the entry.
         write: the other options of :meth:`CheckpointStore.write <hf_dynaquant.store.CheckpointStore.write>`
             (``trees``, ``extras``, ``base``, ``ref``, ``progress``, ``base_states``, ``keep_states``).
@@ -76,13 +77,17 @@ def write_planned(
     return store.write(sections, codecs=_codecs(plan, delta_coding, fallback), metadata=meta, **write)
 
 
-def _codecs(plan: QuantPlan | None, delta_coding: str, fallback: Codec | str) -> Callable[[str, str], Codec | str]:
+def _codecs(
+    plan: QuantPlan | None, delta_coding: str, fallback: Codec | str | Mapping[str, Codec | str]
+) -> Callable[[str, str], Codec | str]:
     """The ``codecs=`` function of :meth:`CheckpointStore.write`: a tensor's codec by its section and name."""
     tensors = plan.tensors if plan is not None else {}
 
     def choose(section: str, name: str) -> Codec | str:
         planned = tensors.get(plan_key(section, name))
-        return DynaQuantCodec(planned, delta_coding) if planned is not None else fallback
+        if planned is not None:
+            return DynaQuantCodec(planned, delta_coding)
+        return fallback.get(section, "lossless") if isinstance(fallback, Mapping) else fallback
 
     return choose
 

@@ -99,3 +99,17 @@ def test_describe_lists_every_setting() -> None:
     text = CheckpointSettings.describe()
     for f in fields(CheckpointSettings):
         assert f"{f.name} = " in text and f.metadata["help"]
+
+
+def test_codec_setting_names_a_weights_codec_without_a_search() -> None:
+    from hf_dynaquant import CheckpointSettings
+    from hf_dynaquant.errors import InvalidSettingError
+
+    assert CheckpointSettings().codec == "dynaquant"
+    assert CheckpointSettings(codec="nf4", threshold=None).codec == "nf4"
+    with pytest.raises(InvalidSettingError, match="takes threshold=None"):
+        CheckpointSettings(codec="nf4", threshold=0.01)
+    with pytest.raises(InvalidSettingError, match="excp_state"):
+        CheckpointSettings(codec="excp", threshold=None)
+    with pytest.raises(InvalidSettingError, match="codec must be one of"):
+        CheckpointSettings(codec="zip", threshold=None)

@@ -95,6 +95,38 @@ def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> N
     assert store.info("checkpoint-12").base == store.resolve("checkpoint-8")  # the chain went on
 
 
+@pytest.mark.parametrize("codec", ["qd", "cnr", "nf4"])
+def test_a_peer_codes_the_weights_and_the_run_resumes(tmp_path, data, codec) -> None:
+    """DynaQuantCallback(codec=<peer>, threshold=None): the weights go through the peer (qd's
+    deltas on the previous checkpoint's codes too), the optimizer state through optimizer_state's
+    coding, and a resume loads exactly what the store decodes."""
+    train, _ = data
+    cb = DynaQuantCallback(None, codec=codec, keyframe_every=2, busy_saves="wait")
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb])
+    trainer.train()
+    store = checkpoint_store(tmp_path)
+    entry = store.open("checkpoint-8")
+    assert entry.metadata["codec"] == codec and "quant_config" not in entry.metadata
+    records = {n: entry.record("model", n) for n in entry.names("model")}
+    quantized = {n for n, r in records.items() if r.get("codec") == codec and r["params"]["mode"] == codec}  # (not aliases)
+    assert "transformer.h.0.mlp.c_fc.weight" in quantized and "transformer.h.0.ln_1.weight" not in quantized
+    assert all(records[n]["uses_base"] == (codec == "qd") for n in quantized)  # only qd has deltas
+    weights, _, _ = read_checkpoint(store, "checkpoint-8")
+    loaded = {}
+
+    class Probe(DynaQuantTrainer):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            loaded.update({k: v.clone() for k, v in self.model.state_dict().items()})
+
+    resumed = Probe(
+        model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train,
+        callbacks=[DynaQuantCallback(None, codec=codec, busy_saves="wait")],
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    assert all(torch.equal(loaded[n], t) for n, t in weights.items())
+
+
 class StopAfter(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import check_storable, from_raw, storage_key
@@ -602,7 +603,11 @@ class Compressor:
         base = None if keyframe else self.last_entry
         meta = dict(snap.metadata)
         search = None
-        if self.search is None:
+        peer = self.settings.codec != "dynaquant"  # a peer's codec quantizes the weights itself
+        if peer:
+            plan, chosen = None, None
+            meta["codec"] = self.settings.codec
+        elif self.search is None:
             plan: QuantPlan | None = self.plan_snapshot(snap)
             chosen: QuantConfig | None = plan.config
         else:
@@ -647,6 +652,7 @@ class Compressor:
             progress=progress,
             base_states=base_states,
             keep_states=states,
+            fallback={MODEL: get_codec(self.settings.codec) if peer else "lossless"},
         )
         self._states = states
         self._keep_previous(snap, states)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..codecs import codec_names
 from ..codecs.dynaquant import DEFAULT_DELTA_CODING, DELTA_CODINGS
 from ..core.quantizer import QuantConfig
 from ..errors import InvalidSettingError
@@ -34,6 +35,7 @@ __all__ = ["CheckpointSettings", "SettingsView", "ENV_PREFIX", "DEFAULT_EVAL_EXA
 
 ENV_PREFIX = "ACCELERATE_DYNAQUANT_"
 BUSY_SAVES = ("plain", "wait")  # see CheckpointSettings.busy_saves
+JOINT_CODECS = ("excp",)  # codecs of weights and optimizer state together: not a weights codec
 # Examples of the eval dataset the Trainer's default test evaluates every candidate on (all of it
 # when smaller). The standard error of a paired degradation falls as 1/sqrt(examples). Measured on
 # a tiny GPT-2 LM at 4 bins (benchmarks/bench_restore_budget.py's model, 150 steps): loss
@@ -152,6 +154,13 @@ class CheckpointSettings:
         "'ans' (regrouped, rANS-coded; default), 'regroup' (the paper's), 'rle' or 'entropy'.",
         str,
     )
+    codec: str = _setting(
+        "dynaquant",
+        "The weights' codec: 'dynaquant' (the method: config's plan, or the search under a threshold), or, for "
+        "comparisons, a peer at its defaults ('nf4', 'cnr', 'gobo', 'qd', 'jointsq', or 'lossless'), with "
+        "threshold=None. The optimizer state keeps optimizer_state's coding.",
+        str,
+    )
     progress: bool | None = _setting(
         None, "Show a progress bar while a checkpoint is written (default: for checkpoints over 256 MB).", None
     )
@@ -188,6 +197,18 @@ class CheckpointSettings:
             raise InvalidSettingError(f"busy_saves must be one of {BUSY_SAVES}, got {self.busy_saves!r}")
         if self.delta_coding not in DELTA_CODINGS:
             raise InvalidSettingError(f"delta_coding must be one of {DELTA_CODINGS}, got {self.delta_coding!r}")
+        weight_codecs = [n for n in codec_names() if n not in JOINT_CODECS]
+        if self.codec not in weight_codecs:
+            raise InvalidSettingError(
+                f"codec must be one of {weight_codecs}, got {self.codec!r}"
+                + (" (ExCP codes the weights with Adam's moments: write its checkpoints with excp_state)"
+                   if self.codec in JOINT_CODECS else "")
+            )
+        if self.codec != "dynaquant" and self.threshold is not None:
+            raise InvalidSettingError(
+                f"codec={self.codec!r} takes threshold=None: the configuration search is DynaQuant's, and a peer "
+                f"codes the weights with its own defaults (got threshold={self.threshold!r})"
+            )
 
     @classmethod
     def from_env(cls, **given: Any) -> CheckpointSettings:

@@ -336,6 +336,11 @@ class ShardedCompressor(Compressor):
 
     def __init__(self, model: torch.nn.Module, store: CheckpointStore | str | Path, *args: Any, **kwargs: Any) -> None:
         super().__init__(model, None, *args, **kwargs)
+        if self.settings.codec != "dynaquant":
+            raise UnsupportedSetupError(
+                f"ShardedCompressor plans with sketches merged over the ranks, which the {self.settings.codec!r} "
+                "codec does not use: sharded checkpoints take codec='dynaquant'"
+            )
         if self.config.residual != "none" or self.settings.pretrained not in ("auto", None):
             raise UnsupportedSetupError(
                 "ShardedCompressor codes the weights directly: residual coding (QuantConfig.residual, pretrained=) "
