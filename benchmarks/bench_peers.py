@@ -29,6 +29,14 @@ peers' K against DynaQuant's. The paper's claim (section 9.3.1): CNR+ and QD+ ne
 DynaQuant's bins. A second table gives, on the last checkpoint, each codec at its defaults
 (``nf4``, ``jointsq`` too, which have no bin count): stored bytes of the quantized tensors against
 their fp32 bytes, and the degradation.
+
+``--training`` runs the training comparison instead: the Trainer job of ``bench_trainer.py``
+(0.43 M-parameter character GPT-2 from scratch, 1,200 steps, a checkpoint every 100, 10
+crash-and-resume restores, seeds 0, 1, 2), plain and once per codec (``codec=`` of the callback,
+the peers at their defaults with the optimizer state compressed as usual; DynaQuant with its
+search): final eval loss against the plain run of the same seed, its last checkpoint decoded on its
+own, and the weights and whole-checkpoint ratios. ExCP, which codes the weights with Adam's
+moments, has no callback path yet and is not in it.
 """
 
 from __future__ import annotations
@@ -129,12 +137,66 @@ def defaults_table(run, state: StateDict) -> list[dict[str, Any]]:
     return rows
 
 
+def training(args: argparse.Namespace) -> dict[str, Any]:
+    """``--training``: the Trainer job of ``bench_trainer.py`` (0.43 M character GPT-2, from
+    scratch) for every seed, plain and then once per codec (``CheckpointSettings.codec``; DynaQuant
+    with its default search), each with ``--restores`` crash-and-resume restores: final eval loss
+    against the plain run of the same seed, weights and whole-checkpoint ratios."""
+    from functools import partial
+
+    from _runs import mean_spread, ratios, restore_points
+    from bench_trainer import make_model, run_dynaquant, run_plain
+
+    from hf_dynaquant.pretrained.corpus import docstring_lm_datasets
+
+    data = docstring_lm_datasets(block=64, eval_blocks=64)
+    stops = restore_points(args.steps, args.save_steps, args.restores)
+    codecs = args.codecs.split(",")
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in (int(x) for x in args.seeds.split(",")):
+            make = partial(make_model, seed=seed)
+            results[seed] = {"plain": run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed)}
+            for codec in codecs:
+                settings = {} if codec == "dynaquant" else {"codec": codec, "threshold": None}
+                run, decoded = run_dynaquant(
+                    Path(tmp) / f"{seed}-{codec}", data, args.steps, args.save_steps, "compress", stops, settings, make, seed
+                )
+                results[seed][codec] = {**run, "decoded_eval_loss": decoded["eval_loss"]}
+                print(f"training: seed {seed}, {codec} done", flush=True)
+    seeds = list(results)
+    print(f"\ntraining: {args.steps} steps, a checkpoint every {args.save_steps}, {args.restores} restores, seeds {seeds}\n")
+    print("| codec | eval loss vs plain (same seed) | final checkpoint decoded vs plain | weights ratio | whole ratio |")
+    print("|---|---:|---:|---:|---:|")
+    rows = {}
+    for codec in codecs:
+        pairs = [(results[s][codec], results[s]["plain"]) for s in seeds]
+        rel = [(r["eval_loss"] - p["eval_loss"]) / p["eval_loss"] * 100 for r, p in pairs]
+        dec = [(r["decoded_eval_loss"] - p["eval_loss"]) / p["eval_loss"] * 100 for r, p in pairs]
+        w = [ratios(p, r)["weights"] for r, p in pairs]
+        whole = [ratios(p, r)["whole"] for r, p in pairs]
+        rows[codec] = {"relative": rel, "decoded": dec, "weights": w, "whole": whole}
+        print(f"| {codec} | {mean_spread(rel, '+.2f')}% | {mean_spread(dec, '+.2f')}% | "
+              f"{mean_spread(w, '.1f')}x | {mean_spread(whole, '.1f')}x |")
+    return {"seeds": seeds, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--every", type=int, default=1, help="use every N-th checkpoint, ending at the last")
     parser.add_argument("--json", type=Path, default=OUT / "peers.json")
+    parser.add_argument("--training", action="store_true", help="run the Trainer job per codec instead (see training())")
+    parser.add_argument("--codecs", default="dynaquant,qd,cnr,gobo,nf4,jointsq", help="with --training")
+    parser.add_argument("--seeds", default="0,1,2", help="with --training")
+    parser.add_argument("--steps", type=int, default=1200, help="with --training")
+    parser.add_argument("--save-steps", type=int, default=100, help="with --training")
+    parser.add_argument("--restores", type=int, default=10, help="with --training")
     args = parser.parse_args()
+    if args.training:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(training(args), indent=2) + "\n")
+        return
     started = time.perf_counter()
     run = get_run(args.retrain)
     last = len(run.checkpoints) - 1
