@@ -63,6 +63,7 @@ from bench_bins import BINS, THRESHOLDS, Search, dynaquant_quantizer, search
 from hf_dynaquant import CheckpointStore, get_codec
 from hf_dynaquant.core.dtypes import from_raw, to_raw
 from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable
+from hf_dynaquant.pipeline import compress_state_dict
 
 OUT = Path(__file__).resolve().parent / "out"
 CNR_CUBE = [(s, r) for s in (10, 25, 50, 100) for r in (0.1, 0.2, 0.3, 0.4, 0.5)]  # Table 9
@@ -126,8 +127,6 @@ def defaults_table(run, state: StateDict) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store = CheckpointStore(tmp)
-        from hf_dynaquant.pipeline import compress_state_dict
-
         entry = compress_state_dict(store, quantized, QuantConfig(prune=0.0), types=run.layer_types(), ref="dynaquant")
         decoded = store.open(entry).load_section("model")
         size = store.info(entry).nbytes
@@ -335,7 +334,7 @@ def main() -> None:
         print(f"  ckpt {i} (step {run.checkpoints[i].step}): " + "; ".join(
             f"{m} " + "/".join(fmt(median_bins([results[m][j].needed[t]])) for t in THRESHOLDS) for m in methods))
     defaults = defaults_table(run, run.checkpoints[last].state)
-    print(f"\nlast checkpoint, every codec at its defaults (quantized tensors only):\n")
+    print("\nlast checkpoint, every codec at its defaults (quantized tensors only):\n")
     print("| codec | ratio | degradation |\n|---|---:|---:|")
     for row in defaults:
         print(f"| {row['codec']} | {row['ratio']:.2f}x | {row['degradation']:+.3%} |")

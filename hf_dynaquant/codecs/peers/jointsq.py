@@ -23,7 +23,6 @@ gradient communication during training, are not applied. No deltas.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
