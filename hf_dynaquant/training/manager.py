@@ -142,19 +142,14 @@ class CheckpointManager:
         stall = time.perf_counter() - pending.started + stall_before
         name, run_dir, searched = folder.name, folder.parent, pending.searched
 
-        def job() -> CheckpointReport:
-            progress = self.progress if self.progress is not None else snap.nbytes() > PROGRESS_BYTES
-            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
-            if searched is None and report.search is not None:
-                self.chosen.append((snap.step, report.search.get("config")))
+        def mark(report: CheckpointReport) -> None:
             if folder.is_dir():  # a rotation keeping one folder may already have removed it
                 write_marker(folder, store, name, report.entry, snap.step)
                 if remove_plain_files:
                     remove_uncompressed(folder)
             release_rotated(store, run_dir, keep={name}, every_ref=every_ref)
-            return replace(report, stall_seconds=stall)
 
-        self._submit(name, job)
+        self._submit(name, snap, searched, stall, after=mark)
 
     def save(self, step: int, *, ref: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
         """Checkpoint ``step`` of a loop without a framework (reference ``ref``, default
@@ -168,18 +163,29 @@ class CheckpointManager:
         snap = pending.snapshot
         if snap is None:
             return
-        name, searched = ref or f"step-{step}", pending.searched
         stall = time.perf_counter() - pending.started
+        self._submit(ref or f"step-{step}", snap, pending.searched, stall)
+
+    def _submit(
+        self,
+        name: str,
+        snap: Snapshot,
+        searched: SearchResult | None,
+        stall: float,
+        after: Callable[[CheckpointReport], None] | None = None,
+    ) -> None:
+        """Encode and write ``snap`` as ``name`` on the background thread (its collectives on
+        :attr:`group`), or now; ``after`` then runs with the report (markers, rotation)."""
 
         def job() -> CheckpointReport:
             progress = self.progress if self.progress is not None else snap.nbytes() > PROGRESS_BYTES
             report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
+            if searched is None and report.search is not None:
+                self.chosen.append((snap.step, report.search.get("config")))
+            if after is not None:
+                after(report)
             return replace(report, stall_seconds=stall)
 
-        self._submit(name, job)
-
-    def _submit(self, name: str, job: Callable[[], CheckpointReport]) -> None:
-        """Run ``job`` on the background thread (its collectives on :attr:`group`), or now."""
         if self.worker is None:
             self._collect(job())
             return

@@ -40,8 +40,8 @@ def _scale_and_low(lo: np.ndarray, hi: np.ndarray, bins: int) -> tuple[np.ndarra
     low = lo.astype(np.float16).astype(np.float32)
     span = hi - low
     scale = np.where(span == 0, np.float32(1), (span / np.float32(bins - 1)).astype(np.float16).astype(np.float32))
-    scale = np.where((scale == 0) | ~np.isfinite(np.float32(1) / np.where(scale == 0, 1, scale)), np.float32(1), scale)
-    return scale.astype(np.float32), low
+    # a span too small for float16 rounds to 0 (FBGEMM then takes 1; any non-zero float16 has a finite inverse)
+    return np.where(scale == 0, np.float32(1), scale).astype(np.float32), low
 
 
 def _codes(x: np.ndarray, scale: np.ndarray, low: np.ndarray, bins: int) -> np.ndarray:
