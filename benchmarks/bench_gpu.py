@@ -236,16 +236,18 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     callbacks: list[TrainerCallback] = [Baseline(memory)]  # (the evaluation at saves goes last)
     search_seconds: list[float] = []
+    search_devices: list[str] = []
     if a.arm == "dynaquant":
         from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
         from hf_dynaquant.search import ConfigurationSearch
 
         search = ConfigurationSearch.search
 
-        def timed_search(self, *args: Any, **kwargs: Any) -> Any:  # the search's share of the background time
+        def timed_search(self, model, *args: Any, **kwargs: Any) -> Any:  # the search's share of the background
+            search_devices.append(str(next(model.parameters()).device))
             started = time.perf_counter()
             try:
-                return search(self, *args, **kwargs)
+                return search(self, model, *args, **kwargs)
             finally:
                 search_seconds.append(time.perf_counter() - started)
 
@@ -290,6 +292,7 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
             background=[r["dynaquant/background_seconds"] for r in reports],
             callback_stalls=[r["dynaquant/stall_seconds"] for r in reports],
             search_seconds=search_seconds,
+            search_devices=search_devices,
             evaluations=[r.get("dynaquant/search_evaluations", 0) for r in reports],
             plain_steps=callback.plain_steps,
             compressed_steps=[r["step"] for r in reports],

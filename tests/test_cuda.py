@@ -13,6 +13,8 @@ from hf_dynaquant.core.quantizer import plan_quantization
 from hf_dynaquant.core.ranking import GradientEMA
 from hf_dynaquant.core.sketch import LogSketch
 from hf_dynaquant.search import ConfigurationSearch, QualityMetric, SearchSpace, mean_loss
+from hf_dynaquant.store import CheckpointStore
+from hf_dynaquant.training.compressor import read_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
 
@@ -125,6 +127,98 @@ def test_search_on_cuda_model_leaves_weights_bit_identical() -> None:
     assert mean_loss(data).fn(model) == pytest.approx(loss(model) / 2, rel=1e-5)
 
 
+def _trained(dev: str = "cuda") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP on ``dev`` after two AdamW steps (so it has moments to snapshot)."""
+    model = _mlp().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(64, 64, device=dev), torch.randint(0, 10, (64,), device=dev)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_background_snapshot_is_staged_on_the_device_and_settles_to_the_host_copy(tmp_path) -> None:
+    """A detached snapshot of a GPU model is a copy on the device (training goes on changing the
+    live weights meanwhile); settled, it is bit for bit the host snapshot taken at the same
+    moment, and writes the same stored bytes."""
+    model, opt = _trained()
+    config = QuantConfig(bins=8, prune=0.1, min_numel=256)
+    staged = Compressor(model, tmp_path / "staged", config, optimizer=opt)
+    host = Compressor(model, tmp_path / "host", config, optimizer=opt, use_accelerator=False)
+    snap, plain = staged.snapshot(1, detach_model=True), host.snapshot(1, detach_model=True)
+    assert snap.staged is not None and plain.staged is None
+    assert all(t.is_cuda for t in snap.state.values()) and not any(t.is_cuda for t in plain.state.values())
+    with torch.no_grad():  # training goes on before the background settles the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+    snap.settle()
+    assert snap.staged is None and snap.device_state is None  # no search: nothing kept on the device
+    for name, t in plain.state.items():
+        assert not snap.state[name].is_cuda and torch.equal(snap.state[name], t), name
+    assert snap.state["0.weight"] is not plain.state["0.weight"]
+    for pid, moments in plain.optimizer["state"].items():
+        for key, t in moments.items():
+            assert torch.equal(snap.optimizer["state"][pid][key], t), (pid, key)
+    staged.write(snap)
+    host.write(plain)
+    weights = [read_checkpoint(CheckpointStore(tmp_path / d), "step-1")[0] for d in ("staged", "host")]
+    for name, t in weights[1].items():
+        assert torch.equal(weights[0][name], t), name
+
+
+def test_background_search_evaluates_on_the_device_and_releases_it() -> None:
+    """The search of a detached snapshot of a GPU model evaluates a copy on the device (not the
+    live model, not the CPU), leaves the live weights alone and gives the device memory back."""
+    model, _ = _trained()
+    data = [(torch.randn(32, 64), torch.randint(0, 10, (32,))) for _ in range(2)]
+    seen: list[torch.device] = []
+
+    def loss(m: torch.nn.Module) -> float:
+        seen.append(next(m.parameters()).device)
+        assert m is not model
+        dev = seen[-1]
+        return float(sum(torch.nn.functional.cross_entropy(m(x.to(dev)), y.to(dev)) for x, y in data))
+
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005,), prune_by=("magnitude",))
+    comp = Compressor(model, None, QuantConfig(min_numel=256), threshold=0.01, metric=loss, search_space=space)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    allocated = []
+    for step in (1, 2):  # the first search also makes its stream's cuBLAS workspace (kept)
+        snap = comp.snapshot(step, detach_model=True)
+        assert snap.search_device == next(model.parameters()).device and snap.state["0.weight"].is_cuda
+        result = comp.search_snapshot(snap)
+        assert result.evaluations >= 1 and seen and all(d.type == "cuda" for d in seen)
+        assert snap.device_state is None and not snap.state["0.weight"].is_cuda
+        del snap
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[1] == allocated[0]  # the staged copy and the search's copy are gone
+    assert all(p.numel() == 0 for p in comp._skeleton.module.parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    off = Compressor(
+        model, None, QuantConfig(min_numel=256), threshold=0.01, metric=loss, search_space=space, use_accelerator=False
+    )
+    seen.clear()
+    off.search_snapshot(off.snapshot(1, detach_model=True))
+    assert seen and all(d.type == "cpu" for d in seen)
+
+
+def test_device_without_room_snapshots_to_the_host(monkeypatch) -> None:
+    """Without room on the device (here: a reserve of all its memory) the snapshot is copied to
+    the host and the search evaluates a CPU copy, as with use_accelerator=False."""
+    from hf_dynaquant.training import snapshot
+
+    monkeypatch.setattr(snapshot, "RESERVE", 1.0)
+    model, opt = _trained()
+    comp = Compressor(model, None, QuantConfig(min_numel=256), optimizer=opt, threshold=0.01, metric=lambda m: 0.0)
+    snap = comp.snapshot(1, detach_model=True)
+    assert snap.staged is None and snap.search_device is None
+    assert not any(t.is_cuda for t in snap.state.values())
+
+
 class _Blocks(torch.utils.data.Dataset):
     """Character blocks of random text as Trainer batches (no ``datasets`` needed on a GPU box)."""
 
@@ -140,13 +234,13 @@ class _Blocks(torch.utils.data.Dataset):
 
 
 def test_trainer_on_cuda_saves_in_background_and_resumes(tmp_path) -> None:
-    """DynaQuantTrainer with a model on the GPU: gradients copied off the device, the search on
-    a CPU copy in the background, resume onto the GPU with the decoded weights."""
+    """DynaQuantTrainer with a model on the GPU: gradients copied off the device, the snapshot
+    staged on the device and the search evaluated there in the background, resume onto the GPU
+    with the decoded weights."""
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
     from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
     from hf_dynaquant.training.checkpoint_dir import checkpoint_store
-    from hf_dynaquant.training.compressor import read_checkpoint
 
     def model() -> GPT2LMHeadModel:
         torch.manual_seed(0)

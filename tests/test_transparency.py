@@ -223,6 +223,11 @@ def test_model_skeleton_is_filled_for_the_search_only(tiny_net) -> None:
             assert torch.equal(t, snap.state[name]) and t.data_ptr() != snap.state[name].data_ptr()
         assert model.out.weight is model.emb.weight and torch.equal(model.scratch, torch.arange(4.0))
     assert all(p.numel() == 0 for p in skeleton.module.parameters())
+    assert snap.staged is None and snap.stream is None and snap.search_device is None  # a CPU model
+    own = {"lin.weight": snap.state["lin.weight"].clone()}  # a staged copy the search may change
+    with skeleton.filled(snap.state, own=own) as model:
+        assert model.lin.weight.data_ptr() == own["lin.weight"].data_ptr()
+        assert model.emb.weight.data_ptr() != snap.state["emb.weight"].data_ptr()
     assert compressor.snapshot(2, detach_model=True).model is skeleton  # reused
     tiny_net.lin = torch.nn.Linear(16, 32, bias=False)
     assert compressor.snapshot(3, detach_model=True).model is not skeleton  # the model changed

@@ -80,10 +80,10 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -92,10 +92,12 @@ from ..core.collectives import all_gather, all_sum, broadcast, rank_world
 from ..core.dtypes import all_finite
 from ..core.entropy import order0_bits
 from ..core.histogram import byte_counts
+from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from ..core.quantizer import (
     EMBEDDING,
     QuantConfig,
     QuantPlan,
+    TensorPlan,
     decoded_values,
     plan_quantization,
     quantize,
@@ -109,6 +111,9 @@ from .quality import Measurement, QualityMetric
 from .space import Candidate, Reference, SearchResult, SearchSpace
 
 __all__ = ["ConfigurationSearch", "Lockstep", "evaluate_plan", "measured_bits"]
+
+T = TypeVar("T")
+_POOL = ForkSafePool("dq-search")  # sizes and decodes a candidate's tensors a few at a time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,12 +162,27 @@ def _code_bits(codes: np.ndarray, protected: np.ndarray, base: np.ndarray | None
 def _code_totals(
     snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, base_codes: Mapping[str, np.ndarray] | None = None
 ) -> np.ndarray:
-    """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards)."""
-    totals = np.zeros(2)
-    for name, tp in plan.tensors.items():
+    """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards); the
+    tensors are quantized a few at a time on a pool, summed in order."""
+
+    def totals_of(item: tuple[str, TensorPlan]) -> tuple[float, int]:
+        name, tp = item
         codes, protected = quantize(snapshot[name], tp)
-        totals += (_code_bits(codes, protected, (base_codes or {}).get(name)), codes.size)
+        return _code_bits(codes, protected, (base_codes or {}).get(name)), codes.size
+
+    totals = np.zeros(2)
+    for bits, count in _on_pool(totals_of, plan, snapshot):
+        totals += (bits, count)
     return totals
+
+
+def _on_pool(
+    fn: Callable[[tuple[str, TensorPlan]], T], plan: QuantPlan, snapshot: Mapping[str, torch.Tensor]
+) -> Iterator[T]:
+    """``fn((name, tensor plan))`` of each of the plan's tensors, in order, computed on the
+    search's pool with at most :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT` values in flight."""
+    items = plan.tensors.items()
+    return ordered_map(_POOL, fn, items, weight=lambda item: snapshot[item[0]].numel(), budget=VALUES_IN_FLIGHT)
 
 
 def measured_bits(
@@ -205,20 +225,26 @@ def _evaluate(
     squared error, squared norm]`` of the quantized tensors (the sizes as :func:`_code_totals`;
     the error of the decoded values against the exact ones), which sum over the shards of a
     sharded model."""
+    def decoded(item: tuple[str, TensorPlan]) -> tuple[str, torch.Tensor, np.ndarray]:
+        """A tensor's decoded values and ``[bits, values, squared error, squared norm]``
+        (on the pool: what does not touch the model)."""
+        name, tp = item
+        codes, protected = quantize(snapshot[name], tp)
+        exact = snapshot[name].double()
+        values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(exact.shape)
+        error = float((values.to(snapshot[name].dtype).double() - exact).pow(2).sum())
+        bits = _code_bits(codes, protected, (base_codes or {}).get(name))
+        return name, values, np.array([bits, codes.size, error, float(exact.pow(2).sum())])
+
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(4)
     with _preserved_state(model, preserve_rng):
         try:
-            for name, tp in plan.tensors.items():
-                codes, protected = quantize(snapshot[name], tp)
-                live = _live_tensor(model, name)
-                values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(live.shape)
-                exact = snapshot[name].double()
-                error = float((values.to(live.dtype).double() - exact).pow(2).sum())
-                bits = _code_bits(codes, protected, (base_codes or {}).get(name))
-                totals += (bits, codes.size, error, float(exact.pow(2).sum()))
+            for name, values, sums in _on_pool(decoded, plan, snapshot):
+                totals += sums
+                live = _live_tensor(model, name)  # written in this thread, on its (CUDA) stream
                 swapped.append((live, snapshot[name]))
-                live.copy_(values.to(live.dtype))
+                live.copy_(values.view(live.shape).to(live.dtype))
             value = metric.measure(model)
         finally:
             for live, original in swapped:

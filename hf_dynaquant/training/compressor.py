@@ -27,14 +27,12 @@ there (and ``"pretrained"`` without pre-trained weights likewise).
 
 from __future__ import annotations
 
-import copy
-import itertools
+import logging
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +41,14 @@ import torch
 from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
-from ..core.dtypes import check_storable, from_raw, storage_key
+from ..core.dtypes import from_raw, storage_key
 from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
-from ..core.ranking import GradientEMA, sensitivity
+from ..core.ranking import GradientEMA
 from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
 from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
+from ..search.quality import device_of
 from ..store import CheckpointStore, EntryReader
-from ..store.tree import flatten_tree
 from .optimizer_state import (
     MomentQuant,
     Reductions,
@@ -59,6 +57,16 @@ from .optimizer_state import (
     encode_optimizer_state,
 )
 from .settings import CheckpointSettings
+from .snapshot import (
+    ModelSkeleton,
+    Snapshot,
+    cpu_copies,
+    cpu_tree,
+    device_copies,
+    has_room,
+    map_tree,
+    raw_optimizer_bytes,
+)
 
 __all__ = [
     "Compressor",
@@ -71,105 +79,7 @@ __all__ = [
 ]
 
 OPTIMIZER = "optimizer"
-
-
-@dataclass
-class Snapshot:
-    """Everything one checkpoint needs, copied off the live training state.
-
-    Taking it is the only part of a checkpoint that must stop training (a copy of the weights
-    and of the optimizer state to the CPU, the gradient EMA handed over); :meth:`Compressor.write`
-    does the rest (sensitivity, the model copy the search evaluates, search, encoding), in the
-    foreground or on a background thread."""
-
-    step: int
-    state: dict[str, torch.Tensor]  # CPU copies; tied weights still share one tensor
-    params: dict[str, str]  # state name -> parameter name, for the tensors that are parameters
-    types: dict[str, str]
-    gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat, CPU)
-    optimizer: dict[str, Any] | None  # CPU copy of the optimizer's state_dict
-    model: torch.nn.Module | ModelSkeleton | None  # what the search evaluates: the live model or a skeleton
-    metadata: dict[str, Any] = field(default_factory=dict)
-    extras: dict[str, bytes] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        """Bytes of the snapshot's tensors (weights and optimizer state)."""
-        return sum(t.numel() * t.element_size() for t in self.state.values()) + _raw_optimizer_bytes(self.optimizer)
-
-    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
-        """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
-        with ``reference``, ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape
-        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``)."""
-        out = {}
-        for name, p in self.params.items():
-            if p not in self.gradient_ema:
-                continue
-            w = self.state[name]
-            ref = (reference or {}).get(name)
-            if ref is not None and ref.shape == w.shape:
-                w = w.float() - ref.float()
-            out[name] = sensitivity(w, self.gradient_ema[p].view(w.shape))
-        return out or None
-
-    @contextmanager
-    def search_model(self) -> Iterator[torch.nn.Module | None]:
-        """The model the search evaluates: the live one, or (detached) a CPU copy whose tensors
-        are this snapshot's, made for the search and released after it."""
-        if not isinstance(self.model, ModelSkeleton):
-            yield self.model
-            return
-        with self.model.filled(self.state) as model:
-            yield model
-
-
-class ModelSkeleton:
-    """A CPU copy of a model's structure, for the search to evaluate while training goes on.
-
-    Made in the training thread (which owns the live model; copying the structure of GPT-2 small
-    takes ~50 ms, so it is made once and reused while the model's tensors keep their names,
-    shapes and dtypes). The tensors of the state dict are empty placeholders; :meth:`filled`
-    gives them copies of a snapshot's values (on whichever thread searches) and empties them
-    again afterwards, so the skeleton costs no memory between checkpoints. Tensors outside the
-    state dict (non-persistent buffers) are copied when the skeleton is made."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.signature = self.signature_of(model)
-        state_names = set(model.state_dict(keep_vars=True))
-        memo: dict[int, Any] = {}
-        self._slots: list[tuple[torch.Tensor, str]] = []  # (placeholder, state name), one per tensor (ties shared)
-        for name, t in _named_tensors(model):
-            if id(t) in memo:
-                continue
-            if name in state_names:
-                empty = torch.empty(0, dtype=t.dtype)
-                is_param = isinstance(t, torch.nn.Parameter)
-                memo[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if is_param else empty
-                self._slots.append((memo[id(t)], name))
-            else:
-                host = t.detach().to("cpu", copy=True)
-                is_param = isinstance(t, torch.nn.Parameter)
-                memo[id(t)] = torch.nn.Parameter(host, requires_grad=False) if is_param else host
-        self.module = copy.deepcopy(model, memo)
-
-    @staticmethod
-    def signature_of(model: torch.nn.Module) -> tuple:
-        """What the skeleton depends on: the model object and each tensor's name, shape and dtype."""
-        return (id(model), *((n, tuple(t.shape), t.dtype) for n, t in _named_tensors(model)))
-
-    @contextmanager
-    def filled(self, values: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
-        """The skeleton with copies of ``values`` (a snapshot's state) in its tensors."""
-        try:
-            for slot, name in self._slots:
-                slot.data = values[name].clone()
-            yield self.module
-        finally:
-            for slot, _ in self._slots:
-                slot.data = torch.empty(0, dtype=slot.dtype)
-
-
-def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+logger = logging.getLogger("hf_dynaquant")
 
 
 @dataclass
@@ -196,33 +106,6 @@ class CheckpointReport:
     @property
     def stored(self) -> int:
         return self.weights_stored + self.optimizer_stored + self.other_stored
-
-
-def cpu_copies(tensors: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> dict[str, torch.Tensor]:
-    """CPU copies of named tensors; names sharing one tensor (tied weights) share one copy.
-    ``copy=False``: tensors already on the CPU are taken as they are (detached, not copied)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-    for name, t in tensors:
-        check_storable(t, name)
-        key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key not in seen or t.numel() == 0:
-            seen[key] = t.detach().to("cpu", copy=copy)
-        out[name] = seen[key]
-    return out
-
-
-def cpu_tree(tree: Any, *, copy: bool = True, local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
-    """A nested state (an optimizer's ``state_dict``) with every tensor on the CPU: copied, or
-    with ``copy=False`` as it is where it is there already; ``local`` first maps each tensor
-    (a DTensor to its local shard)."""
-    if isinstance(tree, torch.Tensor):
-        return (local(tree) if local is not None else tree).detach().to("cpu", copy=copy)
-    if isinstance(tree, dict):
-        return {k: cpu_tree(v, copy=copy, local=local) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cpu_tree(v, copy=copy, local=local) for v in tree)
-    return tree
 
 
 # Bytes of decoded weights handed to ``load_state_dict`` at once by :func:`load_weights`: each call
@@ -364,6 +247,7 @@ class Compressor:
         self._chain_length = 0  # entries in the chain ending at last_entry
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
         self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
+        self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.pretrained = self._pretrained_weights(settings.pretrained)
         # the last checkpoint's decoded quantizable weights (float32), for "previous" residuals;
         # None: not known in this process (read back from the store when needed)
@@ -453,20 +337,32 @@ class Compressor:
         copy: bool = True,
         metadata: Mapping[str, Any] | None = None,
     ) -> Snapshot:
-        """Copy what checkpoint ``step`` needs to the CPU. With ``detach_model`` the search (if
-        any) evaluates a CPU copy of the model, so :meth:`write` may run while training goes on;
+        """Copy what checkpoint ``step`` needs. With ``detach_model`` the search (if any)
+        evaluates a copy of the model, so :meth:`write` may run while training goes on;
         otherwise it evaluates the live model (restored bit-exactly afterwards). ``copy=False``
         takes tensors already on the CPU as they are, with no copy: only for a :meth:`write`
         that finishes before training changes them (a foreground save), which then holds no
         second copy of the checkpoint. A search that evaluates the live model (not
-        ``detach_model``) writes candidates into its weights, so the snapshot copies then anyway."""
+        ``detach_model``) writes candidates into its weights, so the snapshot copies then anyway.
+
+        A detached snapshot of a model on a CUDA device (with ``settings.use_accelerator``) is
+        copied on the device when it has room, and its search evaluates there (see
+        :mod:`hf_dynaquant.training.snapshot`); otherwise it is copied to the CPU."""
         copy = copy or (self.search is not None and not detach_model)
         live = self.model.state_dict(keep_vars=True)
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
-        optimizer = None
+        opt_state = None
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
-            optimizer = cpu_tree(self.optimizer.state_dict(), copy=copy)
+            opt_state = self.optimizer.state_dict()
+        device = device_of(self.model)
+        accelerated = detach_model and self.settings.use_accelerator and device.type == "cuda"
+        staged = self._stage(live, opt_state, device) if accelerated and copy else None
+        if staged is not None:
+            state, optimizer, ready = staged
+        else:
+            state, ready = cpu_copies(live.items(), copy=copy), None
+            optimizer = cpu_tree(opt_state, copy=copy) if opt_state is not None else None
         ema = self.ema.take()
         # a fixed config with prune_by="sensitivity" has the planner warn; a search that offers it warns here
         if not ema and self.search is not None and "sensitivity" in self.search.search_space.prune_by:
@@ -475,16 +371,48 @@ class Compressor:
                 "only (call on_backward_pass_end() after backward)",
                 stacklevel=3,
             )
+        search_device = None
+        if accelerated and self.search is not None:
+            weights = {state[n].data_ptr(): state[n] for n in params}
+            if ready is not None or has_room(device, sum(t.numel() * t.element_size() for t in weights.values())):
+                search_device = device
         return Snapshot(
             step=step,
-            state=cpu_copies(live.items(), copy=copy),
+            state=state,
             params=params,
             types=layer_types(self.model),
             gradient_ema=ema,
             optimizer=optimizer,
             model=self._search_model(detach_model) if self.search is not None else None,
             metadata={"step": step, **dict(metadata or {})},
+            staged=ready,
+            stream=self._side_stream(device) if ready is not None or search_device is not None else None,
+            search_device=search_device,
         )
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The CUDA stream the background moves snapshots and evaluates the search on: one per
+        compressor and device (each stream gets a cuBLAS workspace of its own, kept)."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _stage(
+        self, live: Mapping[str, torch.Tensor], opt_state: Any, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], Any, torch.cuda.Event] | None:
+        """Copies of the model's state and the optimizer's on CUDA ``device``, queued on the
+        training thread's stream, and the event after them; ``None`` when the device has no room."""
+        unique = {t.data_ptr(): t for t in live.values()}
+        nbytes = sum(t.numel() * t.element_size() for t in unique.values()) + raw_optimizer_bytes(opt_state)
+        if not has_room(device, nbytes):
+            return None
+        try:
+            state = device_copies(live.items())
+            optimizer = map_tree(opt_state, lambda t: t.detach().clone()) if opt_state is not None else None
+        except torch.OutOfMemoryError:
+            logger.info("hf_dynaquant: no room on %s for the snapshot: it is copied to host memory", device)
+            return None
+        return state, optimizer, torch.cuda.current_stream(device).record_event()
 
     def _search_model(self, detached: bool) -> torch.nn.Module | ModelSkeleton:
         """The live model, or (detached) the skeleton of it, made again when the model changed."""
@@ -573,6 +501,7 @@ class Compressor:
         """Run the configuration search on a snapshot (every rank together when distributed)."""
         if self.search is None or snap.model is None:
             raise ValueError("this Compressor has no threshold (nothing to search) or the snapshot has no model")
+        snap.settle()
         weights = {n: snap.state[n] for n in snap.params}
         with snap.search_model() as model:
             result = self.search.search(
@@ -598,6 +527,7 @@ class Compressor:
         """Search (if a threshold was given and ``searched`` is not the result already), encode
         and store a snapshot; the reference is ``ref`` or ``step-<step>``."""
         started = time.perf_counter()
+        snap.settle()
         store = self._writable()
         keyframe = self._next_is_keyframe()
         base = None if keyframe else self.last_entry
@@ -669,7 +599,7 @@ class Compressor:
             keyframe=keyframe,
             weights_raw=weights_raw,
             weights_stored=weights_stored,
-            optimizer_raw=_raw_optimizer_bytes(snap.optimizer),
+            optimizer_raw=raw_optimizer_bytes(snap.optimizer),
             optimizer_stored=opt_stored,
             other_stored=max(total - weights_stored - opt_stored, 0),
             seconds=time.perf_counter() - started,
@@ -715,14 +645,6 @@ class Compressor:
         if model is self.model:
             self.resumed_from(entry_id)
         return meta
-
-
-def _raw_optimizer_bytes(state: Any) -> int:
-    """Bytes of the tensors in an optimizer state (what an uncompressed save writes)."""
-    if state is None:
-        return 0
-    _, tensors = flatten_tree(state)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _is_quantized(record: Mapping[str, Any]) -> bool:

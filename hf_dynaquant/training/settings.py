@@ -142,6 +142,14 @@ class CheckpointSettings:
         "next optimizer step or save).",
         _boolean,
     )
+    use_accelerator: bool = _setting(
+        True,
+        "With the model on a CUDA device that has room: take a background save's snapshot as a copy on the device "
+        "(milliseconds of stall; moved to host memory in the background) and evaluate the search's candidates "
+        "there. False: snapshot straight into host memory (a stall of one device-to-host copy) and search a CPU "
+        "copy of the model, using no device memory.",
+        _boolean,
+    )
     busy_saves: str = _setting(
         "plain",
         "What a save does when the checkpoint before it is still being encoded in the background: 'plain' (the "

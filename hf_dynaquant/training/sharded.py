@@ -87,16 +87,9 @@ from ..errors import (
 from ..pipeline import MODEL
 from ..search import Lockstep, SearchResult
 from ..store import CheckpointStore, EntryReader
-from .compressor import (
-    OPTIMIZER,
-    CheckpointReport,
-    Compressor,
-    Snapshot,
-    cpu_copies,
-    cpu_tree,
-    read_optimizer_state,
-)
+from .compressor import OPTIMIZER, CheckpointReport, Compressor, read_optimizer_state
 from .optimizer_state import Reductions
+from .snapshot import Snapshot, cpu_copies, cpu_tree
 
 __all__ = [
     "ShardedCompressor",
