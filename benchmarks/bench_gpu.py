@@ -18,6 +18,9 @@ master weights and AdamW moments, bf16 autocast) on the standard library's docst
 * **dynaquant**: ``DynaQuantTrainer`` with ``DynaQuantCallback(eval_examples=...)``, its defaults
   otherwise (the configuration search, compressed optimizer state, the background encoder; a
   save that arrives while the encoder is still busy is saved plainly, ``busy_saves="plain"``);
+* **dynaquant-host** (not run by default): the same with ``use_accelerator=False``: the snapshot
+  copied straight into host memory and the search evaluated on a CPU copy of the model, as
+  before session 11;
 * **dcp**: ``transformers.Trainer`` whose ``_save_checkpoint`` is
   ``torch.distributed.checkpoint.async_save`` of the model's and optimizer's state dicts
   (``get_state_dict``), the previous save awaited first: PyTorch's own non-blocking checkpoint.
@@ -25,7 +28,9 @@ master weights and AdamW moments, bf16 autocast) on the standard library's docst
 Reported per arm: the **stall per save** (the time ``Trainer._maybe_log_save_evaluate`` blocks the
 loop on a save step, the Trainer's save and every ``on_save`` included, after a
 ``torch.cuda.synchronize()`` so that no queued training kernel is counted), the training's wall
-time, the **background seconds** per checkpoint (DCP: from ``async_save``'s return until its
+time up to the last optimizer step and the **final wait** after it (``train()`` returns once the
+last checkpoint is written: DynaQuant's ``on_train_end`` waits for the encoder; for DCP the
+bench awaits the last ``async_save``), the **background seconds** per checkpoint (DCP: from ``async_save``'s return until its
 write is done; DynaQuant: the encoder's time, and the configuration search's part of it), the
 stored bytes against the plain checkpoint (fp32 weights + AdamW state), the **peak extra host
 memory** (the resident set sampled every 20 ms, above its value after the first optimizer step,
@@ -54,7 +59,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 OUT = Path(__file__).resolve().parent / "out"
-ARMS = ("plain", "dynaquant", "dcp")
+ARMS = ("plain", "dynaquant", "dcp", "dynaquant-host")
+OURS = ("dynaquant", "dynaquant-host")
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -135,6 +141,17 @@ class EvalAtSave(TrainerCallback):
         started = time.perf_counter()
         self.losses[state.global_step] = self.trainer.evaluate()["eval_loss"]
         self.seconds += time.perf_counter() - started
+
+
+class LastStep(TrainerCallback):
+    """Records when the last optimizer step ended (before the last save and the final wait)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.at = steps, float("nan")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.steps:
+            self.at = time.perf_counter()
 
 
 class Baseline(TrainerCallback):
@@ -234,10 +251,11 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     memory.start()
     out = Path(a.workdir) / a.arm
     shutil.rmtree(out, ignore_errors=True)
-    callbacks: list[TrainerCallback] = [Baseline(memory)]  # (the evaluation at saves goes last)
+    last_step = LastStep(a.steps)
+    callbacks: list[TrainerCallback] = [Baseline(memory), last_step]  # (the evaluation at saves goes last)
     search_seconds: list[float] = []
     search_devices: list[str] = []
-    if a.arm == "dynaquant":
+    if a.arm in OURS:
         from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
         from hf_dynaquant.search import ConfigurationSearch
 
@@ -252,7 +270,9 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
                 search_seconds.append(time.perf_counter() - started)
 
         ConfigurationSearch.search = timed_search
-        callback = DynaQuantCallback(eval_examples=a.eval_examples, search_seconds=a.search_seconds)
+        callback = DynaQuantCallback(
+            eval_examples=a.eval_examples, search_seconds=a.search_seconds, use_accelerator=a.arm == "dynaquant"
+        )
         callbacks.append(callback)
         cls = timed(DynaQuantTrainer)
     else:
@@ -264,9 +284,9 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     cls.evaluator.trainer = trainer
     started = time.perf_counter()
     trainer.train()
-    train_seconds = time.perf_counter() - started
     if a.arm == "dcp":
         trainer.wait()
+    train_seconds = time.perf_counter() - started
     memory.done.set()
     result: dict[str, Any] = {
         "arm": a.arm,
@@ -275,6 +295,8 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
         "checkpoint_bytes": 12 * params,  # fp32 weights + two fp32 AdamW moments
         "stalls": list(cls.stalls),
         "train_seconds": train_seconds,
+        "steps_seconds": last_step.at - started,  # up to the end of the last optimizer step
+        "final_wait_seconds": train_seconds - (last_step.at - started),
         "eval_loss": trainer.evaluate()["eval_loss"],
         "peak_extra_host_bytes": memory.peak_extra,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
@@ -284,7 +306,7 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     }
     if a.arm == "dcp":
         result["background"] = list(DCPTrainer.background)
-    if a.arm == "dynaquant":
+    if a.arm in OURS:
         from _runs import load_final_checkpoint, store_figures
 
         reports = callback.reports
@@ -323,19 +345,19 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
         f"{'fp32 on the CPU' if first['device'] == 'cpu' else 'bf16 mixed precision'}, {a.steps} steps, a save every {a.save_steps}; checkpoint (fp32 weights + AdamW) "
         f"{ckpt / 1e9:.2f} GB\n"
     )
-    header = ("arm", "stall/save ms (median)", "stall max ms", "train s", "background s/ckpt", "stored GB",
+    header = ("arm", "stall/save ms (median)", "stall max ms", "train s (steps + final wait)", "background s/ckpt", "stored GB",
               "ratio", "peak extra host (x ckpt)", "peak GPU GB", "eval loss")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     plain = next((r for r in results if r["arm"] == "plain"), None)
     for r in results:
         stored = r.get("total_bytes") or r["disk_bytes"]
         raw = (plain["weights_bytes"] + plain["optimizer_bytes"]) * len(r.get("compressed_steps", [])) / max(
-            plain["saves"], 1) if plain and r["arm"] == "dynaquant" else None
+            plain["saves"], 1) if plain and r["arm"] in OURS else None
         row = (
             r["arm"],
             median_ms(r["stalls"]),
             f"{max(r['stalls']) * 1e3:.0f}" if r["stalls"] else "-",
-            f"{r['train_seconds']:.1f}",
+            f"{r['train_seconds']:.1f} ({r['steps_seconds']:.1f} + {r['final_wait_seconds']:.1f})",
             f"{statistics.median(r['background']):.1f}" if r.get("background") else "-",
             f"{stored / 1e9:.3f}",
             f"{raw / stored:.1f}x" if raw else "-",
@@ -345,11 +367,14 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
         )
         print("| " + " | ".join(row) + " |")
     for r in results:
-        if r["arm"] == "dynaquant":
+        if r["arm"] in OURS:
             live = r["eval_at_save"][str(r["decoded_step"])]
             print(
-                f"\ndynaquant: compressed steps {r['compressed_steps']}, saved plainly (encoder busy) "
-                f"{r['plain_steps']}; search seconds per checkpoint {[round(s, 1) for s in r['search_seconds']]}, "
+                f"\n{r['arm']}: compressed steps {r['compressed_steps']} (stalls "
+                f"{[round(r['stalls'][s // a.save_steps - 1] * 1e3) for s in r['compressed_steps']]} ms), "
+                f"saved plainly (encoder busy) "
+                f"{r['plain_steps']}; search seconds per checkpoint {[round(s, 1) for s in r['search_seconds']]} "
+                f"(evaluated on {sorted(set(r['search_devices']))}), "
                 f"evaluations {r['evaluations']}; background seconds {[round(s, 1) for s in r['background']]}; "
                 f"weights {r['weights_bytes'] / 1e6:.1f} MB, optimizer {r['optimizer_bytes'] / 1e6:.1f} MB; "
                 f"last compressed checkpoint (step {r['decoded_step']}) decoded: eval loss "
@@ -390,7 +415,7 @@ def main() -> None:
     parser.add_argument("--search-seconds", type=float, default=None, help="bound on each checkpoint's search")
     parser.add_argument("--eval-blocks", type=int, default=64, help="held-out blocks of the final evaluation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default="plain,dynaquant,dcp", help=f"of {', '.join(ARMS)}")
     parser.add_argument("--arm-timeout", type=float, default=600, help="seconds an arm may take")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary folder)")
     parser.add_argument("--json", default=str(OUT / "gpu.json"))
