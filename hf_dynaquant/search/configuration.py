@@ -92,6 +92,7 @@ from ..core.collectives import all_gather, all_sum, broadcast, rank_world
 from ..core.dtypes import all_finite
 from ..core.entropy import order0_bits
 from ..core.histogram import byte_counts
+from ..core.memory import ReleaseFreed
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from ..core.quantizer import (
     EMBEDDING,
@@ -181,8 +182,13 @@ def _on_pool(
 ) -> Iterator[T]:
     """``fn((name, tensor plan))`` of each of the plan's tensors, in order, computed on the
     search's pool with at most :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT` values in flight."""
-    items = plan.tensors.items()
-    return ordered_map(_POOL, fn, items, weight=lambda item: snapshot[item[0]].numel(), budget=VALUES_IN_FLIGHT)
+    freed = ReleaseFreed()  # the threads' temporaries go back to the system as they are freed
+    items = list(plan.tensors.items())
+    numel = [snapshot[name].numel() for name, _ in items]
+    results = ordered_map(_POOL, fn, items, weight=lambda item: snapshot[item[0]].numel(), budget=VALUES_IN_FLIGHT)
+    for result, count in zip(results, numel):
+        yield result
+        freed.processed(count)
 
 
 def measured_bits(
@@ -229,12 +235,12 @@ def _evaluate(
         """A tensor's decoded values and ``[bits, values, squared error, squared norm]``
         (on the pool: what does not touch the model)."""
         name, tp = item
-        codes, protected = quantize(snapshot[name], tp)
-        exact = snapshot[name].double()
+        exact = snapshot[name]
+        codes, protected = quantize(exact, tp)
         values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(exact.shape)
-        error = float((values.to(snapshot[name].dtype).double() - exact).pow(2).sum())
+        error, norm = _squared_error(values.to(exact.dtype), exact)
         bits = _code_bits(codes, protected, (base_codes or {}).get(name))
-        return name, values, np.array([bits, codes.size, error, float(exact.pow(2).sum())])
+        return name, values, np.array([bits, codes.size, error, norm])
 
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(4)
@@ -250,6 +256,21 @@ def _evaluate(
             for live, original in swapped:
                 live.copy_(original)
     return value, totals
+
+
+_ERROR_CHUNK = 1 << 20  # values per float64 chunk of _squared_error (8 MB temporaries, not 8 bytes a value)
+
+
+def _squared_error(decoded: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """``(sum (decoded - exact)^2, sum exact^2)`` in float64, a chunk at a time: the error of the
+    values a resume loads, for the audit figure ``weight_error``."""
+    d, e = decoded.reshape(-1), exact.reshape(-1)
+    error = norm = 0.0
+    for start in range(0, e.numel(), _ERROR_CHUNK):
+        chunk = e[start : start + _ERROR_CHUNK].double()
+        error += float((d[start : start + _ERROR_CHUNK].double() - chunk).pow(2).sum())
+        norm += float(chunk.pow(2).sum())
+    return error, norm
 
 
 @dataclass(frozen=True)
