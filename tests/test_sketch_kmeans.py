@@ -164,3 +164,29 @@ def test_where_counts_only_the_selected_values(monkeypatch) -> None:
         LogSketch(0.001).add(values, where=(codes[1:], 2))
     monkeypatch.setattr(sketch_mod, "native", None)
     assert LogSketch(0.001).add(values, where=(codes, 2)).to_dict() == expected
+
+
+def test_plans_sharing_a_sketch_cache_equal_plans_made_alone() -> None:
+    """The configuration search plans many candidates of one checkpoint with one sketch cache:
+    the sketches of the values neither pruned nor protected are shared between candidates that
+    differ in bins only, and every plan equals the one made without the cache."""
+    from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
+
+    torch.manual_seed(0)
+    tensors = {"a.weight": torch.randn(64, 128), "b.weight": torch.randn(128, 64) * 3, "emb.weight": torch.randn(100, 32)}
+    sens = {n: t.abs() * torch.rand_like(t) for n, t in tensors.items()}
+    types = {"emb.weight": "embedding"}
+    cache: dict = {}
+    configs = [
+        QuantConfig(bins=b, prune=p, protect=0.01, prune_by=by, min_numel=256)
+        for by in ("magnitude", "sensitivity")
+        for p in (0.0, 0.3)
+        for b in (4, 16)
+    ]
+    for config in configs:
+        shared = plan_quantization(tensors, config, types=types, sensitivity=sens, sketch_cache=cache)
+        alone = plan_quantization(tensors, config, types=types, sensitivity=sens)
+        for name, tp in alone.tensors.items():
+            np.testing.assert_array_equal(shared.tensors[name].centres, tp.centres)
+            assert shared.tensors[name].prune_threshold == tp.prune_threshold
+    assert sum(1 for key in cache if key[1] == "rest") == 3 * 4  # one per tensor and threshold pair

@@ -425,10 +425,14 @@ def plan_quantization(
             residual=config.residual if ref is not None else "none",
             reference=None if ref is None else flat_f32(ref).numpy(),
         )
-        w = plan.target(tensors[n])
-        codes, _ = plan.codes(w, np.zeros(0, np.float32))
-        # the sketch of the values neither pruned nor protected, counted in place
-        rest = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
+        # the sketch of the values neither pruned nor protected, counted in place; it depends on
+        # the thresholds, not on the bins, so candidates that differ in bins only share it
+        key = (n, "rest", plan.residual, tau_mag, tau_sens, plan.prune_threshold, prune_by, n in sens)
+        rest = cache.get(key)
+        if rest is None:
+            w = plan.target(tensors[n])
+            codes, _ = plan.codes(w, np.zeros(0, np.float32))
+            rest = cache[key] = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
         plan.centres = centres.astype(np.float32)
