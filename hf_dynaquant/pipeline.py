@@ -50,7 +50,7 @@ def write_planned(
     *,
     config: QuantConfig | None = None,
     delta_coding: str = DEFAULT_DELTA_CODING,
-    fallback: Codec | str | Mapping[str, Codec | str] = "lossless",
+    fallback: Codec | str | Mapping[str, Codec | str] | Callable[[str, str], Codec | str] = "lossless",
     metadata: Mapping[str, Any] | None = None,
     **write: Any,
 ) -> str:
@@ -64,7 +64,7 @@ def write_planned(
             was made with; ``None`` records none, e.g. when a search found nothing that passes).
         delta_coding: how the DynaQuant codec codes a delta on its base entry's codes.
         fallback: the codec of every tensor outside the plan, or ``{section: codec}`` (sections
-            not named: lossless).
+            not named: lossless), or a function of ``(section, name)`` giving each one's.
         metadata: more metadata for the entry.
         write: the other options of :meth:`CheckpointStore.write <hf_dynaquant.store.CheckpointStore.write>`
             (``trees``, ``extras``, ``base``, ``ref``, ``progress``, ``base_states``, ``keep_states``).
@@ -78,7 +78,9 @@ def write_planned(
 
 
 def _codecs(
-    plan: QuantPlan | None, delta_coding: str, fallback: Codec | str | Mapping[str, Codec | str]
+    plan: QuantPlan | None,
+    delta_coding: str,
+    fallback: Codec | str | Mapping[str, Codec | str] | Callable[[str, str], Codec | str],
 ) -> Callable[[str, str], Codec | str]:
     """The ``codecs=`` function of :meth:`CheckpointStore.write`: a tensor's codec by its section and name."""
     tensors = plan.tensors if plan is not None else {}
@@ -87,7 +89,9 @@ def _codecs(
         planned = tensors.get(plan_key(section, name))
         if planned is not None:
             return DynaQuantCodec(planned, delta_coding)
-        return fallback.get(section, "lossless") if isinstance(fallback, Mapping) else fallback
+        if isinstance(fallback, Mapping):
+            return fallback.get(section, "lossless")
+        return fallback(section, name) if callable(fallback) else fallback
 
     return choose
 

@@ -109,7 +109,8 @@ def test_codec_setting_names_a_weights_codec_without_a_search() -> None:
     assert CheckpointSettings(codec="nf4", threshold=None).codec == "nf4"
     with pytest.raises(InvalidSettingError, match="takes threshold=None"):
         CheckpointSettings(codec="nf4", threshold=0.01)
-    with pytest.raises(InvalidSettingError, match="excp_state"):
-        CheckpointSettings(codec="excp", threshold=None)
+    assert CheckpointSettings(codec="excp", threshold=None).codec == "excp"  # weights and moments together
+    with pytest.raises(InvalidSettingError, match="leave optimizer_state='compress'"):
+        CheckpointSettings(codec="excp", threshold=None, optimizer_state="lossless")
     with pytest.raises(InvalidSettingError, match="codec must be one of"):
         CheckpointSettings(codec="zip", threshold=None)

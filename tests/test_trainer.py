@@ -127,6 +127,52 @@ def test_a_peer_codes_the_weights_and_the_run_resumes(tmp_path, data, codec) -> 
     assert all(torch.equal(loaded[n], t) for n, t in weights.items())
 
 
+def test_excp_codes_weights_with_the_moments_and_the_run_resumes(tmp_path, data) -> None:
+    """DynaQuantCallback(codec="excp"): a keyframe stores the weights exactly; the next
+    checkpoint codes their residual on it (as restored) with ExCP, and Adam's moments shrunk by
+    the same joint rule and K-means coded; a resume loads exactly what the store decodes, and the
+    chain goes on."""
+    train, _ = data
+    cb = DynaQuantCallback(None, codec="excp", keyframe_every=3, busy_saves="wait")
+    trainer = DynaQuantTrainer(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[cb])
+    trainer.train()
+    store = checkpoint_store(tmp_path)
+    first, second = store.open("checkpoint-4"), store.open("checkpoint-8")
+    assert first.metadata["optimizer_state"]["keyframe"] and not second.metadata["optimizer_state"]["keyframe"]
+    assert second.metadata["codec"] == "excp" and store.info("checkpoint-8").base == store.resolve("checkpoint-4")
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert first.record("model", name)["codec"] == "lossless"  # ExCP's first checkpoint: the weights exactly
+    record = second.record("model", name)
+    assert record["codec"] == "excp" and record["params"]["residual"] == "previous" and record["uses_base"]
+    assert second.record("model", "lm_head.weight").get("alias_of") == "transformer.wte.weight"  # tied: stored once
+    assert second.record("model", "transformer.wte.weight")["codec"] == "excp"
+    moments = [k for k in second.names("optimizer") if k.endswith("exp_avg") or k.endswith("exp_avg_sq")]
+    assert moments and all(second.record("optimizer", k)["codec"] == "excp" for k in moments)
+    weights, opt_state, _ = read_checkpoint(store, "checkpoint-8")
+    live = dict(trainer.model.state_dict())
+    change = sum(float((weights[n] - first.tensor("model", n)).norm()) for n in weights)
+    error = sum(float((weights[n] - live[n]).norm()) for n in weights)
+    assert 0 < error < change  # the residual is coded, not dropped (the live model is 4 steps on)
+    exp_avg = [st["exp_avg"] for st in opt_state["state"].values()]
+    assert all(0 < (m != 0).float().mean() < 1 for m in exp_avg if m.numel() > 100)  # shrunk, not emptied
+    loaded = {}
+
+    class Probe(DynaQuantTrainer):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            loaded["model"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+            state = self.optimizer.state_dict()["state"]
+            loaded["optimizer"] = {pid: {k: v.clone() for k, v in st.items()} for pid, st in state.items()}
+
+    resumed_cb = DynaQuantCallback(None, codec="excp", keyframe_every=3, busy_saves="wait")
+    resumed = Probe(model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[resumed_cb])
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    assert all(torch.equal(loaded["model"][n], t) for n, t in weights.items())
+    for pid, st in opt_state["state"].items():
+        assert torch.equal(loaded["optimizer"][pid]["exp_avg"], st["exp_avg"])
+    assert store.info("checkpoint-12").base == store.resolve("checkpoint-8")  # the chain went on
+
+
 class StopAfter(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step

@@ -56,6 +56,7 @@ from .optimizer_state import (
     decode_optimizer_state,
     encode_optimizer_state,
 )
+from .excp import excp_checkpoint
 from .settings import CheckpointSettings
 from .snapshot import (
     ModelSkeleton,
@@ -385,10 +386,19 @@ class Compressor:
             optimizer=optimizer,
             model=self._search_model(detach_model) if self.search is not None else None,
             metadata={"step": step, **dict(metadata or {})},
+            optimizer_params=self._optimizer_params() if self.settings.codec == "excp" and optimizer else None,
             staged=ready,
             stream=self._side_stream(device) if ready is not None or search_device is not None else None,
             search_device=search_device,
         )
+
+    def _optimizer_params(self) -> dict[int, str]:
+        """The parameter name of each parameter id of the optimizer's ``state_dict`` (numbered in
+        the order of its parameter groups, as ``torch.optim.Optimizer.state_dict`` does)."""
+        assert self.optimizer is not None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {pid: names[id(p)] for pid, p in enumerate(params) if id(p) in names}
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The CUDA stream the background moves snapshots and evaluates the search on: one per
@@ -548,7 +558,15 @@ class Compressor:
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor
         trees = None
-        if snap.optimizer is not None:
+        fallback: Any = {MODEL: get_codec(self.settings.codec) if peer else "lossless"}
+        if self.settings.codec == "excp":  # ExCP codes the weights with Adam's moments
+            if snap.optimizer is None or snap.optimizer_params is None:
+                raise CheckpointError(f"step {snap.step}: codec='excp' codes the optimizer's moments: it needs an optimizer")
+            previous = None if keyframe else self._previous_values({n: snap.state[n] for n in snap.params})
+            tree, fallback, meta["optimizer_state"] = excp_checkpoint(snap, previous, OPTIMIZER)
+            trees = {OPTIMIZER: tree}
+            self._previous = None  # the next checkpoint's residuals are on this one as restored
+        elif snap.optimizer is not None:
             encoded = encode_optimizer_state(
                 snap.optimizer,
                 self.settings.optimizer_state,
@@ -582,7 +600,7 @@ class Compressor:
             progress=progress,
             base_states=base_states,
             keep_states=states,
-            fallback={MODEL: get_codec(self.settings.codec) if peer else "lossless"},
+            fallback=fallback,
         )
         self._states = states
         self._keep_previous(snap, states)

@@ -35,7 +35,7 @@ __all__ = ["CheckpointSettings", "SettingsView", "ENV_PREFIX", "DEFAULT_EVAL_EXA
 
 ENV_PREFIX = "ACCELERATE_DYNAQUANT_"
 BUSY_SAVES = ("plain", "wait")  # see CheckpointSettings.busy_saves
-JOINT_CODECS = ("excp",)  # codecs of weights and optimizer state together: not a weights codec
+JOINT_CODECS = ("excp",)  # codecs of weights and optimizer state together (hf_dynaquant.training.excp)
 # Examples of the eval dataset the Trainer's default test evaluates every candidate on (all of it
 # when smaller). The standard error of a paired degradation falls as 1/sqrt(examples). Measured on
 # a tiny GPT-2 LM at 4 bins (benchmarks/bench_restore_budget.py's model, 150 steps): loss
@@ -166,7 +166,8 @@ class CheckpointSettings:
         "dynaquant",
         "The weights' codec: 'dynaquant' (the method: config's plan, or the search under a threshold), or, for "
         "comparisons, a peer at its defaults ('nf4', 'cnr', 'gobo', 'qd', 'jointsq', or 'lossless'), with "
-        "threshold=None. The optimizer state keeps optimizer_state's coding.",
+        "threshold=None. The optimizer state keeps optimizer_state's coding, except with 'excp', which codes "
+        "the weights' residuals and Adam's moments together (hf_dynaquant.training.excp).",
         str,
     )
     progress: bool | None = _setting(
@@ -205,12 +206,12 @@ class CheckpointSettings:
             raise InvalidSettingError(f"busy_saves must be one of {BUSY_SAVES}, got {self.busy_saves!r}")
         if self.delta_coding not in DELTA_CODINGS:
             raise InvalidSettingError(f"delta_coding must be one of {DELTA_CODINGS}, got {self.delta_coding!r}")
-        weight_codecs = [n for n in codec_names() if n not in JOINT_CODECS]
-        if self.codec not in weight_codecs:
+        if self.codec not in codec_names():
+            raise InvalidSettingError(f"codec must be one of {codec_names()}, got {self.codec!r}")
+        if self.codec in JOINT_CODECS and self.optimizer_state != "compress":
             raise InvalidSettingError(
-                f"codec must be one of {weight_codecs}, got {self.codec!r}"
-                + (" (ExCP codes the weights with Adam's moments: write its checkpoints with excp_state)"
-                   if self.codec in JOINT_CODECS else "")
+                f"codec={self.codec!r} codes the optimizer's moments together with the weights, in place of "
+                f"optimizer_state's coding: leave optimizer_state='compress' (got {self.optimizer_state!r})"
             )
         if self.codec != "dynaquant" and self.threshold is not None:
             raise InvalidSettingError(

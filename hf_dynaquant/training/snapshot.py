@@ -74,6 +74,7 @@ class Snapshot:
     model: torch.nn.Module | ModelSkeleton | None  # what the search evaluates: the live model or a skeleton
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, bytes] = field(default_factory=dict)
+    optimizer_params: dict[int, str] | None = None  # optimizer state id -> parameter name (codec "excp")
     # recorded on the training thread's stream after the copies, while ``state`` and ``optimizer``
     # are copies on a CUDA device (settle() moves them to the host)
     staged: torch.cuda.Event | None = None
