@@ -346,7 +346,7 @@ class Compressor:
         second copy of the checkpoint. A search that evaluates the live model (not
         ``detach_model``) writes candidates into its weights, so the snapshot copies then anyway.
 
-        A detached snapshot of a model on a CUDA device (with ``settings.use_accelerator``) is
+        A detached snapshot of a model on one CUDA device (with ``settings.use_accelerator``) is
         copied on the device when it has room, and its search evaluates there (see
         :mod:`hf_dynaquant.training.snapshot`); otherwise it is copied to the CPU."""
         copy = copy or (self.search is not None and not detach_model)
@@ -357,7 +357,13 @@ class Compressor:
         if self.optimizer is not None and self.settings.optimizer_state != "drop":
             opt_state = self.optimizer.state_dict()
         device = device_of(self.model)
-        accelerated = detach_model and self.settings.use_accelerator and device.type == "cuda"
+        # one CUDA device holding the whole model (a model spread over devices is copied to the host)
+        accelerated = (
+            detach_model
+            and self.settings.use_accelerator
+            and device.type == "cuda"
+            and all(t.device == device for t in live.values())
+        )
         staged = self._stage(live, opt_state, device) if accelerated and copy else None
         if staged is not None:
             state, optimizer, ready = staged
