@@ -35,8 +35,10 @@ their fp32 bytes, and the degradation.
 crash-and-resume restores, seeds 0, 1, 2), plain and once per codec (``codec=`` of the callback,
 the peers at their defaults with the optimizer state compressed as usual; DynaQuant with its
 search): final eval loss against the plain run of the same seed, its last checkpoint decoded on its
-own, and the weights and whole-checkpoint ratios. ExCP, which codes the weights with Adam's
-moments, has no callback path yet and is not in it.
+own, and the weights and whole-checkpoint ratios. ExCP (``codec="excp"``: the weights' residuals
+and Adam's moments together, LZMA over its codes as the authors' 7-Zip measure) runs as published,
+one chain: the first checkpoint stored whole, every later one a residual on the one before
+(``keyframe_every`` = the number of checkpoints; the others keep the default 10).
 
 ``--snapshot`` runs the pre-trained snapshot comparison instead: all-MiniLM-L6-v2 through every
 codec at several settings, ratio against embedding fidelity on held-out sentences (see
@@ -162,6 +164,8 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
             results[seed] = {"plain": run_plain(Path(tmp) / f"{seed}-plain", data, args.steps, args.save_steps, make, seed)}
             for codec in codecs:
                 settings = {} if codec == "dynaquant" else {"codec": codec, "threshold": None}
+                if codec == "excp":  # as published: one first checkpoint stored whole, then residuals only
+                    settings["keyframe_every"] = args.steps // args.save_steps
                 run, decoded = run_dynaquant(
                     Path(tmp) / f"{seed}-{codec}", data, args.steps, args.save_steps, "compress", stops, settings, make, seed
                 )

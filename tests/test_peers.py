@@ -423,3 +423,17 @@ def test_excp_checkpoints_through_a_store(tmp_path: Path) -> None:
         codec.decode(raw.dtype, raw.shape, {**enc.params, "residual": "previous"}, Blobs(enc.blobs))
     with pytest.raises(InvalidSettingError, match="needs its base entry"):
         ExCPCodec(delta=np.zeros(4000)).encode(raw)
+    # packing: LZMA over the packed codes (the authors measure after 7-Zip), or none (version 1's)
+    sparse = to_raw(torch.from_numpy(x.astype(np.float32)))
+    lz, plain = ExCPCodec().encode(sparse), ExCPCodec(packing="none").encode(sparse)
+    assert lz.params["packing"] == "lzma" and "packing" not in plain.params
+    assert len(lz.blobs["codes"]) < 0.8 * len(plain.blobs["codes"])  # 70% zeros: far below 4 bits a value
+    same = [codec.decode(sparse.dtype, sparse.shape, e.params, Blobs(e.blobs)) for e in (lz, plain)]
+    assert np.array_equal(same[0].bits, same[1].bits)
+    broken = dict(lz.blobs, codes=lz.blobs["codes"][:-9])
+    with pytest.raises(CorruptCheckpointError, match="ExCP codes do not decompress"):
+        codec.decode(sparse.dtype, sparse.shape, lz.params, Blobs(broken))
+    with pytest.raises(CorruptCheckpointError, match="ExCP packing 'zip' is unknown"):
+        codec.decode(sparse.dtype, sparse.shape, {**lz.params, "packing": "zip"}, Blobs(lz.blobs))
+    with pytest.raises(InvalidSettingError, match="ExCP packing must be one of"):
+        ExCPCodec(packing="zip")

@@ -13,7 +13,9 @@ moment ``m`` (``exp_avg``) and second moment ``v`` (``exp_avg_sq``), :func:`excp
 
 :class:`ExCPCodec` then quantizes a tensor's non-zero values with K-means to ``2^bits - 1``
 centres (4 bits by default); code 0 is an exact zero, the codebook is float16 (as the code stores
-it), codes are packed ``bits`` at a time. With ``delta=`` (the shrunk ``dW`` of the tensor being
+it), codes are packed ``bits`` at a time and then, by default, LZMA-compressed (``packing``): the
+authors measure their checkpoints after 7-Zip, whose default method is LZMA, and the shrunk codes
+are mostly zeros, which packing alone would store at ``bits`` bits each. With ``delta=`` (the shrunk ``dW`` of the tensor being
 written) the record is a residual on its base entry (``reference_kind`` ``"previous"``): it
 decodes to the base's restored values plus the quantized residual. A tensor with no more non-zero
 values than centres is stored exactly, as the code does; every float tensor is a candidate (the
@@ -25,11 +27,13 @@ iterations on all non-zero values from ``2^bits - 1`` distinct values drawn with
 1-D on sorted runs (deterministic, no FAISS). A parameter's moments are written as tensors of
 their own (:func:`excp_state`). A first checkpoint (no previous) stores the weights exactly and
 shrinks the moments with ``dW`` taken as all kept. No entropy coder is applied (the code has
-none; its README compares with 7-Zip).
+none; its README compares with 7-Zip): ``packing="lzma"`` (Python's ``lzma``, preset 6, per
+tensor) stands in for that 7-Zip pass, ``packing="none"`` stores the packed codes as they are.
 """
 
 from __future__ import annotations
 
+import lzma
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +48,7 @@ from .base import PeerCodec, as_raw, lloyd_step, pack_bits, unpack_bits
 
 __all__ = ["ExCPCodec", "excp_shrink", "excp_state", "kmeans_nonzero"]
 
+PACKINGS = ("lzma", "none")  # how the packed codes are stored (see the module docstring)
 SEED = 1234  # the codebook's initial draw (FAISS's default seed, which the authors' code uses)
 
 
@@ -89,13 +94,15 @@ class ExCPCodec(PeerCodec):
     residual of the tensor being written (its record is then a residual on the base entry)."""
 
     name = "excp"
-    version = 1
+    version = 2  # 2: params.packing ("lzma"); records without it (version 1) hold the packed codes as they are
 
-    def __init__(self, bits: int = 4, delta: np.ndarray | None = None) -> None:
+    def __init__(self, bits: int = 4, delta: np.ndarray | None = None, packing: str = "lzma") -> None:
         super().__init__(min_numel=0)
         if not isinstance(bits, int) or not 1 <= bits <= 8:
             raise InvalidSettingError(f"ExCP bits must be an int in [1, 8], got {bits!r}")
-        self.bits, self.delta = bits, delta
+        if packing not in PACKINGS:
+            raise InvalidSettingError(f"ExCP packing must be one of {PACKINGS}, got {packing!r}")
+        self.bits, self.delta, self.packing = bits, delta, packing
 
     def reference_kind(self, params: dict[str, Any]) -> str | None:
         return params.get("residual")
@@ -121,7 +128,10 @@ class ExCPCodec(PeerCodec):
         if base is not None:
             params["residual"] = "previous"
             decoded = decoded + from_raw(base).reshape(-1).to(torch.float32).numpy()
-        blobs = {"codes": pack_bits(codes, self.bits).tobytes(), "codebook": codebook.astype("<f2").tobytes()}
+        packed = pack_bits(codes, self.bits).tobytes()
+        if self.packing == "lzma":
+            params["packing"], packed = "lzma", lzma.compress(packed, preset=6)
+        blobs = {"codes": packed, "codebook": codebook.astype("<f2").tobytes()}
         return Encoded(blobs, params, uses_base=base is not None, state=as_raw(decoded, tensor.dtype, tensor.shape))
 
     def decode(
@@ -140,7 +150,14 @@ class ExCPCodec(PeerCodec):
         if not isinstance(bits, int) or not 1 <= bits <= 8 or not isinstance(count, int) or not 1 <= count < 1 << bits:
             raise CorruptCheckpointError(f"{where}: ExCP parameters are invalid (bits {bits!r}, centres {count!r})")
         n = int(np.prod(shape, dtype=np.int64))
-        packed, codebook = blobs("codes"), blobs("codebook")
+        packed, codebook, packing = blobs("codes"), blobs("codebook"), params.get("packing", "none")
+        if packing not in PACKINGS:
+            raise CorruptCheckpointError(f"{where}: ExCP packing {packing!r} is unknown")
+        if packing == "lzma":
+            try:
+                packed = np.frombuffer(lzma.decompress(packed.tobytes()), dtype=np.uint8)
+            except lzma.LZMAError as exc:
+                raise CorruptCheckpointError(f"{where}: ExCP codes do not decompress: {exc}") from None
         if packed.size != -(-n * bits // 8) or codebook.size != 2 * count or dtype not in FLOAT_LAYOUTS:
             raise CorruptCheckpointError(f"{where}: ExCP blobs do not fit {n} values and {count} centres")
         codes = unpack_bits(packed, bits, n)
