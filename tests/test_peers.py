@@ -437,3 +437,14 @@ def test_excp_checkpoints_through_a_store(tmp_path: Path) -> None:
         codec.decode(sparse.dtype, sparse.shape, {**lz.params, "packing": "zip"}, Blobs(lz.blobs))
     with pytest.raises(InvalidSettingError, match="ExCP packing must be one of"):
         ExCPCodec(packing="zip")
+
+
+def test_excp_in_training_needs_the_optimizer(tmp_path: Path) -> None:
+    """codec='excp' codes Adam's moments with the weights: a Compressor without an optimizer
+    says so at the step it cannot write."""
+    from hf_dynaquant import Compressor
+    from hf_dynaquant.errors import CheckpointError
+
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(CheckpointError, match="step 3: codec='excp' codes the optimizer's moments"):
+        Compressor(model, tmp_path / "s", codec="excp").compress(3)
