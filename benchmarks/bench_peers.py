@@ -41,8 +41,7 @@ one chain: the first checkpoint stored whole, every later one a residual on the 
 (``keyframe_every`` = the number of checkpoints; the others keep the default 10).
 
 ``--snapshot`` runs the pre-trained snapshot comparison instead: all-MiniLM-L6-v2 through every
-codec at several settings (DynaQuant's fixed configurations also with ``refine=50``: centres
-refined by exact Lloyd iterations), ratio against embedding fidelity on held-out sentences (see
+codec at several settings, ratio against embedding fidelity on held-out sentences (see
 ``snapshot()``), as a table and the Pareto plot ``benchmarks/out/peers_snapshot.png``.
 """
 
@@ -193,10 +192,6 @@ SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("dynaquant", {"config": QuantConfig(bins=32, prune=0.0)}),
     ("dynaquant", {"config": QuantConfig(bins=16, prune=0.0)}),
     ("dynaquant", {"config": QuantConfig(bins=8, prune=0.0)}),
-    ("dynaquant", {"config": QuantConfig(bins=32, prune=0.0, refine=50)}),  # centres refined by exact Lloyd
-    ("dynaquant", {"config": QuantConfig(bins=16, prune=0.0, refine=50)}),
-    ("dynaquant", {"config": QuantConfig(bins=8, prune=0.0, refine=50)}),
-    ("dynaquant", {"config": QuantConfig(bins=6, prune=0.0, refine=50)}),
     ("dynaquant", {"threshold": 0.4}),  # compress_pretrained's default (calibrated on docstring text)
     ("qd", {"bits": 8}), ("qd", {"bits": 6}), ("qd", {"bits": 4}),
     ("cnr", {"bins": 32}), ("cnr", {"bins": 16}), ("cnr", {"bins": 8}),
@@ -252,9 +247,8 @@ def snapshot(args: argparse.Namespace) -> list[dict[str, Any]]:
             decompress_folder(packed, restored, progress=False)
             got = embed(restored, sentences)
             agree = float(((got @ got.T).fill_diagonal_(-2).argmax(1) == neighbours).float().mean())
-            label = f"{name} {', '.join(f'{k}={_short(v)}' for k, v in options.items())}"
-            refine = isinstance(options.get("config"), QuantConfig) and options["config"].refine
-            rows.append({"setting": label.strip(), "codec": name + (" (refined)" if refine else ""), "ratio": size / stored,
+            label = f"{name} {', '.join(f'{k}={v.bins if isinstance(v, QuantConfig) else v}' for k, v in options.items())}"
+            rows.append({"setting": label.strip(), "codec": name, "ratio": size / stored,
                          "cosine": float((got * reference).sum(1).mean()), "top1": agree, "seconds": seconds})
             print(f"snapshot: {rows[-1]}", flush=True)
     print("\n| setting | ratio | cosine | top-1 agreement | seconds |\n|---|---:|---:|---:|---:|")
@@ -262,13 +256,6 @@ def snapshot(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"| {r['setting']} | {r['ratio']:.2f}x | {r['cosine']:.4f} | {r['top1']:.3f} | {r['seconds']:.1f} |")
     plot_snapshot(rows, OUT / "peers_snapshot.png")
     return rows
-
-
-def _short(value: Any) -> str:
-    """A setting's value in a table row: a configuration by its bins (and refinement)."""
-    if isinstance(value, QuantConfig):
-        return f"{value.bins}" + (f", refine={value.refine}" if value.refine else "")
-    return str(value)
 
 
 def plot_snapshot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -190,32 +190,3 @@ def test_plans_sharing_a_sketch_cache_equal_plans_made_alone() -> None:
             np.testing.assert_array_equal(shared.tensors[name].centres, tp.centres)
             assert shared.tensors[name].prune_threshold == tp.prune_threshold
     assert sum(1 for key in cache if key[1] == "rest") == 3 * 4  # one per tensor and threshold pair
-
-
-def test_refine_moves_the_centres_to_the_squared_error_optimum() -> None:
-    """QuantConfig.refine: exact Lloyd iterations after the sketch K-means, on the values a plan
-    neither prunes nor protects; the quantized tensor's squared error falls, the iterations are
-    the peers' Lloyd step, and stored configurations without the field read as 0."""
-    from hf_dynaquant.core.kmeans import lloyd_step
-    from hf_dynaquant.core.quantizer import QuantConfig, decoded_values, plan_quantization, quantize, refined
-
-    torch.manual_seed(0)
-    w = torch.distributions.StudentT(3.0).sample((200, 300)) * 0.02  # heavy-tailed, like pre-trained weights
-    tensors = {"layer.weight": w}
-    errors = {}
-    for refine in (0, 50):
-        plan = plan_quantization(tensors, QuantConfig(bins=8, prune=0.0, refine=refine))
-        tp = plan.tensors["layer.weight"]
-        codes, protected = quantize(w, tp)
-        errors[refine] = float(((torch.from_numpy(decoded_values(codes, tp.centres, protected)) - w.reshape(-1)) ** 2).sum())
-    assert errors[50] < 0.9 * errors[0]
-    values = np.sort(np.random.default_rng(0).standard_normal(10_000))
-    start = np.array([-2.0, -0.1, 0.3, 2.5])
-    prefix = np.concatenate(([0.0], np.cumsum(values)))
-    by_hand = start
-    for _ in range(3):
-        by_hand = lloyd_step(values, prefix, by_hand)
-    np.testing.assert_array_equal(refined(values, start, 3), by_hand)
-    assert QuantConfig(**{k: v for k, v in QuantConfig().to_dict().items() if k != "refine"}).refine == 0
-    with pytest.raises(ValueError, match="refine must be an integer"):
-        QuantConfig(refine=-1)

@@ -23,15 +23,7 @@ import numpy as np
 
 from .sketch import LogSketch
 
-__all__ = [
-    "weighted_kmeans",
-    "approximate_kmeans",
-    "bucket_weights",
-    "assign",
-    "lloyd_step",
-    "nearest_runs",
-    "KMEANS_ALPHA",
-]
+__all__ = ["weighted_kmeans", "approximate_kmeans", "bucket_weights", "assign", "KMEANS_ALPHA"]
 
 
 def assign(values: np.ndarray, centres: np.ndarray) -> np.ndarray:
@@ -119,19 +111,3 @@ def approximate_kmeans(
     sketch = values if isinstance(values, LogSketch) else LogSketch(alpha).add(values)
     centres, counts = sketch.buckets()
     return weighted_kmeans(centres, bucket_weights(centres, counts, sigma), k, seed=seed)
-
-
-def nearest_runs(ordered: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, ends)`` of each ascending centroid's run in the sorted values: a value belongs
-    to the nearest centroid, a value at a midpoint to the lower one."""
-    ends = np.searchsorted(ordered, (centroids[1:] + centroids[:-1]) / 2, side="right")
-    return np.concatenate(([0], ends)), np.concatenate((ends, [ordered.size]))
-
-
-def lloyd_step(ordered: np.ndarray, prefix: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """One Lloyd iteration of 1-D K-means on sorted values (``prefix``: their cumulative sums
-    with a leading 0): each centroid moves to its run's mean (an empty run keeps its centroid);
-    returned ascending."""
-    starts, ends = nearest_runs(ordered, centroids)
-    sizes = ends - starts
-    return np.sort(np.where(sizes > 0, (prefix[ends] - prefix[starts]) / np.maximum(sizes, 1), centroids))

@@ -55,7 +55,7 @@ from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
 from .kernels import native
-from .kmeans import KMEANS_ALPHA, approximate_kmeans, lloyd_step
+from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .pool import ForkSafePool, ordered_map
 from .rounding import stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
@@ -79,8 +79,6 @@ __all__ = [
     "refuse_or_warn_non_finite",
     "PRUNE_BY",
     "read_config_record",
-    "refined",
-    "MAX_REFINE",
 ]
 
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
@@ -89,7 +87,6 @@ PRUNE_BY = ("magnitude", "sensitivity")  # the pruning criteria
 ROUNDINGS = ("nearest", "stochastic")
 NON_FINITE = ("lossless", "raise")
 RESIDUALS = ("none", "previous", "pretrained")
-MAX_REFINE = 1000  # most Lloyd iterations QuantConfig.refine asks for
 # Codebooks are made tensor by tensor on a pool (the partition and sketch kernels release the
 # GIL), a few at a time so that only those tensors' temporaries are held.
 _PLAN_POOL = ForkSafePool("dq-plan")
@@ -121,11 +118,6 @@ class QuantConfig:
             with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it), or makes the
             checkpoint ``"raise"`` a :class:`~hf_dynaquant.errors.NonFiniteTensorError`. The
             same holds for optimizer moments under ``optimizer_state="compress"``.
-        refine: exact Lloyd iterations on a tensor's values (those neither pruned nor protected)
-            after the sketch K-means: the centres move towards the squared-error optimum, away
-            from the sketch's magnitude weighting (``sigma``). 0 (the paper's) by default; for
-            pre-trained snapshots, where fidelity per byte is what counts (each iteration is a
-            pass over the sorted values: a sort per tensor and plan).
         residual: what the codes are taken of: ``"none"`` (the weights), ``"previous"`` (the
             residual against the previous checkpoint's decoded weights) or ``"pretrained"`` (against
             the pre-trained weights); see the module docstring. Tensors without a reference of
@@ -145,7 +137,6 @@ class QuantConfig:
     rounding_seed: int = 0
     non_finite: str = "lossless"
     residual: str = "none"
-    refine: int = 0
 
     def __post_init__(self) -> None:
         for name in ("bins", "embedding_bins"):
@@ -164,8 +155,6 @@ class QuantConfig:
             raise ValueError(f"non_finite must be one of {NON_FINITE}, got {self.non_finite!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
-        if not isinstance(self.refine, int) or not 0 <= self.refine <= MAX_REFINE:
-            raise ValueError(f"refine must be an integer from 0 to {MAX_REFINE} (Lloyd iterations), got {self.refine!r}")
 
     metric = renamed_attribute("metric", "prune_by")
 
@@ -440,36 +429,18 @@ def plan_quantization(
         # the thresholds, not on the bins, so candidates that differ in bins only share it
         key = (n, "rest", plan.residual, tau_mag, tau_sens, plan.prune_threshold, prune_by, n in sens)
         rest = cache.get(key)
-        values = None
-        if rest is None or config.refine:
+        if rest is None:
             w = plan.target(tensors[n])
             codes, _ = plan.codes(w, np.zeros(0, np.float32))
-            values = w[codes == FIRST_CENTRE] if config.refine else None
             rest = cache[key] = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
-        if values is not None and values.size:
-            centres = refined(values, centres, config.refine)
         plan.centres = centres.astype(np.float32)
         return plan
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
     plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names)))
     return QuantPlan(config, plans)
-
-
-def refined(values: np.ndarray, centres: np.ndarray, iterations: int) -> np.ndarray:
-    """``centres`` after ``iterations`` exact Lloyd iterations on ``values`` (1-D, in float64
-    on the sorted values; stops early once the centres no longer move)."""
-    ordered = np.sort(values.astype(np.float64))
-    prefix = np.concatenate(([0.0], np.cumsum(ordered)))
-    current = np.sort(centres.astype(np.float64))
-    for _ in range(iterations):
-        moved = lloyd_step(ordered, prefix, current)
-        if np.array_equal(moved, current):
-            break
-        current = moved
-    return current
 
 
 def _references(

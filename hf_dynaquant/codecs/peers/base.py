@@ -20,7 +20,7 @@ from ...errors import CorruptCheckpointError, InvalidSettingError
 from ..base import BlobSource, Codec, Encoded
 from ..lossless import LosslessCodec
 
-__all__ = ["PeerCodec", "as_raw", "pack_bits", "unpack_bits"]
+__all__ = ["PeerCodec", "as_raw", "lloyd_step", "nearest_runs", "pack_bits", "unpack_bits"]
 
 
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -34,6 +34,22 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     """The ``n`` codes :func:`pack_bits` packed."""
     planes = np.unpackbits(packed, count=n * bits, bitorder="little").reshape(n, bits)
     return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+
+
+def nearest_runs(ordered: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)`` of each ascending centroid's run in the sorted values: a value belongs
+    to the nearest centroid, a value at a midpoint to the lower one."""
+    ends = np.searchsorted(ordered, (centroids[1:] + centroids[:-1]) / 2, side="right")
+    return np.concatenate(([0], ends)), np.concatenate((ends, [ordered.size]))
+
+
+def lloyd_step(ordered: np.ndarray, prefix: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """One Lloyd iteration of 1-D K-means on sorted values (``prefix``: their cumulative sums
+    with a leading 0): each centroid moves to its run's mean (an empty run keeps its centroid);
+    returned ascending."""
+    starts, ends = nearest_runs(ordered, centroids)
+    sizes = ends - starts
+    return np.sort(np.where(sizes > 0, (prefix[ends] - prefix[starts]) / np.maximum(sizes, 1), centroids))
 
 
 class PeerCodec(Codec):

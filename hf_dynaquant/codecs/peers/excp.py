@@ -42,10 +42,9 @@ import numpy as np
 import torch
 
 from ...core.dtypes import FLOAT_LAYOUTS, RawTensor, from_raw
-from ...core.kmeans import lloyd_step
 from ...errors import CorruptCheckpointError, InvalidSettingError
 from ..base import BlobSource, Encoded, register_codec
-from .base import PeerCodec, as_raw, pack_bits, unpack_bits
+from .base import PeerCodec, as_raw, lloyd_step, pack_bits, unpack_bits
 
 __all__ = ["ExCPCodec", "excp_shrink", "excp_state", "kmeans_nonzero"]
 

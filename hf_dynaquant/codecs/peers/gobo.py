@@ -29,10 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ...core.kmeans import lloyd_step, nearest_runs
 from ...errors import CorruptCheckpointError, InvalidSettingError
 from ..base import BlobSource, register_codec
-from .base import PeerCodec, pack_bits, unpack_bits
+from .base import PeerCodec, lloyd_step, nearest_runs, pack_bits, unpack_bits
 
 __all__ = ["GOBOCodec", "gobo_outliers", "gobo_centroids"]
 
