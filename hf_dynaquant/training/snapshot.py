@@ -4,11 +4,11 @@ Taking the snapshot is the only part of a checkpoint that stops training; encodi
 and the write read the snapshot, not the live model (see
 :class:`~hf_dynaquant.training.manager.CheckpointManager`).
 
-**On an accelerator.** When the model lives on a CUDA device, a background save with
+**On an accelerator.** When the model is held whole by one CUDA device, a background save with
 ``CheckpointSettings.use_accelerator`` (the default) copies the snapshot *on the device* if the
 device has room for it: a device-to-device copy of weights and optimizer state takes
 milliseconds, where a copy into host memory stalls training for seconds (4.2 GB at 353M
-parameters: 3.2 s on an H100, session 10). The background thread then moves the copy to the host
+parameters on an H100: a stall of 0.04-0.10 s staged, 3.7 s into host memory; benchmarks/RESULTS.md). The background thread then moves the copy to the host
 on a CUDA stream of its own (:meth:`Snapshot.settle`), after the copy the training thread
 queued, and the configuration search evaluates its candidates on the device with those staged
 weights (:meth:`Snapshot.search_model`) instead of on a CPU copy of the model (105 s per
