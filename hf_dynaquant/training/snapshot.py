@@ -8,7 +8,8 @@ and the write read the snapshot, not the live model (see
 ``CheckpointSettings.use_accelerator`` (the default) copies the snapshot *on the device* if the
 device has room for it: a device-to-device copy of weights and optimizer state takes
 milliseconds, where a copy into host memory stalls training for seconds (4.2 GB at 353M
-parameters on an H100: a stall of 0.04-0.10 s staged, 3.7 s into host memory; benchmarks/RESULTS.md). The background thread then moves the copy to the host
+parameters on an H100: a stall of 0.04-0.10 s staged, 3.7 s into host memory; see
+benchmarks/RESULTS.md). The background thread then moves the copy to the host
 on a CUDA stream of its own (:meth:`Snapshot.settle`), after the copy the training thread
 queued, and the configuration search evaluates its candidates on the device with those staged
 weights (:meth:`Snapshot.search_model`) instead of on a CPU copy of the model (105 s per
