@@ -184,11 +184,10 @@ def _on_pool(
     search's pool with at most :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT` values in flight."""
     freed = ReleaseFreed()  # the threads' temporaries go back to the system as they are freed
     items = list(plan.tensors.items())
-    numel = [snapshot[name].numel() for name, _ in items]
-    results = ordered_map(_POOL, fn, items, weight=lambda item: snapshot[item[0]].numel(), budget=VALUES_IN_FLIGHT)
-    for result, count in zip(results, numel):
+    numel = lambda item: snapshot[item[0]].numel()  # noqa: E731
+    for item, result in zip(items, ordered_map(_POOL, fn, items, weight=numel, budget=VALUES_IN_FLIGHT)):
         yield result
-        freed.processed(count)
+        freed.processed(numel(item))
 
 
 def measured_bits(

@@ -67,6 +67,7 @@ from .snapshot import (
     has_room,
     map_tree,
     raw_optimizer_bytes,
+    unique_nbytes,
 )
 
 __all__ = [
@@ -380,8 +381,7 @@ class Compressor:
             )
         search_device = None
         if accelerated and self.search is not None:
-            weights = {state[n].data_ptr(): state[n] for n in params}
-            if ready is not None or has_room(device, sum(t.numel() * t.element_size() for t in weights.values())):
+            if ready is not None or has_room(device, unique_nbytes(state[n] for n in params)):
                 search_device = device
         return Snapshot(
             step=step,
@@ -418,9 +418,7 @@ class Compressor:
     ) -> tuple[dict[str, torch.Tensor], Any, torch.cuda.Event] | None:
         """Copies of the model's state and the optimizer's on CUDA ``device``, queued on the
         training thread's stream, and the event after them; ``None`` when the device has no room."""
-        unique = {t.data_ptr(): t for t in live.values()}
-        nbytes = sum(t.numel() * t.element_size() for t in unique.values()) + raw_optimizer_bytes(opt_state)
-        if not has_room(device, nbytes):
+        if not has_room(device, unique_nbytes(live.values()) + raw_optimizer_bytes(opt_state)):
             return None
         try:
             state = device_copies(live.items())

@@ -39,15 +39,14 @@ def excp_checkpoint(
     for name, param in snap.params.items():
         by_param.setdefault(param, name)
     state = snap.optimizer.get("state", {})
-    adam = {
-        pid: by_param[snap.optimizer_params[pid]]
-        for pid, entry in state.items()
-        if snap.optimizer_params.get(pid) in by_param
-        and isinstance(entry, Mapping)
-        and isinstance(entry.get("exp_avg"), torch.Tensor)
-        and isinstance(entry.get("exp_avg_sq"), torch.Tensor)
-        and entry["exp_avg"].shape == snap.state[by_param[snap.optimizer_params[pid]]].shape
-    }
+    adam: dict[int, str] = {}  # optimizer state id -> state name, for the parameters with Adam's moments
+    for pid, entry in state.items():
+        name = by_param.get(snap.optimizer_params.get(pid, ""))
+        if name is None or not isinstance(entry, Mapping):
+            continue
+        m, v = entry.get("exp_avg"), entry.get("exp_avg_sq")
+        if isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.shape == snap.state[name].shape:
+            adam[pid] = name
     weights = {name: snap.state[name] for name in adam.values()}
     sections, choose = excp_state(
         weights,
@@ -66,7 +65,7 @@ def excp_checkpoint(
 
     def codec(section: str, name: str) -> Codec | str:
         if section == MODEL:
-            return choose(MODEL, name) if name in weights else "lossless"
+            return choose(MODEL, name)  # ExCP's residual codec, or lossless (a keyframe, no moments)
         if section == optimizer_section and name in coded:
             return ExCPCodec(bits)
         return "lossless"

@@ -51,6 +51,7 @@ __all__ = [
     "has_room",
     "map_tree",
     "raw_optimizer_bytes",
+    "unique_nbytes",
 ]
 
 RESERVE = 0.10  # share of the device's memory that must stay free besides a staged copy
@@ -267,6 +268,11 @@ def raw_optimizer_bytes(state: Any) -> int:
         return 0
     _, tensors = flatten_tree(state)
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def unique_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors``, each storage counted once (tied weights share one)."""
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
 
 
 def has_room(device: torch.device, nbytes: int) -> bool:
