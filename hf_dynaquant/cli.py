@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold",
         type=float,
         default=None,
-        help="search the configuration instead: the most compressive one whose output distortion (relative "
-        "squared error of the model's outputs on calibration text) stays within this value, e.g. 0.01; "
-        "--bins, --prune, --protect and --prune-by are then chosen by the search",
+        help="search the configuration instead: the most compressive one whose output cosine distance (1 - the "
+        "mean cosine similarity of the model's outputs to the original's on calibration text) stays within "
+        "this value, e.g. 0.015 (outputs keep a mean cosine of 0.985); --bins, --prune, --protect and "
+        "--prune-by are then chosen by the search",
     )
 
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -252,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--message", default=None, help="commit message")
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
     p.add_argument(
-        "--threshold", type=float, default=None, help="for a plain folder: output distortion allowed (default 0.4)"
+        "--threshold",
+        type=float,
+        default=None,
+        help="for a plain folder: output cosine distance allowed (default 0.015, see compress --threshold)",
     )
     p.set_defaults(func=_cmd_push, subparser=p)
 

@@ -56,6 +56,7 @@ DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
 _SURE_DELTA = 0.5  # a delta under this share of the codes' order-0 entropy needs no keyframe to compare
 DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
+ROWS_ANS = "ans-rows"  # keyframe codes coded by rANS, the common and the rare rows each with a model
 
 
 @dataclass
@@ -70,6 +71,7 @@ class QuantState:
     shape: tuple[int, ...]
     residual: str = "none"  # the kind of reference the codes are a residual against
     reference: np.ndarray | None = None  # its flat float32 values (None: direct coding)
+    rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
 
 
 def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str) -> tuple[str, bytes, int]:
@@ -134,7 +136,7 @@ class DynaQuantCodec(Codec):
         self.plan, self.delta_coding = plan, delta_coding
 
     def max_blobs(self, numel: int) -> int:
-        return 1 + LosslessCodec().max_blobs(numel)
+        return 2 + LosslessCodec().max_blobs(numel)
 
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
         if self.plan is None:
@@ -153,6 +155,7 @@ class DynaQuantCodec(Codec):
             tensor.shape,
             plan.residual,
             plan.reference,
+            plan.rare_rows,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
@@ -201,15 +204,21 @@ class DynaQuantCodec(Codec):
         else:
             # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
             # zstd keyframes, which decode several times faster
-            codes_coding, codes_payload = (
-                encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
-            )
+            if state.rare_rows is not None:
+                codes_coding, codes_payload = ROWS_ANS, _rows_encode(state.codes, state.rare_rows)
+            else:
+                codes_coding, codes_payload = (
+                    encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
+                )
             if delta is None and estimate is not None and estimate < len(codes_payload):
                 delta = code_delta()
             if delta is not None and len(delta) < len(codes_payload):
                 blobs, params = {"delta": delta}, {**params, **delta_params}
             else:
                 blobs, params = {"codes": codes_payload}, {**params, "mode": "keyframe", "codes_stream": codes_coding}
+                if codes_coding == ROWS_ANS:
+                    rows_coding, blobs["rows"] = encode_stream(state.rare_rows)
+                    params["rows_stream"] = rows_coding
         params["protected"] = {"n": int(state.protected.size)}
         if state.protected.size:  # none (optimizer moments, protect=0): no blob, no stream params
             prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
@@ -235,10 +244,18 @@ class DynaQuantCodec(Codec):
             raise CorruptCheckpointError(
                 f"{where}: a {residual!r} residual, but its reference values are missing or differ in size"
             )
+        rare_rows = None
         if params["mode"] == "delta":
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
             codes = _undo_delta(base.codes, blobs("delta"), params, n, where)
+        elif params["codes_stream"] == ROWS_ANS:
+            if not shape:
+                raise CorruptCheckpointError(f"{where}: codes coded by rows, but the tensor has none")
+            rare_rows = decode_stream(params["rows_stream"], blobs("rows"), shape[0], where)
+            if rare_rows.size != shape[0] or (rare_rows.size and int(rare_rows.max()) > 1):
+                raise CorruptCheckpointError(f"{where}: the row map does not hold a 0 or 1 for each of {shape[0]} rows")
+            codes = _rows_decode(blobs("codes"), rare_rows, n, where)
         else:
             codes = decode_stream(params["codes_stream"], blobs("codes"), n, where)
         prot_params = params["protected"]
@@ -260,6 +277,7 @@ class DynaQuantCodec(Codec):
             tuple(shape),
             residual,
             reference if residual != "none" else None,
+            rare_rows,
         )
 
     def to_raw(self, state: QuantState) -> RawTensor:
@@ -269,6 +287,27 @@ class DynaQuantCodec(Codec):
             raise CorruptCheckpointError(str(exc)) from None
         tensor = torch.from_numpy(values).to(torch_dtype(state.dtype)).reshape(state.shape)
         return to_raw(tensor)
+
+
+def _row_keys(rare_rows: np.ndarray, n: int) -> np.ndarray:
+    """Each value's row kind (0 common, 1 rare), for ``n`` values in rows of equal length."""
+    return np.repeat(rare_rows, n // rare_rows.size)
+
+
+def _rows_encode(codes: np.ndarray, rare_rows: np.ndarray) -> bytes:
+    """rANS of the codes, the common rows' and the rare rows' each with a model of its own (their
+    codes come from different codebooks; one model over both would pay for telling them apart)."""
+    keys = _row_keys(rare_rows, codes.size)
+    return ans_encode(regroup(codes, keys), byte_counts(keys))
+
+
+def _rows_decode(payload: Any, rare_rows: np.ndarray, n: int, where: str) -> np.ndarray:
+    """Inverse of :func:`_rows_encode`."""
+    keys = _row_keys(rare_rows, n)
+    try:
+        return ungroup(ans_decode(payload, n, byte_counts(keys)), keys)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
 def _shortest(values: np.ndarray) -> list[float]:

@@ -30,6 +30,16 @@ Decisions where the paper is silent (also in FORMAT.md):
   (:func:`decoded_values`), so a pruned residual keeps the reference value. Sensitivity of a
   residual is ``|EMA(g) * r|`` (zeroing it moves the weight by ``r``, the loss by about ``g * r``),
   its magnitude ``|r|``. Tensors without a reference are coded directly.
+* **Error feedback** (``QuantConfig.error_feedback``): where calibration text gave the Gram
+  matrix of a linear layer's inputs (:class:`Calibration`, snapshots of pre-trained models), its
+  weights are rounded column by column with GPTQ's error feedback (:mod:`.feedback`) instead of
+  each to its nearest centre; same codebook, same format. Nearest rounding only.
+* **Rare rows** (``QuantConfig.rare_bins``): where calibration text counted how often each row
+  of the input embedding is used (:class:`Calibration`), the rows it never used get a codebook of
+  their own with ``rare_bins`` centres, the others ``embedding_bins``. Both codebooks are one
+  table (the rare rows' centres follow the others', so codes of the two never collide and
+  decoding is unchanged); the codes of each kind of row are entropy-coded apart, under the row
+  map the entry stores (FORMAT.md). Nearest rounding only.
 * **NaN and infinite values** cannot be ranked or clustered. A tensor holding any is stored
   losslessly, bit-exact, so the NaN survives the round trip for whoever debugs the divergence,
   with a :class:`~hf_dynaquant.errors.NonFiniteTensorWarning` naming it; with
@@ -54,6 +64,7 @@ import torch
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from ..renames import renamed_attribute, renamed_keywords
 from .dtypes import all_finite, check_storable, storage_key
+from .feedback import columnwise, feedback_round, inverse_factor
 from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .pool import ForkSafePool, ordered_map
@@ -79,6 +90,7 @@ __all__ = [
     "refuse_or_warn_non_finite",
     "PRUNE_BY",
     "read_config_record",
+    "Calibration",
 ]
 
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
@@ -122,6 +134,14 @@ class QuantConfig:
             residual against the previous checkpoint's decoded weights) or ``"pretrained"`` (against
             the pre-trained weights); see the module docstring. Tensors without a reference of
             their shape are coded directly.
+        error_feedback: round a linear layer's weights with GPTQ's error feedback where a
+            :class:`Calibration` gives its inputs' Gram matrix (see :mod:`.feedback`): the
+            layer's output error on calibration text falls, at the same codebook and about the
+            same bits. Needs ``rounding="nearest"``; without calibration it changes nothing.
+        rare_bins: centres for the rows of the input embedding that calibration text never used
+            (see the module docstring; ``None``: every row gets ``embedding_bins``). Their tokens
+            are rare in text like the calibration text, so fewer levels there cost little
+            fidelity and save most of a vocabulary's bytes. Needs ``rounding="nearest"``.
     """
 
     bins: int = 16
@@ -137,10 +157,14 @@ class QuantConfig:
     rounding_seed: int = 0
     non_finite: str = "lossless"
     residual: str = "none"
+    error_feedback: bool = False
+    rare_bins: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("bins", "embedding_bins"):
+        for name in ("bins", "embedding_bins", "rare_bins"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not 2 <= value <= 254:
                 raise ValueError(f"{name} must be between 2 and 254 (codes are one byte), got {value}")
         if not 0 <= self.prune < 1:
@@ -155,6 +179,10 @@ class QuantConfig:
             raise ValueError(f"non_finite must be one of {NON_FINITE}, got {self.non_finite!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {RESIDUALS}, got {self.residual!r}")
+        if (self.error_feedback or self.rare_bins is not None) and self.rounding != "nearest":
+            raise ValueError("error_feedback and rare_bins round to the nearest centre, not stochastically")
+        if self.rare_bins is not None and self.embedding_bins + self.rare_bins > 254:
+            raise ValueError("embedding_bins + rare_bins must be at most 254 (the two codebooks share one byte)")
 
     metric = renamed_attribute("metric", "prune_by")
 
@@ -191,6 +219,19 @@ def is_quantizable(tensor: torch.Tensor, config: QuantConfig) -> bool:
     return tensor.is_floating_point() and tensor.dim() >= 2 and tensor.numel() >= config.min_numel
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What calibration text tells the quantizer about a model, beyond its weights.
+
+    ``grams``: ``{weight name: X Xᵀ}``, the Gram matrix (``in x in``) of the inputs a linear layer
+    saw on calibration text, for :attr:`QuantConfig.error_feedback`. ``rows``: ``{weight name:
+    int64 counts}``, how often calibration text used each row of the input embedding, for
+    :attr:`QuantConfig.rare_bins`. Made by :func:`hf_dynaquant.pretrained.calibration.calibrate`."""
+
+    grams: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    rows: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
 @dataclass
 class TensorPlan:
     """How one tensor is quantized: its thresholds and codebook."""
@@ -206,6 +247,9 @@ class TensorPlan:
     dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
     residual: str = "none"  # "none", or the kind of reference the codes are a residual against
     reference: np.ndarray | None = field(default=None, repr=False)  # flat float32 reference values
+    feedback: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (factor, order), see .feedback
+    rare_rows: np.ndarray | None = field(default=None, repr=False)  # uint8 per row, 1: a rare row (rare_bins)
+    common: int = 0  # with rare_rows: how many of the centres are the common rows' (the rest are the rare rows')
 
     def target(self, w: torch.Tensor) -> np.ndarray:
         """The flat float32 values the codes quantize: the weights, or their residual."""
@@ -217,15 +261,78 @@ class TensorPlan:
         that is neither pruned nor protected gets code ``FIRST_CENTRE``. Rounding is to the
         nearest centre, or stochastic when the plan has a ``dither_seed``."""
         centres = self.centres if centres is None else centres
-        codes, nprot = self._nearest_codes(w, centres)
+        sens = None if self.sensitivity is None else flat_f32(self.sensitivity).numpy()
+        if self.rare_rows is not None and centres.size:
+            return self._rows_partition(w, sens, centres)
+        codes, nprot = self._partition(w, sens, centres)
         if self.dither_seed is not None and centres.size:
             u = uniform(self.dither_seed, self.dither_offset, w.size)
             stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
         return codes, nprot
 
-    def _nearest_codes(self, w: np.ndarray, centres: np.ndarray) -> tuple[np.ndarray, int]:
+    def feedback_codes(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(codes, decoded values)`` of flat float32 values rounded with error feedback
+        (:func:`~.feedback.feedback_round`), the tensor seen as ``rows x in`` for the plan's
+        ``in x in`` factor; each column is partitioned and rounded as :meth:`codes` does (in the
+        compiled kernel when there is one)."""
+        factor, order = self.feedback
+        cols = factor.shape[0]
+        rows = w.size // cols
+        codes = np.empty((cols, rows), dtype=np.uint8)  # in rounding order, a column per row
+        sens = None
+        if self.sensitivity is not None:
+            sens = np.ascontiguousarray(flat_f32(self.sensitivity).numpy().reshape(rows, cols)[:, order].T)
+        table = np.concatenate(([0.0, 0.0], self.centres)).astype(np.float32)
+        if native is not None:
+            mids = ((self.centres[1:] + self.centres[:-1]) / 2).astype(np.float32)
+            tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
+            tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
+            by_sens = self.prune_by == "sensitivity" and sens is not None
+
+            def round_block(block: np.ndarray, u: np.ndarray, first: int) -> np.ndarray:
+                errors = np.empty_like(block)
+                part = sens[first : first + block.shape[0]] if sens is not None else block
+                native.feedback_block_f32(
+                    block, part, sens is not None, rows, u, self.protect_magnitude, tau_sens, tau_prune, by_sens,
+                    mids, table, codes[first : first + block.shape[0]], errors,
+                )  # fmt: skip
+                return errors
+
+        else:
+
+            def round_column(column: np.ndarray, k: int) -> np.ndarray:
+                codes[k], _ = self._partition(column, None if sens is None else sens[k], self.centres)
+                rounded = table[codes[k]]
+                kept = codes[k] == PROTECTED
+                rounded[kept] = _bf16(column[kept])
+                return rounded
+
+            round_block = columnwise(round_column)
+        values = feedback_round(w.reshape(rows, cols), factor, order, round_block)
+        out = np.empty((rows, cols), dtype=np.uint8)
+        out[:, order] = codes.T
+        return out.reshape(-1), values.reshape(-1)
+
+    def row_values(self, w: np.ndarray, rare: bool) -> np.ndarray:
+        """The flat values of the common (or the rare) rows of flat ``w``, in order."""
+        return w.reshape(self.rare_rows.size, -1)[self.rare_rows == rare].reshape(-1)
+
+    def _rows_partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
+        """:meth:`_partition` of the common rows on the first ``common`` centres and of the rare
+        rows on the others (their codes offset past the common rows' own)."""
+        codes = np.empty((self.rare_rows.size, w.size // self.rare_rows.size), dtype=np.uint8)
+        total = 0
+        for rare, part, offset in ((False, centres[: self.common], 0), (True, centres[self.common :], self.common)):
+            group_sens = None if sens is None else self.row_values(sens, rare)
+            group, nprot = self._partition(self.row_values(w, rare), group_sens, part)
+            group[group >= FIRST_CENTRE] += offset
+            codes[self.rare_rows == rare] = group.reshape(-1, codes.shape[1])
+            total += nprot
+        return codes.reshape(-1), total
+
+    def _partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
+        """``(codes, protected count)``: protected, pruned, else the nearest centre."""
         mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
-        sens = None if self.sensitivity is None else flat_f32(self.sensitivity).numpy()
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         by_sens = self.prune_by == "sensitivity" and sens is not None
@@ -312,6 +419,7 @@ def plan_quantization(
     sketch_cache: dict | None = None,
     where: str | None = None,
     reference: Mapping[str, torch.Tensor] | None = None,
+    calibration: Calibration | None = None,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
@@ -330,6 +438,9 @@ def plan_quantization(
     residual is taken against (the kind ``config.residual`` names); a quantizable tensor with a
     reference of its shape is planned on ``w - ref``, and ``sensitivity`` should then hold
     ``|EMA(g) * (w - ref)|`` for it. A reference holding NaN or inf is not used.
+
+    ``calibration`` (see :class:`Calibration`): with ``config.error_feedback``, every 2-D tensor
+    with a Gram matrix of its inputs' width is rounded with error feedback.
     """
     cache = sketch_cache if sketch_cache is not None else {}
     refs = _references(tensors, reference, config.residual, cache)
@@ -408,6 +519,19 @@ def plan_quantization(
         else:
             prune_tau[kind] = merged([mag_sketches[n] for n in members]).quantile(config.prune)
 
+    grams = {
+        n: g
+        for n, g in (calibration.grams if calibration is not None else {}).items()
+        if n in kinds and tuple(g.shape) == (tensors[n].shape[-1],) * 2
+    }
+
+    # the row map of each quantized tensor whose row use calibration counted (1: never used)
+    rare_rows = {
+        n: (np.asarray(c) == 0).astype(np.uint8)
+        for n, c in (calibration.rows if calibration is not None and config.rare_bins is not None else {}).items()
+        if n in kinds and tensors[n].dim() == 2 and len(c) == tensors[n].shape[0]
+    }
+
     def dither(name: str) -> int | None:
         return tensor_seed(config.rounding_seed, name) if config.rounding == "stochastic" else None
 
@@ -425,18 +549,34 @@ def plan_quantization(
             residual=config.residual if ref is not None else "none",
             reference=None if ref is None else flat_f32(ref).numpy(),
         )
-        # the sketch of the values neither pruned nor protected, counted in place; it depends on
-        # the thresholds, not on the bins, so candidates that differ in bins only share it
-        key = (n, "rest", plan.residual, tau_mag, tau_sens, plan.prune_threshold, prune_by, n in sens)
+        if config.error_feedback and n in grams and n not in rare_rows and tensors[n].dim() == 2:
+            if (n, "feedback") not in cache:
+                cache[(n, "feedback")] = inverse_factor(grams[n])
+            plan.feedback = cache[(n, "feedback")]
+        k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
+        if n not in rare_rows:
+            plan.centres = codebook(plan, n, k)
+            return plan
+        plan.rare_rows = rare_rows[n]
+        common = codebook(plan, n, k, rare=False)
+        rare = codebook(plan, n, config.rare_bins, rare=True)
+        plan.centres, plan.common = np.concatenate((common, rare)), common.size
+        return plan
+
+    def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
+        """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its
+        common or rare rows only, with ``rare``). The sketch of those values depends on the
+        thresholds, not on the bins, so candidates that differ in bins only share it."""
+        key = (n, "rest", plan.residual, tau_mag, tau_sens, plan.prune_threshold, prune_by, n in sens, rare)
         rest = cache.get(key)
         if rest is None:
             w = plan.target(tensors[n])
-            codes, _ = plan.codes(w, np.zeros(0, np.float32))
+            codes, _ = plan._partition(w, sens[n].numpy() if n in sens else None, np.zeros(0, np.float32))
+            if rare is not None:
+                w, codes = plan.row_values(w, rare), plan.row_values(codes, rare)
             rest = cache[key] = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
-        k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
-        plan.centres = centres.astype(np.float32)
-        return plan
+        return centres.astype(np.float32)
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
     plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names)))
@@ -468,9 +608,17 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
     residual when the plan has a reference)."""
     flat = plan.target(w)
-    codes, _ = plan.codes(flat)
+    if plan.feedback is not None:
+        codes, flat = plan.feedback_codes(flat)
+    else:
+        codes, _ = plan.codes(flat)
     kept = torch.from_numpy(flat[codes == PROTECTED]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return codes, kept
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """Float32 values rounded to bfloat16, as protected values are stored."""
+    return torch.from_numpy(values).to(torch.bfloat16).to(torch.float32).numpy()
 
 
 def dequantize(codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ __all__ = [
     "docstring_lm_datasets",
     "TOPICS",
     "docstring_topics",
+    "package_descriptions",
 ]
 
 _SKIP = ("test", "idlelib", "tkinter", "turtle", "lib2to3", "ensurepip", "venv", "antigravity", "this", "__")
@@ -174,3 +175,25 @@ def docstring_topics(splits: tuple[int, int, int] = (240, 40, 100), seed: int = 
         order = torch.randperm(len(rows), generator=rng).tolist()
         result[split] = {"text": [rows[i][0] for i in order], "label": [rows[i][1] for i in order]}
     return result
+
+
+def package_descriptions(n: int = 600, seed: int = 0) -> list[str]:
+    """Up to ``n`` English sentences from the descriptions (``METADATA``) of the installed Python
+    packages, in a seeded order: held-out text for a snapshot calibrated on the standard library's
+    docstrings, which never reads them. Sentences of 30-200 characters and 5+ words, nine tenths
+    letters and spaces (prose, not code or tables), code blocks dropped. Which sentences depends
+    on the packages installed."""
+    import random
+    from importlib.metadata import distributions
+
+    found: set[str] = set()
+    for dist in distributions():
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        text = " ".join(re.sub(r"```.*?```", "", body or "", flags=re.S).split())
+        for sentence in re.split(r"(?<=[.!?])\s+", text):
+            letters = sum(c.isalpha() or c == " " for c in sentence)
+            if 30 <= len(sentence) <= 200 and len(sentence.split()) >= 5 and letters > 0.9 * len(sentence):
+                found.add(sentence)
+    chosen = sorted(found)
+    random.Random(seed).shuffle(chosen)
+    return chosen[:n]

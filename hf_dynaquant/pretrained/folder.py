@@ -24,14 +24,14 @@ from tqdm.auto import tqdm
 from ..codecs.base import Codec
 from ..codecs.dynaquant import DynaQuantCodec
 from ..core.dtypes import itemsize
-from ..core.quantizer import QuantConfig, plan_quantization
+from ..core.quantizer import Calibration, QuantConfig, plan_quantization
 from ..errors import CorruptCheckpointError, DynaQuantError, UnsafeInputError
 from ..pipeline import plan_key, write_planned
 from ..renames import renamed_keywords, take_renamed
 from ..store import STORE_DIR, CheckpointStore
 from ..store.atomic import publish_folder, staging_folder
 from ..store.safetensors_io import StreamingWriter, header_size_estimate
-from .calibration import PRETRAINED_BASE, search_pretrained
+from .calibration import PRETRAINED_BASE, calibrate_folder, search_pretrained
 
 __all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
 
@@ -135,8 +135,11 @@ def compress_folder(
     With ``codec="dynaquant"`` the weights are quantized with ``config`` (default
     :data:`~hf_dynaquant.pretrained.calibration.PRETRAINED_BASE`), or, given a ``threshold``, with the
     most compressive configuration
-    whose output distortion on calibration text stays within it (see
+    whose output cosine distance on calibration text stays within it (see
     :mod:`hf_dynaquant.pretrained.calibration`); without gradients, sensitivity means magnitude.
+    A configuration with ``error_feedback`` (the default's) is calibrated on the same text
+    (:func:`~hf_dynaquant.pretrained.calibration.calibrate_folder`; ``search={"eval_data": ...}``
+    gives other text), and ``progress`` also shows the search's candidates.
     ``search`` passes further options to :func:`~hf_dynaquant.pretrained.calibration.search_pretrained`
     (``metric``, ``eval_data``, ``search_space``; ``data`` and ``space`` before).
     """
@@ -163,20 +166,27 @@ def compress_folder(
         }
         plan, chosen = None, None
         if codec == "dynaquant" or isinstance(codec, DynaQuantCodec):
+            options = dict(search or {})
+            renames = {"data": "eval_data", "space": "search_space"}
+            take_renamed(options, renames, "compress_folder(search=...)", spell=repr, stacklevel=4)
+            calibration = None
+            if (config or PRETRAINED_BASE).error_feedback:
+                calibration = calibrate_folder(root, options.get("eval_data"))
             if threshold is not None:
-                options = dict(search or {})
-                renames = {"data": "eval_data", "space": "search_space"}
-                take_renamed(options, renames, "compress_folder(search=...)", spell=repr, stacklevel=4)
-                result = search_pretrained(root, threshold, config=config, **options)
+                result = search_pretrained(
+                    root, threshold, config=config, calibration=calibration, progress=progress, **options
+                )
                 metadata["search"] = result.to_dict()
                 if result.config is None:
                     raise DynaQuantError(
-                        f"{src}: no configuration keeps the output distortion within {threshold}; "
+                        f"{src}: no configuration of the search space keeps the quality loss within {threshold} "
+                        "(by default the output cosine distance on calibration text); "
                         "use codec='lossless' or a larger threshold="
                     )
                 config = result.config
             chosen = config or PRETRAINED_BASE
-            plan = plan_quantization(_AllSections(sources), chosen)
+            tensors = _AllSections(sources)
+            plan = plan_quantization(tensors, chosen, calibration=_by_plan_key(calibration, tensors))
         entry = write_planned(
             store,
             sources,
@@ -190,6 +200,26 @@ def compress_folder(
         info = store.info(entry)
         publish_folder(tmp, dst, overwrite)
     return CompressResult(dst, entry, info.raw_nbytes, info.nbytes)
+
+
+def _by_plan_key(calibration: Calibration | None, tensors: _AllSections) -> Calibration | None:
+    """``calibration`` (keyed by the loaded model's parameter names) keyed by the files' tensors:
+    a file name may carry the model class's prefix (``bert.encoder...``) that ``AutoModel``'s
+    names lack, or the other way round; a match must also agree in shape."""
+    if calibration is None:
+        return None
+
+    def by_key(stats: Mapping[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key in tensors:
+            name = key.partition("::")[2]
+            for param, value in stats.items():
+                if name == param or name.endswith("." + param) or param.endswith("." + name):
+                    out[key] = value
+                    break
+        return out
+
+    return Calibration(by_key(calibration.grams), by_key(calibration.rows))
 
 
 def find_store(path: str | Path, *, strict: bool = True) -> CheckpointStore:

@@ -219,6 +219,36 @@ def output_distortion(model: torch.nn.Module, eval_data: Iterable[Any]) -> Quali
     return QualityMetric(fn, higher_is_better=False, name="output_distortion", relative=False)
 
 
+def output_cosine(model: torch.nn.Module, eval_data: Iterable[Any]) -> QualityMetric:
+    """The default metric of a pre-trained snapshot: the *cosine distance* of the model's outputs,
+    1 minus the mean cosine similarity between the original model's output vector and the
+    quantized model's at each position of the batches ``eval_data`` (at each position their
+    ``attention_mask`` keeps, when they carry one; 0 for the original). A threshold of 0.03 thus
+    asks that the outputs keep a mean cosine of 0.97 with the original's."""
+    batches = _batches(eval_data)
+    with torch.no_grad():
+        reference = [_output(model, b) for b in batches]
+    keep = [_kept_positions(b, ref) for b, ref in zip(batches, reference)]
+
+    def fn(m: torch.nn.Module) -> float:
+        total = count = 0.0
+        for b, ref, kept in zip(batches, reference, keep):
+            cos = torch.nn.functional.cosine_similarity(_output(m, b)[kept], ref[kept], dim=-1)
+            total, count = total + float(cos.sum()), count + cos.numel()
+        return 1.0 - total / max(count, 1.0)
+
+    return QualityMetric(fn, higher_is_better=False, name="output_cosine_distance", relative=False)
+
+
+def _kept_positions(batch: Any, output: torch.Tensor) -> Any:
+    """The positions of ``output`` (``batch x length x features``) its batch's attention mask
+    keeps, as an index; every position without one."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(output.shape[:-1]):
+        return mask.bool().cpu()
+    return (...,)
+
+
 def _output(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     dev = device_of(model)
     out = model(**move_to(batch, dev)) if isinstance(batch, Mapping) else model(move_to(batch, dev))

@@ -4,8 +4,9 @@
  *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
  *                dense b-bit packing;
  *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
- *   partition.c  DynaQuant's partition and code assignment of float32 weights, and codes back
- *                to float32 values (quantizer.py);
+ *   partition.c  DynaQuant's partition and code assignment of float32 weights, a block of
+ *                error feedback over it (feedback.py), and codes back to float32 values
+ *                (quantizer.py);
  *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update,
  *                and the finiteness, maximum and scale-gain sum of Adam's scale (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
@@ -28,6 +29,7 @@ PyObject *py_pack(PyObject *self, PyObject *args);
 PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
+PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_adam_update(PyObject *self, PyObject *args);
 PyObject *py_scale_stats_f32(PyObject *self, PyObject *args);

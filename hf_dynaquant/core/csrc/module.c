@@ -14,6 +14,9 @@ static PyMethodDef methods[] = {
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
+    {"feedback_block_f32", py_feedback_block_f32, METH_VARARGS,
+     "feedback_block_f32(block, sens, has_sens, rows, u, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints,"
+     " table, codes, errors): one block of error feedback, columns one after the other"},
     {"regroup_u8", py_regroup_u8, METH_VARARGS,
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
     {"cyclic_u8", py_cyclic_u8, METH_VARARGS, "cyclic_u8(a, b, levels, out): (a - b) mod levels"},

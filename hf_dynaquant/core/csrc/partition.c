@@ -94,3 +94,68 @@ PyObject *py_dequantize_u8(PyObject *self, PyObject *args) {
     PyBuffer_Release(&out);
     return used < 0 ? NULL : PyLong_FromSsize_t(used);
 }
+
+/* Float32 rounded to bfloat16 and back, to nearest even (as torch converts finite values). */
+static float bf16_round(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    bits &= 0xFFFF0000u;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+/* One block of error feedback (feedback.py, GPTQ's lazy batch), columns stored one after the
+ * other (block[k * rows + r] is row r of the block's column k, and so are sens, codes and
+ * errors). Column j is partitioned and rounded as partition_f32 does (protected values to their
+ * bfloat16, the rest to table[code]: 0, 0, then the centres); its error e = (w - q) / u[j][j]
+ * goes to errors, and every later column k of the block takes w -= e * u[j][k]; the column is
+ * left holding q. u is the block's b x b corner of the factor, row-major. */
+static void feedback_block_f32(float *block, const float *sens, Py_ssize_t rows, Py_ssize_t b, const float *u,
+                               double tau_mag, double tau_sens, double tau_prune, int prune_by_sens,
+                               const float *mids, Py_ssize_t nmids, const float *table, uint8_t *codes,
+                               float *errors) {
+    for (Py_ssize_t j = 0; j < b; j++) {
+        float *col = block + j * rows, *err = errors + j * rows;
+        uint8_t *code = codes + j * rows;
+        partition_f32(col, sens ? sens + j * rows : NULL, rows, tau_mag, tau_sens, tau_prune, prune_by_sens, mids,
+                      nmids, code);
+        const float pivot = u[j * b + j];
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const float q = code[r] == 1 ? bf16_round(col[r]) : table[code[r]];
+            err[r] = (col[r] - q) / pivot;
+            col[r] = q;
+        }
+        for (Py_ssize_t k = j + 1; k < b; k++) {
+            const float f = u[j * b + k];
+            float *later = block + k * rows;
+#pragma omp simd
+            for (Py_ssize_t r = 0; r < rows; r++) later[r] -= err[r] * f;
+        }
+    }
+}
+
+PyObject *py_feedback_block_f32(PyObject *self, PyObject *args) {
+    Py_buffer block, sens, u, mids, table, codes, errors;
+    double tau_mag, tau_sens, tau_prune;
+    int prune_by_sens, has_sens;
+    Py_ssize_t rows;
+    if (!PyArg_ParseTuple(args, "w*y*pny*dddpy*y*w*w*", &block, &sens, &has_sens, &rows, &u, &tau_mag, &tau_sens,
+                          &tau_prune, &prune_by_sens, &mids, &table, &codes, &errors))
+        return NULL;
+    const Py_ssize_t n = block.len / 4, b = rows > 0 ? n / rows : 0;
+    int ok = rows > 0 && b * rows == n && codes.len == n && errors.len == block.len && u.len == 4 * b * b &&
+             (!has_sens || sens.len == block.len) && mids.len / 4 <= 253 && table.len == mids.len + 12;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "feedback_block: buffers disagree in length or too many centres");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        feedback_block_f32(block.buf, has_sens ? sens.buf : NULL, rows, b, u.buf, tau_mag, tau_sens, tau_prune,
+                           prune_by_sens, mids.buf, mids.len / 4, table.buf, codes.buf, errors.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&block); PyBuffer_Release(&sens); PyBuffer_Release(&u); PyBuffer_Release(&mids);
+    PyBuffer_Release(&table); PyBuffer_Release(&codes); PyBuffer_Release(&errors);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
