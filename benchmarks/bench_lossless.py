@@ -72,7 +72,7 @@ from matplotlib.figure import Figure
 from safetensors.torch import load_file
 
 from hf_dynaquant import compress_folder
-from hf_dynaquant.codecs import get_codec
+from hf_dynaquant.codecs import MemoryBlobs, get_codec
 from hf_dynaquant.codecs.base import Encoded
 from hf_dynaquant.codecs.lossless import CHUNK
 from hf_dynaquant.core.dtypes import RawTensor, to_raw
@@ -130,18 +130,6 @@ class Result:
     input_intact: bool
 
 
-class _Blobs:
-    """The blob source :meth:`Codec.decode` reads from, over in-memory blobs."""
-
-    where = "bench"
-
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs = blobs
-
-    def __call__(self, name: str) -> np.ndarray:
-        return np.frombuffer(self.blobs[name], np.uint8)
-
-
 def _nbytes(payload: Any) -> int:
     return memoryview(payload).nbytes
 
@@ -163,7 +151,7 @@ def dynaquant_method() -> Method:
         return codec.encode(RawTensor(t.dtype, t.shape, x.view(f"<u{x.itemsize}")))
 
     def decode(enc: Encoded, t: Tensor) -> np.ndarray:
-        return codec.decode(t.dtype, t.shape, enc.params, _Blobs(enc.blobs)).bits
+        return codec.decode(t.dtype, t.shape, enc.params, MemoryBlobs(enc.blobs, "bench")).bits
 
     return Method(
         OURS,

@@ -11,6 +11,7 @@ import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from hf_dynaquant import CheckpointStore
+from hf_dynaquant.codecs import MemoryBlobs
 from hf_dynaquant.codecs.dynaquant import DynaQuantCodec
 from hf_dynaquant.core.dtypes import to_raw
 from hf_dynaquant.core.entropy import encode_stream
@@ -41,18 +42,6 @@ def _correlated_inputs(n: int, width: int, seed: int = 0) -> torch.Tensor:
     return shared + 0.3 * torch.randn(n, width, generator=g) @ mix
 
 
-class _Blobs:
-    """A codec's blobs, read as a store reads them."""
-
-    where = "entry 'x', tensor 't'"
-
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs = blobs
-
-    def __call__(self, key: str) -> np.ndarray:
-        return np.frombuffer(self.blobs[key], np.uint8)
-
-
 def _output_error(w: torch.Tensor, decoded: torch.Tensor, x: torch.Tensor) -> float:
     return float(((x @ (w - decoded).T) ** 2).sum())
 
@@ -81,7 +70,7 @@ def test_feedback_cuts_the_output_error_and_decodes_to_what_it_rounded(layer) ->
     # the codec stores exactly the values the rounding chose, protected ones included
     codec = DynaQuantCodec(fed)
     encoded = codec.encode(to_raw(w))
-    state = codec.decode("F32", tuple(w.shape), encoded.params, _Blobs(encoded.blobs))
+    state = codec.decode("F32", tuple(w.shape), encoded.params, MemoryBlobs(encoded.blobs))
     assert (state.codes == PROTECTED).any()
     torch.testing.assert_close(torch.from_numpy(codec.to_raw(state).bits).view(torch.float32).view(w.shape), fed_values)
 
@@ -189,7 +178,7 @@ def test_rare_rows_round_trip_through_a_store_and_a_damaged_row_map_is_named(tmp
     bad[3] = 2
     coding, payload = encode_stream(bad)
     with pytest.raises(CorruptCheckpointError, match="tensor 't'.*row map"):
-        params, blobs = {**encoded.params, "rows_stream": coding}, _Blobs({**encoded.blobs, "rows": payload})
+        params, blobs = {**encoded.params, "rows_stream": coding}, MemoryBlobs({**encoded.blobs, "rows": payload}, "tensor 't'")
         codec.decode("F32", (200, 24), params, blobs)
 
 

@@ -8,21 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_dynaquant.codecs import get_codec
+from hf_dynaquant.codecs import MemoryBlobs, get_codec
 from hf_dynaquant.codecs.lossless import CHUNK
 from hf_dynaquant.core.bitplanes import join_float, split_float
 from hf_dynaquant.core.dtypes import FLOAT_LAYOUTS, RawTensor, from_raw, to_raw
 from hf_dynaquant.errors import CorruptCheckpointError
-
-
-class Blobs:
-    where = "test"
-
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs = blobs
-
-    def __call__(self, name: str) -> np.ndarray:
-        return np.frombuffer(self.blobs[name], dtype=np.uint8)
 
 
 def roundtrip(t: torch.Tensor, base: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
@@ -30,7 +20,7 @@ def roundtrip(t: torch.Tensor, base: torch.Tensor | None = None) -> tuple[torch.
     raw = to_raw(t)
     base_raw = to_raw(base) if base is not None else None
     enc = codec.encode(raw, base_raw)
-    dec = codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs), base_raw if enc.uses_base else None)
+    dec = codec.decode(raw.dtype, raw.shape, enc.params, MemoryBlobs(enc.blobs, "test"), base_raw if enc.uses_base else None)
     out = from_raw(dec)
     return out, sum(len(b) for b in enc.blobs.values())
 
@@ -146,7 +136,7 @@ def test_arbitrary_bit_patterns(data: bytes, dtype: str) -> None:
     raw = RawTensor(dtype, (bits.size,), bits)
     codec = get_codec("lossless")
     enc = codec.encode(raw)
-    dec = codec.decode(dtype, raw.shape, enc.params, Blobs(enc.blobs))
+    dec = codec.decode(dtype, raw.shape, enc.params, MemoryBlobs(enc.blobs, "test"))
     assert np.array_equal(dec.bits, bits)
 
 
@@ -156,9 +146,9 @@ def test_inconsistent_params_raise_clear_error() -> None:
     enc = codec.encode(raw)
     enc.params["chunks"][0]["streams"][0][2] += 1  # lengths no longer match the blob
     with pytest.raises(CorruptCheckpointError, match="test chunk 0"):
-        codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs))
+        codec.decode(raw.dtype, raw.shape, enc.params, MemoryBlobs(enc.blobs, "test"))
     with pytest.raises(CorruptCheckpointError, match="element count"):
-        codec.decode(raw.dtype, (999,), codec.encode(raw).params, Blobs(enc.blobs))
+        codec.decode(raw.dtype, (999,), codec.encode(raw).params, MemoryBlobs(enc.blobs, "test"))
 
 
 def test_compresses_real_weights_like_neuzip(minilm_dir) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynaquant.codecs import get_codec
+from hf_dynaquant.codecs import MemoryBlobs, get_codec
 from hf_dynaquant.codecs.lossless import CHUNK
 from hf_dynaquant.core.dtypes import to_raw
 from hf_dynaquant.core.sketch import LogSketch
@@ -23,22 +23,12 @@ HANG = 120
 WORKERS: list[BackgroundWorker] = []
 
 
-class Blobs:
-    where = "test"
-
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs = blobs
-
-    def __call__(self, name: str) -> np.ndarray:
-        return np.frombuffer(self.blobs[name], dtype=np.uint8)
-
-
 def _lossless_roundtrip(t: torch.Tensor) -> bool:
     codec = get_codec("lossless")
     raw = to_raw(t)
     enc = codec.encode(raw)
     assert len(enc.blobs) > 1  # several chunks: the pool did the work
-    out = codec.decode(raw.dtype, raw.shape, enc.params, Blobs(enc.blobs))
+    out = codec.decode(raw.dtype, raw.shape, enc.params, MemoryBlobs(enc.blobs, "test"))
     return bool(np.array_equal(out.bits, raw.bits))
 
 

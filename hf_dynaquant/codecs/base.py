@@ -26,7 +26,7 @@ import numpy as np
 from ..core.dtypes import RawTensor
 from ..errors import UnknownCodecError
 
-__all__ = ["Encoded", "BlobSource", "Codec", "register_codec", "get_codec", "codec_names"]
+__all__ = ["Encoded", "BlobSource", "MemoryBlobs", "Codec", "register_codec", "get_codec", "codec_names"]
 
 
 @dataclass
@@ -45,6 +45,17 @@ class BlobSource(Protocol):
     where: str
 
     def __call__(self, name: str) -> np.ndarray: ...
+
+
+class MemoryBlobs:
+    """A :class:`BlobSource` over blobs held in memory (an :class:`Encoded`'s), to decode what a
+    codec encoded without a store in between (tests, benchmarks)."""
+
+    def __init__(self, blobs: dict[str, bytes], where: str = "in memory") -> None:
+        self.blobs, self.where = blobs, where
+
+    def __call__(self, name: str) -> np.ndarray:
+        return np.frombuffer(self.blobs[name], dtype=np.uint8)
 
 
 class Codec(ABC):
