@@ -15,18 +15,21 @@ model folder compressed with ``--codec nf4`` loads back through transformers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_codec_lossless import Blobs
 
 from hf_dynaquant import CheckpointStore, codec_names, get_codec
+from hf_dynaquant.codecs import MemoryBlobs
 from hf_dynaquant.codecs.peers.nf4 import LEVELS
 from hf_dynaquant.core.dtypes import from_raw, to_raw
 from hf_dynaquant.errors import CorruptCheckpointError, InvalidSettingError
+
+Blobs = functools.partial(MemoryBlobs, where="test")  # a codec's blobs, named "test" in errors
 
 
 @pytest.fixture(scope="module")
