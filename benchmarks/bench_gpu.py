@@ -5,7 +5,7 @@ Run it on a machine with a GPU::
     python benchmarks/bench_gpu.py      # options: --layers 28 --width 1024 --heads 16 --context 512
                                         #   --batch 16 --steps 400 --save-steps 100 --eval-examples 16
                                         #   --search-seconds S --arms plain,dynaquant,dcp
-                                        #   --json PATH --plot PATH
+                                        #   --json PATH --plot PATH --package DIR
 
 A character-level GPT-2 (28 blocks x 1024 wide by default: 353 M parameters, built from its
 config, nothing downloaded) is trained from scratch in bf16 mixed precision (``bf16=True``: fp32
@@ -291,6 +291,7 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "arm": a.arm,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "package": str(Path(sys.modules["hf_dynaquant"].__file__).parent) if "hf_dynaquant" in sys.modules else None,
         "params": params,
         "checkpoint_bytes": 12 * params,  # fp32 weights + two fp32 AdamW moments
         "stalls": list(cls.stalls),
@@ -343,7 +344,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
     print(
         f"\n{first['device']}: GPT-2 {a.layers}x{a.width}, {first['params'] / 1e6:.0f} M parameters, "
         f"{'fp32 on the CPU' if first['device'] == 'cpu' else 'bf16 mixed precision'}, {a.steps} steps, a save every {a.save_steps}; checkpoint (fp32 weights + AdamW) "
-        f"{ckpt / 1e9:.2f} GB\n"
+        f"{ckpt / 1e9:.2f} GB; hf_dynaquant from {first.get('package')}\n"
     )
     header = ("arm", "stall/save ms (median)", "stall max ms", "train s (steps + final wait)", "background s/ckpt", "stored GB",
               "ratio", "peak extra host (x ckpt)", "peak GPU GB", "eval loss")
@@ -420,6 +421,9 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary folder)")
     parser.add_argument("--json", default=str(OUT / "gpu.json"))
     parser.add_argument("--plot", default=str(OUT / "gpu.png"))
+    parser.add_argument(
+        "--package", default=None, help="import hf_dynaquant from this folder (another commit's, to compare on one machine)"
+    )
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # run one arm here, print its JSON
     a = parser.parse_args()
     if a.arm:
@@ -427,7 +431,8 @@ def main() -> None:
         return
     results = []
     here = Path(__file__).resolve().parent
-    paths = [str(here), str(here.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    package = str(Path(a.package).resolve()) if a.package else str(here.parent)
+    paths = [str(here), package, *filter(None, [os.environ.get("PYTHONPATH")])]
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         for arm in a.arms.split(","):
             argv = [arg for arg in sys.argv[1:] if not arg.startswith("--workdir")]

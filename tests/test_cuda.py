@@ -127,6 +127,40 @@ def test_search_on_cuda_model_leaves_weights_bit_identical() -> None:
     assert mean_loss(data).fn(model) == pytest.approx(loss(model) / 2, rel=1e-5)
 
 
+def test_search_measures_on_the_device_as_on_the_host(monkeypatch) -> None:
+    """The search of a GPU model sizes and decodes its candidates on the device (with
+    sensitivities and stochastic rounding); it chooses, sizes and judges exactly as when every
+    candidate is measured on the host."""
+    from hf_dynaquant.search.measures import DeviceTensors
+
+    model = _mlp().cuda()
+    data = [(torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(2)]
+    metric = QualityMetric(lambda m: float(sum(torch.nn.functional.cross_entropy(m(x), y) for x, y in data)))
+    snapshot = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    sensitivity = {n: (t * torch.randn(t.shape, generator=g)).abs() for n, t in snapshot.items()}
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005,))
+    results, made = [], []
+    real_of = DeviceTensors.of.__func__
+
+    def of(cls, *args):  # records whether the device measured
+        made.append(real_of(cls, *args))
+        return made[-1]
+
+    monkeypatch.setattr(DeviceTensors, "of", classmethod(of))
+    for _ in range(2):
+        search = ConfigurationSearch(
+            metric, 0.01, search_space=space, config=QuantConfig(min_numel=256, rounding="stochastic", rounding_seed=3)
+        )
+        results.append(search.search(model, snapshot, sensitivity=sensitivity))
+        monkeypatch.setattr(DeviceTensors, "of", classmethod(lambda cls, *args: None))
+    assert made and made[0] is not None
+    device, host = results
+    assert device.config == host.config and device.evaluations == host.evaluations >= 1
+    for a, b in zip(device.candidates, host.candidates):
+        assert (a.config, a.bits, a.degradation) == (b.config, b.bits, b.degradation)
+
+
 def _trained(dev: str = "cuda") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """An MLP on ``dev`` after two AdamW steps (so it has moments to snapshot)."""
     model = _mlp().to(dev)
@@ -209,9 +243,9 @@ def test_background_search_evaluates_on_the_device_and_releases_it() -> None:
 def test_device_without_room_snapshots_to_the_host(monkeypatch) -> None:
     """Without room on the device (here: a reserve of all its memory) the snapshot is copied to
     the host and the search evaluates a CPU copy, as with use_accelerator=False."""
-    from hf_dynaquant.training import snapshot
+    from hf_dynaquant.core import memory
 
-    monkeypatch.setattr(snapshot, "RESERVE", 1.0)
+    monkeypatch.setattr(memory, "RESERVE", 1.0)
     model, opt = _trained()
     comp = Compressor(model, None, QuantConfig(min_numel=256), optimizer=opt, threshold=0.01, metric=lambda m: 0.0)
     snap = comp.snapshot(1, detach_model=True)

@@ -23,6 +23,7 @@ from .histogram import byte_counts
 __all__ = [
     "ans_bytes",
     "order0_bits",
+    "entropy_bits",
     "encode_stream",
     "encode_symbols",
     "encode_codes",
@@ -97,7 +98,7 @@ def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:
 def order0_bits(symbols: np.ndarray) -> float:
     """Total bits of uint8 ``symbols`` at their order-0 entropy: what rANS codes them in, to
     within its table and a few bytes."""
-    return _entropy_bits(byte_counts(symbols))
+    return entropy_bits(byte_counts(symbols))
 
 
 def ans_bytes(counts: np.ndarray) -> float:
@@ -109,7 +110,7 @@ def ans_bytes(counts: np.ndarray) -> float:
     rows = rows[rows.any(axis=1)]
     if not rows.size:
         return 0.0
-    bits = sum(_entropy_bits(row) for row in rows)
+    bits = sum(entropy_bits(row) for row in rows)
     used = [row[: int(np.flatnonzero(row)[-1]) + 1] for row in rows]  # K = largest symbol + 1
     table = sum(int(_uleb128_length(row).sum()) + int(_uleb128_length(np.array([row.size]))[0]) for row in used)
     return bits / 8 + table + float(_uleb128_length(np.array([table]))[0])
@@ -121,7 +122,8 @@ def _uleb128_length(values: np.ndarray) -> np.ndarray:
     return top // 7 + 1
 
 
-def _entropy_bits(counts: np.ndarray) -> float:
+def entropy_bits(counts: np.ndarray) -> float:
+    """Total bits of symbols with these counts (one per symbol) at their order-0 entropy."""
     counts = counts[counts > 0]
     return float(-(counts * np.log2(counts / counts.sum())).sum())
 

@@ -15,6 +15,9 @@ trim: they stay under ``torch.load``'s peak without it, and trimming cost them 4
 ``malloc_trim(0)`` returns the free pages of every arena (not only the top of the heap), taking
 each arena's lock briefly in turn; it changes no allocator setting. Where the C library has no
 ``malloc_trim`` (macOS, musl) this does nothing.
+
+On an accelerator, what we allocate beside training (a staged snapshot, the search's tensors)
+must leave training's next step its memory: :func:`has_room`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-__all__ = ["TRIM_EVERY", "ReleaseFreed"]
+import torch
+
+__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "has_room"]
+
+RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
 TRIM_EVERY = 1 << 23  # values processed between two trims
 
@@ -54,3 +61,11 @@ class ReleaseFreed:
             self._since = 0
             if _TRIM is not None:
                 _TRIM(0)
+
+
+def has_room(device: torch.device, nbytes: int) -> bool:
+    """Whether CUDA ``device`` has ``nbytes`` free outside PyTorch's cache, besides :data:`RESERVE`
+    of its memory: training's own cached blocks stay its own, so its next step allocates as it
+    did before."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free >= nbytes + RESERVE * total

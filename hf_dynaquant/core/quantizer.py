@@ -284,7 +284,7 @@ class TensorPlan:
             sens = np.ascontiguousarray(flat_f32(self.sensitivity).numpy().reshape(rows, cols)[:, order].T)
         table = np.concatenate(([0.0, 0.0], self.centres)).astype(np.float32)
         if native is not None:
-            mids, tau_sens, tau_prune, by_sens = self._rules(self.centres, sens is not None)
+            mids, tau_sens, tau_prune, by_sens = self.rules(self.centres, sens is not None)
 
             def round_block(block: np.ndarray, u: np.ndarray, first: int) -> np.ndarray:
                 errors = np.empty_like(block)
@@ -327,7 +327,7 @@ class TensorPlan:
             total += nprot
         return codes.reshape(-1), total
 
-    def _rules(self, centres: np.ndarray, has_sens: bool) -> tuple[np.ndarray, float, float, bool]:
+    def rules(self, centres: np.ndarray, has_sens: bool) -> tuple[np.ndarray, float, float, bool]:
         """What partitioning needs, as the kernels take it: the centres' midpoints, the
         sensitivity protection threshold (inf: unused), the pruning threshold (-1: none) and
         whether pruning goes by sensitivity."""
@@ -338,7 +338,7 @@ class TensorPlan:
 
     def _partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
         """``(codes, protected count)``: protected, pruned, else the nearest centre."""
-        mids, tau_sens, tau_prune, by_sens = self._rules(centres, sens is not None)
+        mids, tau_sens, tau_prune, by_sens = self.rules(centres, sens is not None)
         if native is not None:
             codes = np.empty(w.size, dtype=np.uint8)
             nprot = native.partition_f32(

@@ -91,8 +91,6 @@ from tqdm.auto import tqdm
 
 from ..core.collectives import all_gather, all_sum, broadcast, rank_world
 from ..core.dtypes import all_finite
-from ..core.entropy import ans_bytes, order0_bits
-from ..core.histogram import byte_counts
 from ..core.memory import ReleaseFreed
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from ..core.quantizer import (
@@ -101,15 +99,14 @@ from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
     TensorPlan,
-    decoded_values,
     plan_quantization,
-    quantize,
     read_config_record,
     refuse_or_warn_non_finite,
 )
 from ..core.rng import preserved_rng
 from ..errors import InvalidSettingError
 from ..renames import renamed_attribute, renamed_keywords
+from .measures import DeviceTensors, Measured, host_measure, live_tensor
 from .quality import Measurement, QualityMetric
 from .space import Candidate, Reference, SearchResult, SearchSpace
 
@@ -136,54 +133,42 @@ def _preserved_state(model: torch.nn.Module, rng: bool):
         model.train(was_training)
 
 
-def _live_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
-    """The live tensor ``name`` of ``model``; for a sharded (DTensor) parameter its local shard,
-    which is what a sharded snapshot holds."""
-    try:
-        live = model.get_parameter(name)
-    except AttributeError:
-        live = model.get_buffer(name)
-    to_local = getattr(live, "to_local", None)  # torch.distributed.tensor.DTensor
-    return to_local() if to_local is not None else live
-
-
-def _code_bits(
-    codes: np.ndarray, protected: np.ndarray, base: np.ndarray | None = None, rare_rows: np.ndarray | None = None
-) -> float:
-    """Bits of one tensor's codes at their order-0 entropy, plus 16 per protected (bf16) value.
-    With the base entry's codes of the tensor (``base``), the smaller of that and the entropy of
-    the codes given the base codes: what the code delta (the regrouped cyclic delta, one model
-    per base code) stores when it pays, as the codec chooses. With a row map (``rare_rows``, see
-    ``QuantConfig.rare_bins``) the common and the rare rows' codes are sized apart, as stored."""
-    if rare_rows is None:
-        bits = order0_bits(codes)
-    else:
-        keys = np.repeat(rare_rows.astype(np.int64), codes.size // rare_rows.size)
-        bits = 8 * ans_bytes(np.bincount(keys * 256 + codes, minlength=512).reshape(2, 256))
-    if base is not None and base.size == codes.size:
-        joint = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1)
-        given = byte_counts(base)
-        pairs = np.nonzero(joint)[0]
-        count = joint[pairs]
-        bits = min(bits, float(-(count * np.log2(count / given[pairs // 256])).sum()))
-    return bits + 16 * protected.size
-
-
 def _code_totals(
-    snapshot: Mapping[str, torch.Tensor], plan: QuantPlan, base_codes: Mapping[str, np.ndarray] | None = None
+    snapshot: Mapping[str, torch.Tensor],
+    plan: QuantPlan,
+    base_codes: Mapping[str, np.ndarray] | None = None,
+    device: DeviceTensors | None = None,
 ) -> np.ndarray:
-    """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards); the
-    tensors are quantized a few at a time on a pool, summed in order."""
-
-    def totals_of(item: tuple[str, TensorPlan]) -> tuple[float, int]:
-        name, tp = item
-        codes, protected = quantize(snapshot[name], replace(tp, feedback=None))
-        return _code_bits(codes, protected, (base_codes or {}).get(name), tp.rare_rows), codes.size
-
+    """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards), error
+    feedback left out (see :func:`measured_bits`); measured as :func:`_measured` does."""
+    plan = QuantPlan(plan.config, {n: replace(tp, feedback=None) for n, tp in plan.tensors.items()})
     totals = np.zeros(2)
-    for bits, count in _on_pool(totals_of, plan, snapshot):
-        totals += (bits, count)
+    for _, _, sums in _measured(plan, snapshot, base_codes, device, decode=False):
+        totals += sums[:2]
     return totals
+
+
+def _measured(
+    plan: QuantPlan,
+    snapshot: Mapping[str, torch.Tensor],
+    base_codes: Mapping[str, np.ndarray] | None,
+    device: DeviceTensors | None,
+    decode: bool,
+) -> Iterator[Measured]:
+    """Each of the plan's tensors measured (:func:`~.measures.host_measure`), in order: on the
+    accelerator that holds the model, one after another (``device``, when it takes the plan), or
+    on the host, a few tensors at a time on the search's pool. The same results either way."""
+    base_codes = base_codes or {}
+    if device is not None and device.takes(plan):
+        for name, tp in plan.tensors.items():
+            yield device.measure(name, tp, snapshot[name], decode)
+        return
+
+    def measure(item: tuple[str, TensorPlan]) -> Measured:
+        name, tp = item
+        return host_measure(name, tp, snapshot[name], base_codes.get(name), decode)
+
+    yield from _on_pool(measure, plan, snapshot)
 
 
 def _on_pool(
@@ -237,29 +222,20 @@ def _evaluate(
     metric: QualityMetric,
     preserve_rng: bool,
     base_codes: Mapping[str, np.ndarray] | None = None,
+    device: DeviceTensors | None = None,
 ) -> tuple[Measurement, np.ndarray]:
     """:func:`evaluate_plan` with the metric's :class:`Measurement` and ``[bits, quantized values,
     squared error, squared norm]`` of the quantized tensors (the sizes as :func:`_code_totals`;
     the error of the decoded values against the exact ones), which sum over the shards of a
-    sharded model."""
-    def decoded(item: tuple[str, TensorPlan]) -> tuple[str, torch.Tensor, np.ndarray]:
-        """A tensor's decoded values and ``[bits, values, squared error, squared norm]``
-        (on the pool: what does not touch the model)."""
-        name, tp = item
-        exact = snapshot[name]
-        codes, protected = quantize(exact, tp)
-        values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(exact.shape)
-        error, norm = _squared_error(values.to(exact.dtype), exact)
-        bits = _code_bits(codes, protected, (base_codes or {}).get(name), tp.rare_rows)
-        return name, values, np.array([bits, codes.size, error, norm])
-
+    sharded model. Each tensor is measured (on ``device`` when given, see :func:`_measured`)
+    before its decoded values are written into the model."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(4)
     with _preserved_state(model, preserve_rng):
         try:
-            for name, values, sums in _on_pool(decoded, plan, snapshot):
+            for name, values, sums in _measured(plan, snapshot, base_codes, device, decode=True):
                 totals += sums
-                live = _live_tensor(model, name)  # written in this thread, on its (CUDA) stream
+                live = live_tensor(model, name)  # written in this thread, on its (CUDA) stream
                 swapped.append((live, snapshot[name]))
                 live.copy_(values.view(live.shape).to(live.dtype))
             value = metric.measure(model)
@@ -267,21 +243,6 @@ def _evaluate(
             for live, original in swapped:
                 live.copy_(original)
     return value, totals
-
-
-_ERROR_CHUNK = 1 << 20  # values per float64 chunk of _squared_error (8 MB temporaries, not 8 bytes a value)
-
-
-def _squared_error(decoded: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """``(sum (decoded - exact)^2, sum exact^2)`` in float64, a chunk at a time: the error of the
-    values a resume loads, for the audit figure ``weight_error``."""
-    d, e = decoded.reshape(-1), exact.reshape(-1)
-    error = norm = 0.0
-    for start in range(0, e.numel(), _ERROR_CHUNK):
-        chunk = e[start : start + _ERROR_CHUNK].double()
-        error += float((d[start : start + _ERROR_CHUNK].double() - chunk).pow(2).sum())
-        norm += float(chunk.pow(2).sum())
-    return error, norm
 
 
 @dataclass(frozen=True)
@@ -467,6 +428,7 @@ class ConfigurationSearch:
         ctx = _Context(self, model, snapshot, types, sensitivity, measured, prune_by, lockstep, where, references)
         ctx.residuals = residuals
         ctx.base_codes = dict(base_codes or {})
+        ctx.device = DeviceTensors.of(model, snapshot, ctx.base_codes)
         ctx.calibration = calibration
         ctx.deadline = None if self.seconds is None else started + self.seconds
         mode = "exhaustive"
@@ -560,6 +522,7 @@ class _Context:
         self.references = dict(references or {})
         self.residuals = ["none", *self.references]  # offered residual kinds (the search narrows them)
         self.base_codes: dict[str, np.ndarray] = {}  # the base entry's codes, for sizes as stored
+        self.device: DeviceTensors | None = None  # where candidates are measured when the model is on an accelerator
         self.lockstep, self.where = lockstep, where
         self.rank, self.world = (0, 1) if lockstep is not None else rank_world()  # in lockstep nothing is spread
         self.types, self.sensitivity, self.baseline = types, sensitivity, baseline
@@ -627,7 +590,7 @@ class _Context:
         (spread over the ranks like evaluations)."""
         todo = [c for c in dict.fromkeys(configs) if c not in self._bits]
         rank, world = self.rank, self.world
-        totals = [_code_totals(self.snapshot, self.plan(c), self.base_codes) for c in todo[rank::world]]
+        totals = [_code_totals(self.snapshot, self.plan(c), self.base_codes, self.device) for c in todo[rank::world]]
         if self.lockstep is not None and totals:
             totals = list(self.lockstep.all_sum(np.stack(totals)))  # every rank sized every candidate
         mine = [(c, float(t[0] / max(t[1], 1.0))) for c, t in zip(todo[rank::world], totals)]
@@ -647,7 +610,7 @@ class _Context:
             if rank < len(batch):
                 plan = self.plan(batch[rank])
                 metric, rng = self.owner.metric, self.owner.owns_rng()
-                value, totals = _evaluate(self.model, self.snapshot, plan, metric, rng, self.base_codes)
+                value, totals = _evaluate(self.model, self.snapshot, plan, metric, rng, self.base_codes, self.device)
                 measures = metric.compare(self.baseline, value)
                 if self.lockstep is not None:
                     measures, totals = self.agreed(measures, value.value), self.lockstep.all_sum(totals)

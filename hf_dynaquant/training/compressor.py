@@ -42,6 +42,7 @@ from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
+from ..core.memory import has_room
 from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
 from ..core.ranking import GradientEMA
 from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
@@ -64,7 +65,6 @@ from .snapshot import (
     cpu_copies,
     cpu_tree,
     device_copies,
-    has_room,
     map_tree,
     raw_optimizer_bytes,
     unique_nbytes,

@@ -16,8 +16,9 @@ weights (:meth:`Snapshot.search_model`) instead of on a CPU copy of the model (1
 checkpoint at 353M on 16 cores). Without room for the whole snapshot the search still goes to
 the device if the weights fit there, copied from the host snapshot.
 
-"Room" is free device memory outside PyTorch's cache of the copy plus :data:`RESERVE` of the
-device: training's own cached blocks stay its own, so its next step allocates as it did before.
+"Room" is free device memory outside PyTorch's cache of the copy plus a reserve of the device
+(:func:`~hf_dynaquant.core.memory.has_room`): training's own cached blocks stay its own, so its
+next step allocates as it did before.
 A copy that fails anyway (``torch.OutOfMemoryError``) falls back to the host, as the search's does
 to the CPU. The staged copy lives from the save until the background has moved it (and, for the
 weights, until the search is done); only one checkpoint is ever in flight. A user short of
@@ -44,17 +45,14 @@ from ..store.tree import flatten_tree
 __all__ = [
     "Snapshot",
     "ModelSkeleton",
-    "RESERVE",
     "cpu_copies",
     "cpu_tree",
     "device_copies",
-    "has_room",
     "map_tree",
     "raw_optimizer_bytes",
     "unique_nbytes",
 ]
 
-RESERVE = 0.10  # share of the device's memory that must stay free besides a staged copy
 logger = logging.getLogger("hf_dynaquant")
 
 
@@ -275,8 +273,3 @@ def unique_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
 
 
-def has_room(device: torch.device, nbytes: int) -> bool:
-    """Whether CUDA ``device`` has ``nbytes`` free outside PyTorch's cache, besides :data:`RESERVE`
-    of its memory."""
-    free, total = torch.cuda.mem_get_info(device)
-    return free >= nbytes + RESERVE * total
