@@ -17,17 +17,19 @@ each arena's lock briefly in turn; it changes no allocator setting. Where the C 
 ``malloc_trim`` (macOS, musl) this does nothing.
 
 On an accelerator, what we allocate beside training (a staged snapshot, the search's tensors)
-must leave training's next step its memory: :func:`has_room`.
+must leave training's next step its memory: :func:`has_room`, :func:`cached_on_device`.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "has_room"]
+__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "cached_on_device", "has_room", "on_accelerator"]
 
 RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
@@ -69,3 +71,26 @@ def has_room(device: torch.device, nbytes: int) -> bool:
     did before."""
     free, total = torch.cuda.mem_get_info(device)
     return free >= nbytes + RESERVE * total
+
+
+def on_accelerator(tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """The CUDA device that holds all of ``tensors`` (at least one), else None."""
+    devices = {t.device for t in tensors}
+    device = devices.pop() if len(devices) == 1 else None
+    return device if device is not None and device.type == "cuda" else None
+
+
+def cached_on_device(
+    cache: dict[Any, Any], key: tuple, host: np.ndarray | torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
+    """A flat copy of ``host`` on ``device`` (floating point as float32), kept in ``cache`` under
+    ``("on device", *key)`` (a checkpoint's search keeps one per tensor, residual kind and
+    what it is, and frees them with the cache); None when a CUDA device has no room for it
+    besides its reserve (:func:`has_room`)."""
+    key = ("on device", *key)
+    if key not in cache:
+        t = torch.as_tensor(host)
+        t = t.float() if t.is_floating_point() else t
+        fits = device.type != "cuda" or has_room(device, t.numel() * t.element_size())
+        cache[key] = t.to(device).reshape(-1) if fits else None
+    return cache[key]

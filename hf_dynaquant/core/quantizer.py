@@ -49,6 +49,16 @@ Decisions where the paper is silent (also in FORMAT.md):
 
 All thresholds come from :class:`~hf_dynaquant.core.sketch.LogSketch` quantiles; sketches merge,
 so sharded models get the thresholds of the whole model.
+
+**Where the values live.** The encoder partitions on the host, in the compiled kernels. The
+configuration search plans, sizes and evaluates many candidates on every value; when the model
+is on an accelerator it does so there (copying each candidate's tensors to the host was most of
+a search at 353M parameters), with :meth:`TensorPlan.device_codes` and :func:`device_decoded`:
+the same rules in torch ops, equal to the kernels bit for bit. The kernels compare ``(double)
+x`` with double thresholds; a float32 ``x`` lies above a double ``t`` exactly when it lies above
+the largest float32 not above ``t``, and below ``t`` exactly when below the smallest float32 not
+below it, so the torch comparisons run in float32 against those neighbours. Plans with error
+feedback or rare rows (pre-trained snapshots) are partitioned on the host only.
 """
 
 from __future__ import annotations
@@ -67,8 +77,9 @@ from .dtypes import all_finite, check_storable, storage_key
 from .feedback import columnwise, feedback_round, inverse_factor
 from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
+from .memory import cached_on_device, on_accelerator
 from .pool import ForkSafePool, ordered_map
-from .rounding import stochastic_codes, tensor_seed, uniform
+from .rounding import device_stochastic_codes, device_uniform, stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
 
 __all__ = [
@@ -85,6 +96,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "decoded_values",
+    "device_decoded",
     "RESIDUALS",
     "NON_FINITE",
     "refuse_or_warn_non_finite",
@@ -269,6 +281,34 @@ class TensorPlan:
             u = uniform(self.dither_seed, self.dither_offset, w.size)
             stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
         return codes, nprot
+
+    def partitions_on_device(self) -> bool:
+        """Whether :meth:`device_codes` takes this plan (error feedback and rare rows: host only)."""
+        return self.feedback is None and self.rare_rows is None
+
+    def device_codes(self, values: torch.Tensor, sensitivity: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(codes uint8, protected values as bfloat16)`` of flat float32 ``values`` (the
+        target: a residual has its reference taken off already) where they live, equal to
+        :meth:`codes` and the protected values :func:`quantize` stores (see the module
+        docstring); ``sensitivity``: this plan's, flat, on the values' device."""
+        if not self.partitions_on_device():
+            raise ValueError("plans with error feedback or rare rows are partitioned on the host")
+        mids, tau_sens, tau_prune, by_sens = self.rules(self.centres, sensitivity is not None)
+        magnitude = values.abs()
+        protected = magnitude > _at_most(self.protect_magnitude)
+        if sensitivity is not None:
+            protected |= sensitivity > _at_most(tau_sens)
+        bounds = torch.from_numpy(mids).to(values.device)
+        codes = (torch.searchsorted(bounds, values, out_int32=True) + FIRST_CENTRE).to(torch.uint8)
+        if tau_prune >= 0:
+            criterion = sensitivity if by_sens else magnitude
+            codes.masked_fill_((criterion < _at_least(tau_prune)) | (criterion == 0), PRUNED)
+        codes.masked_fill_(protected, PROTECTED)
+        if self.dither_seed is not None and self.centres.size:
+            u = device_uniform(self.dither_seed, self.dither_offset, values.numel(), values.device)
+            centres = torch.from_numpy(self.centres).to(values.device)
+            device_stochastic_codes(codes, values, centres, u, FIRST_CENTRE, PRUNED)
+        return codes, values[protected].to(torch.bfloat16)
 
     def feedback_codes(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(codes, decoded values)`` of flat float32 values rounded with error feedback
@@ -566,11 +606,16 @@ def plan_quantization(
         plan.centres, plan.common = np.concatenate((common, rare)), common.size
         return plan
 
+    def rest_key(n: str, rare: bool | None = None) -> tuple:
+        """The cache key of the sketch of the values of ``n`` neither pruned nor protected: it
+        depends on the thresholds, not on the bins, so candidates that differ in bins only share it."""
+        residual = config.residual if n in refs else "none"
+        return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
+
     def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
         """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its
-        common or rare rows only, with ``rare``). The sketch of those values depends on the
-        thresholds, not on the bins, so candidates that differ in bins only share it."""
-        key = (n, "rest", plan.residual, tau_mag, tau_sens, plan.prune_threshold, prune_by, n in sens, rare)
+        common or rare rows only, with ``rare``)."""
+        key = rest_key(n, rare)
         rest = cache.get(key)
         if rest is None:
             w = plan.target(tensors[n])
@@ -580,6 +625,23 @@ def plan_quantization(
             rest = cache[key] = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
         return centres.astype(np.float32)
+
+    device = on_accelerator(tensors[n] for n in names) if names and not rare_rows else None
+    if device is not None:
+        # on an accelerator those sketches are made there, in this thread (on its stream), before
+        # the pool plans: the pool's threads never touch the tensors
+        for n in names:
+            key = rest_key(n)
+            if key in cache:
+                continue
+            residual = key[2]
+            s = cached_on_device(cache, (n, "sensitivity", residual), sens[n], device) if n in sens else None
+            if n in sens and s is None:  # no room for it on the device: this tensor is sketched on the host
+                continue
+            w = _residual(tensors[n], refs.get(n)).reshape(-1).float()
+            probe = TensorPlan(kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], prune_by)
+            codes, _ = probe.device_codes(w, s)
+            cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE])
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
     plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names)))
@@ -601,10 +663,12 @@ def _references(
 
 
 def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """``w - ref`` in float32 (``w`` itself without a reference), as :meth:`TensorPlan.target`."""
+    """``w - ref`` in float32 where ``w`` lives (``w`` itself without a reference), as
+    :meth:`TensorPlan.target` computes it."""
     if ref is None:
         return w
-    return (flat_f32(w) - flat_f32(ref)).view(w.shape)
+    flat = w.detach().reshape(-1).float()
+    return (flat - ref.detach().reshape(-1).to(flat.device, torch.float32)).view(w.shape)
 
 
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -661,3 +725,29 @@ def decoded_values(
     if used != protected_bf16.size:
         raise ValueError(f"{protected_bf16.size} protected values stored, {used} codes need one")
     return out
+
+
+def device_decoded(
+    codes: torch.Tensor, centres: np.ndarray, protected: torch.Tensor, reference: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The flat float32 values codes decode to, where they live: :func:`decoded_values`
+    (pruned 0, protected their bfloat16 values in order, else their centre; plus the reference
+    of a residual), bit for bit."""
+    table = torch.from_numpy(np.concatenate(([0.0, 0.0], centres)).astype(np.float32)).to(codes.device)
+    out = table.index_select(0, codes.int())
+    out[codes == PROTECTED] = protected.float()
+    return out if reference is None else out + reference
+
+
+def _at_most(t: float) -> float:
+    """The largest float32 not above ``t``: float32 ``x > t`` exactly when ``x >`` it."""
+    with np.errstate(over="ignore"):
+        f = np.float32(t)
+    return float(np.nextafter(f, np.float32(-np.inf)) if float(f) > t else f)
+
+
+def _at_least(t: float) -> float:
+    """The smallest float32 not below ``t``: float32 ``x < t`` exactly when ``x <`` it."""
+    with np.errstate(over="ignore"):
+        f = np.float32(t)
+    return float(np.nextafter(f, np.float32(np.inf)) if float(f) < t else f)

@@ -23,6 +23,11 @@ The random numbers are a counter-based hash (SplitMix64) of ``seed`` and each el
 so the codes are a deterministic function of the weights, the seed and the element's position:
 a shard of a tensor draws the very numbers of the unsharded tensor's rows (``offset``), and the
 same weights give the same codes at every call (the configuration search and the encoder agree).
+
+:func:`device_uniform` and :func:`device_stochastic_codes` are the same steps in torch ops, for
+values on an accelerator (the configuration search's, see
+:meth:`~.quantizer.TensorPlan.device_codes`), equal bit for bit: SplitMix64 in int64
+arithmetic, which wraps as uint64 does, its right shifts masked so that they are logical.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import torch
 
 from .kmeans import assign
 
-__all__ = ["tensor_seed", "uniform", "stochastic_codes"]
+__all__ = ["tensor_seed", "uniform", "stochastic_codes", "device_uniform", "device_stochastic_codes"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -90,3 +96,59 @@ def stochastic_codes(
         keep = u[sel] < p
         codes[sel[keep]] = (k[keep] + first_centre).astype(codes.dtype)
     return codes
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _int64(u: int) -> int:
+    """A uint64 as the int64 with the same bits."""
+    u &= _MASK64
+    return u - (1 << 64) if u >> 63 else u
+
+
+_GOLDEN_64, _M1_64, _M2_64 = (_int64(int(x)) for x in (_GOLDEN, _M1, _M2))
+
+
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """``z >> bits`` of int64 ``z`` read as uint64 (a logical shift)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def device_uniform(seed: int, offset: int, n: int, device: torch.device) -> torch.Tensor:
+    """:func:`uniform` (``n`` float32 numbers in [0, 1) of elements ``offset ..``)
+    computed on ``device``, bit for bit."""
+    z = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=device) * _GOLDEN_64 + _int64(seed)
+    z = (z ^ _shifted(z, 30)) * _M1_64
+    z = (z ^ _shifted(z, 27)) * _M2_64
+    z = z ^ _shifted(z, 31)
+    return _shifted(z, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def device_stochastic_codes(
+    codes: torch.Tensor, w: torch.Tensor, c: torch.Tensor, u: torch.Tensor, first_centre: int, pruned: int
+) -> None:
+    """:func:`stochastic_codes` in place, step for step, where the tensors live (``c``: the
+    sorted float32 centres there)."""
+    if c.numel() == 0:
+        return
+    top = c.numel() - 1
+    if top > 0:
+        sel = torch.nonzero(codes >= first_centre).squeeze(1)
+        i = codes[sel].long() - first_centre
+        x, ci = w[sel], c[i]
+        j = torch.where(x > ci, i + 1, i - 1).clamp(0, top)  # the other centre bracketing x
+        gap = c[j] - ci
+        step = torch.where(gap != 0, (x - ci) / torch.where(gap != 0, gap, torch.ones_like(gap)), 0.0)
+        codes[sel] = (torch.where(u[sel] < step, j, i) + first_centre).to(torch.uint8)
+    sel = torch.nonzero(codes == pruned).squeeze(1)
+    if sel.numel():
+        x = w[sel]
+        nearest = torch.searchsorted((c[1:] + c[:-1]) / 2, x)  # assign()
+        zero = int((c <= 0).sum())  # c[zero:] are > 0, c[:zero] <= 0
+        inner = torch.where(x > 0, zero, zero - 1).clamp(0, top)
+        k = torch.where(torch.sign(c[nearest]) == torch.sign(x), nearest, inner)
+        same_side = (torch.sign(c[k]) == torch.sign(x)) & (x != 0)
+        p = torch.where(same_side, (x.abs() / c[k].abs().clamp(min=1e-30)).clamp(max=1), 0.0)
+        keep = u[sel] < p
+        codes[sel[keep]] = (k[keep] + first_centre).to(torch.uint8)

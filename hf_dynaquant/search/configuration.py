@@ -428,7 +428,7 @@ class ConfigurationSearch:
         ctx = _Context(self, model, snapshot, types, sensitivity, measured, prune_by, lockstep, where, references)
         ctx.residuals = residuals
         ctx.base_codes = dict(base_codes or {})
-        ctx.device = DeviceTensors.of(model, snapshot, ctx.base_codes)
+        ctx.device = DeviceTensors.of(model, snapshot, ctx.base_codes, ctx.sketches)
         ctx.calibration = calibration
         ctx.deadline = None if self.seconds is None else started + self.seconds
         mode = "exhaustive"
@@ -573,7 +573,7 @@ class _Context:
                 self.lockstep.plan(config)
                 if self.lockstep is not None
                 else plan_quantization(
-                    self.snapshot,
+                    self.device.exact if self.device is not None else self.snapshot,  # sketched where they live
                     config,
                     types=self.types,
                     sensitivity=ref.sensitivity if ref is not None and self.sensitivity else self.sensitivity,

@@ -4,7 +4,7 @@ A candidate is sized from its codes without evaluating the model, and evaluated 
 it decodes to (:mod:`.configuration`). Both are done tensor by tensor: on the host by the
 compiled kernels, a few tensors at a time on the search's pool; or, when the model lives on an
 accelerator, there (:class:`DeviceTensors`), one tensor after another on the search's stream.
-The two give the same codes, sizes and decoded values (:mod:`~hf_dynaquant.core.device_partition`),
+The two give the same codes, sizes and decoded values (:meth:`~hf_dynaquant.core.quantizer.TensorPlan.device_codes`),
 so where the search runs changes none of its choices.
 """
 
@@ -16,11 +16,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ..core.device_partition import device_codes, device_decoded, on_device
 from ..core.entropy import ans_bytes, entropy_bits
 from ..core.histogram import byte_counts
-from ..core.memory import has_room
-from ..core.quantizer import QuantPlan, TensorPlan, decoded_values, quantize
+from ..core.memory import cached_on_device, has_room, on_accelerator
+from ..core.quantizer import QuantPlan, TensorPlan, decoded_values, device_decoded, quantize
 
 __all__ = ["DeviceTensors", "Measured", "code_bits", "host_measure", "live_tensor", "squared_error"]
 
@@ -104,20 +103,29 @@ class DeviceTensors:
     the evaluation writes its decoded values over it, and every tensor is written back from the
     host snapshot after the evaluation, so they hold the exact weights whenever one is read.
     What the plans hold on the host (sensitivities, the references of residuals, the base
-    entry's codes) is copied there once per checkpoint, when the device has room for it besides
-    its reserve (:func:`~hf_dynaquant.core.memory.has_room`; training's next step must still fit).
+    entry's codes) is copied there once per checkpoint, into the planner's cache (shared with
+    :func:`~hf_dynaquant.core.quantizer.plan_quantization`, so one copy each), when the device
+    has room for it besides its reserve (:func:`~hf_dynaquant.core.memory.has_room`; training's
+    next step must still fit).
     A tensor the device has no room for, or a plan with error feedback or rare rows, is measured
     on the host (:func:`host_measure`), with the same result.
     """
 
-    def __init__(self, exact: Mapping[str, torch.Tensor], base_codes: Mapping[str, np.ndarray]) -> None:
+    def __init__(
+        self, exact: Mapping[str, torch.Tensor], base_codes: Mapping[str, np.ndarray], cache: dict | None = None
+    ) -> None:
         self.exact = dict(exact)
         self.base_codes = base_codes
-        self._copies: dict[tuple[str, str, int], torch.Tensor | None] = {}
+        # device copies, shared with the planner's (plan_quantization's sketch_cache): one each
+        self.cache = cache if cache is not None else {}
 
     @classmethod
     def of(
-        cls, model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], base_codes: Mapping[str, np.ndarray]
+        cls,
+        model: torch.nn.Module,
+        snapshot: Mapping[str, torch.Tensor],
+        base_codes: Mapping[str, np.ndarray],
+        cache: dict | None = None,
     ) -> DeviceTensors | None:
         """The tensors of ``model`` named in ``snapshot`` when they all lie on one CUDA device with
         the snapshot's shapes (a sharded parameter: its local shard), else None (measure on the host)."""
@@ -125,30 +133,16 @@ class DeviceTensors:
             exact = {n: live_tensor(model, n) for n in snapshot}
         except AttributeError:  # a name the model does not hold
             return None
-        devices = {t.device for t in exact.values()}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        if not exact or on_accelerator(exact.values()) is None:
             return None
         if any(t.shape != snapshot[n].shape for n, t in exact.items()):
             return None
-        return cls(exact, base_codes)
+        return cls(exact, base_codes, cache)
 
     @staticmethod
     def takes(plan: QuantPlan) -> bool:
         """Whether the plan's tensors are measured on the device."""
-        return all(on_device(tp) for tp in plan.tensors.values())
-
-    def _copy(
-        self, kind: str, name: str, residual: str, host: np.ndarray | torch.Tensor, device: torch.device
-    ) -> torch.Tensor | None:
-        """A device copy of ``host``, or None without room for it; kept for the checkpoint, by
-        tensor and residual kind (each kind has its own reference and sensitivity)."""
-        key = (kind, name, residual)
-        if key not in self._copies:
-            t = torch.as_tensor(host)
-            t = t.float() if t.is_floating_point() else t  # the sensitivity in float32, as the host reads it
-            fits = has_room(device, t.numel() * t.element_size()) if device.type == "cuda" else True
-            self._copies[key] = t.to(device).reshape(-1) if fits else None
-        return self._copies[key]
+        return all(tp.partitions_on_device() for tp in plan.tensors.values())
 
     def measure(self, name: str, tp: TensorPlan, snapshot: torch.Tensor, decode: bool) -> Measured:
         """:func:`host_measure` of one tensor, computed on the device (on the host without room
@@ -158,11 +152,12 @@ class DeviceTensors:
         device = exact.device
         parts: list[torch.Tensor | None] = []
         room = device.type != "cuda" or has_room(device, exact.numel() * _DEVICE_BYTES_PER_VALUE)
+        copy = lambda key, host: cached_on_device(self.cache, key, host, device)  # noqa: E731
         if room:
             parts = [
-                self._copy("sensitivity", name, tp.residual, tp.sensitivity, device) if tp.sensitivity is not None else None,
-                self._copy("reference", name, tp.residual, tp.reference, device) if tp.reference is not None else None,
-                self._copy("base", name, "", base, device) if base is not None and base.size == exact.numel() else None,
+                copy((name, "sensitivity", tp.residual), tp.sensitivity) if tp.sensitivity is not None else None,
+                copy((name, "reference", tp.residual), tp.reference) if tp.reference is not None else None,
+                copy((name, "base codes"), base) if base is not None and base.size == exact.numel() else None,
             ]
         wanted = [tp.sensitivity is not None, tp.reference is not None, base is not None and base.size == exact.numel()]
         if not room or any(w and p is None for w, p in zip(wanted, parts)):
@@ -172,7 +167,7 @@ class DeviceTensors:
         target = exact.detach().reshape(-1).float()
         if reference is not None:
             target = target - reference
-        codes, protected = device_codes(target, tp, sens)
+        codes, protected = tp.device_codes(target, sens)
         counts = torch.bincount(codes, minlength=256).cpu().numpy()
         joint = given = None
         if base_t is not None:

@@ -1,7 +1,8 @@
-"""Candidates measured where the model lives (hf_dynaquant.core.device_partition and
-hf_dynaquant.search.measures): the torch ops give the compiled kernels' codes, protected values,
-decoded values and sizes bit for bit. Run on the CPU here, and on a GPU when one is present
-(CI has none; on a GPU machine ``pytest tests/test_device_partition.py tests/test_cuda.py``)."""
+"""The search where the model lives (TensorPlan.device_codes, device_decoded, the rounding's
+device_uniform and device_stochastic_codes, hf_dynaquant.search.measures, the planner's sketches
+on an accelerator): the torch ops give the compiled kernels' codes, protected values, decoded
+values and sizes bit for bit, and the search the same choices. Run on the CPU here, and on a GPU
+when one is present (CI has none; on a GPU machine ``pytest tests/test_device_search.py tests/test_cuda.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dynaquant.core.device_partition import device_codes, device_decoded, device_uniform
-from hf_dynaquant.core.quantizer import QuantConfig, TensorPlan, decoded_values, plan_quantization, quantize
-from hf_dynaquant.core.rounding import uniform
+from hf_dynaquant.core.quantizer import (
+    QuantConfig,
+    TensorPlan,
+    decoded_values,
+    device_decoded,
+    plan_quantization,
+    quantize,
+)
+from hf_dynaquant.core.rounding import device_uniform, uniform
 from hf_dynaquant.search.configuration import _code_totals, _evaluate
 from hf_dynaquant.search.measures import DeviceTensors
 from hf_dynaquant.search.quality import QualityMetric
@@ -65,8 +72,8 @@ def test_codes_and_decoded_values_equal_the_kernels(device: str) -> None:
         w[: min(n, 20)] = rng.choice(ties, min(n, 20))  # values exactly on a midpoint, a centre, zero
         codes, protected = quantize(torch.from_numpy(w), plan)
         on = torch.device(device)
-        d_codes, d_protected = device_codes(
-            torch.from_numpy(w).to(on), plan, None if sens is None else torch.from_numpy(sens).to(on)
+        d_codes, d_protected = plan.device_codes(
+            torch.from_numpy(w).to(on), None if sens is None else torch.from_numpy(sens).to(on)
         )
         np.testing.assert_array_equal(d_codes.cpu().numpy(), codes, err_msg=f"trial {trial}")
         np.testing.assert_array_equal(d_protected.cpu().view(torch.int16).numpy().view(np.uint16), protected)
@@ -119,3 +126,69 @@ def test_candidates_measure_alike_on_the_device_and_the_host(device: str, residu
         assert torch.equal(written[0][n], written[1][n]), n
         assert torch.equal(model.get_parameter(n).cpu(), snapshot[n]), n
     assert any(not torch.equal(written[0][n], snapshot[n]) for n in plan.tensors)
+
+
+@pytest.fixture
+def cpu_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path run with CPU tensors (CI has no GPU): ``on_accelerator`` answers the
+    CPU too, so the planner sketches in the calling thread with the torch partition, and the
+    search measures with :class:`DeviceTensors`."""
+    from hf_dynaquant.core import quantizer
+    from hf_dynaquant.search import measures
+
+    def one_device(tensors):
+        devices = {t.device for t in tensors}
+        return devices.pop() if len(devices) == 1 else None
+
+    monkeypatch.setattr(quantizer, "on_accelerator", one_device)
+    monkeypatch.setattr(measures, "on_accelerator", one_device)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_search_on_the_accelerator_path_chooses_as_on_the_host(
+    cpu_as_accelerator, monkeypatch: pytest.MonkeyPatch, rounding: str
+) -> None:
+    """The whole search through the accelerator path (plans sketched in the calling thread,
+    candidates measured by DeviceTensors; here on the CPU) plans, sizes, judges and chooses
+    exactly as the host path, residuals against the last checkpoint and its codes included."""
+    from hf_dynaquant.search import ConfigurationSearch, SearchSpace
+    from hf_dynaquant.search.space import Reference
+
+    model = _model()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    metric = QualityMetric(lambda m: float(torch.nn.functional.mse_loss(m(x), x)))
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    sensitivity = {n: (t * torch.randn(t.shape, generator=g)).abs() for n, t in snapshot.items()}
+    previous = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in snapshot.items()}
+    references = {"previous": Reference(previous, {n: (s * 0.5) for n, s in sensitivity.items()})}
+    base = {n: quantize(snapshot[n], tp)[0] for n, tp in plan_quantization(previous, QuantConfig(bins=8, min_numel=256)).tensors.items()}
+    space = SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005, 0.0), residuals=("previous", "none"))
+    config = QuantConfig(min_numel=256, rounding=rounding, rounding_seed=3)
+    from hf_dynaquant.core import quantizer
+    from hf_dynaquant.search import measures
+
+    calls: list[str] = []
+    real = TensorPlan.device_codes
+
+    def counted(plan: TensorPlan, *args, **kwargs):  # the planner's sketches probe without centres
+        calls.append("candidate" if plan.centres.size else "planner")
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(TensorPlan, "device_codes", counted)
+    results = []
+    for accelerated in (True, False):
+        if not accelerated:  # the host path: no accelerator anywhere
+            assert set(calls) == {"candidate", "planner"}
+            calls.clear()
+            monkeypatch.setattr(quantizer, "on_accelerator", lambda tensors: None)
+            monkeypatch.setattr(measures, "on_accelerator", lambda tensors: None)
+        search = ConfigurationSearch(metric, 0.05, search_space=space, config=config)
+        results.append(search.search(model, snapshot, sensitivity=sensitivity, references=references, base_codes=base))
+    assert not calls
+    device, host = results
+    assert device.config == host.config and device.evaluations == host.evaluations >= 2 and device.sized == host.sized
+    for a, b in zip(device.candidates, host.candidates):
+        assert (a.config, a.bits, a.degradation, a.weight_error) == (b.config, b.bits, b.degradation, b.weight_error)
+    for n, tp in host.plan.tensors.items():
+        np.testing.assert_array_equal(device.plan.tensors[n].centres, tp.centres)
