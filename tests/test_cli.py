@@ -168,6 +168,26 @@ def test_cli_threshold_searches_the_configuration(minilm_dir: Path, tmp_path: Pa
     assert "add --codec dynaquant" in capsys.readouterr().err
 
 
+def test_compress_folder_loads_the_model_once(minilm_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """With a threshold, the calibration (error feedback) and the search evaluate one loaded model."""
+    from hf_dynaquant.pretrained import calibration, folder
+
+    loads: list[Path] = []
+    real = calibration.load_model
+
+    def counted(path):
+        loads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(calibration, "load_model", counted)
+    monkeypatch.setattr(folder, "load_model", counted)
+    src = tiny_bert_folder(minilm_dir, tmp_path / "tiny")
+    out = compress_folder(src, tmp_path / "out", codec="dynaquant", threshold=0.4, progress=False)
+    assert loads == [src] and out.ratio > 1
+    with find_store(out.path).open(MODEL_REF) as entry:
+        assert entry.metadata["quant_config"]["error_feedback"]
+
+
 def test_quant_options_need_the_dynaquant_codec(tmp_path: Path, capsys) -> None:
     src = tmp_path / "w.safetensors"
     from safetensors.torch import save_file

@@ -34,6 +34,7 @@ __all__ = [
     "calibration_batches",
     "calibrate",
     "calibrate_folder",
+    "load_model",
     "search_pretrained",
 ]
 
@@ -140,8 +141,9 @@ def calibrate(model: torch.nn.Module, batches: Any, tokens: Any = None) -> Calib
     )
 
 
-def _load(folder: str | Path) -> Any:
-    """The model of ``folder`` through transformers' ``AutoModel``, in eval mode."""
+def load_model(folder: str | Path) -> Any:
+    """The model of ``folder`` through transformers' ``AutoModel``, in eval mode (what the
+    calibration and the search evaluate; load it once and pass it to both)."""
     from transformers import AutoModel
 
     try:
@@ -177,13 +179,14 @@ def corpus_tokens(tokenizer: Any) -> list[torch.Tensor]:
     return [torch.tensor(seq, dtype=torch.int64) for seq in ids if seq]
 
 
-def calibrate_folder(folder: str | Path, eval_data: Any = None) -> Calibration | None:
+def calibrate_folder(folder: str | Path, eval_data: Any = None, *, model: Any = None) -> Calibration | None:
     """:func:`calibrate` for the model saved in ``folder``, on ``eval_data`` (model-ready batches)
     or else calibration text (its rows counted over the whole corpus, :func:`corpus_tokens`);
     ``None``, with a warning logged, where the folder holds no model and tokenizer transformers
-    can load (a lone weights file): the weights are then rounded each to its nearest centre."""
+    can load (a lone weights file): the weights are then rounded each to its nearest centre.
+    ``model``: that folder's model, loaded already (see :func:`load_model`)."""
     try:
-        model = _load(folder)
+        model = model if model is not None else load_model(folder)
         if eval_data is not None:
             return calibrate(model, eval_data)
         tokenizer = _tokenizer(folder)
@@ -205,6 +208,7 @@ def search_pretrained(
     eval_data: Any = None,
     calibration: Calibration | None = None,
     progress: bool = False,
+    model: Any = None,
 ) -> SearchResult:
     """Search the configuration for the model in ``folder`` (loaded with transformers'
     ``AutoModel``). Quality is ``metric`` when given, else the output cosine distance
@@ -213,8 +217,9 @@ def search_pretrained(
     The cube (``search_space``) and fixed knobs (``config``) default to the pre-trained presets
     (:data:`PRETRAINED_SPACE`, :data:`PRETRAINED_BASE`), whichever entry point searches (Python,
     the CLI, the Hub tools). ``calibration`` (see :func:`calibrate_folder`) is what candidates
-    with error feedback round with; ``progress`` shows the candidates as they are evaluated."""
-    model = _load(folder)
+    with error feedback round with; ``progress`` shows the candidates as they are evaluated;
+    ``model``: the folder's model, loaded already (see :func:`load_model`)."""
+    model = model if model is not None else load_model(folder)
     if metric is None:
         metric = output_cosine(model, eval_data if eval_data is not None else _calibration_text(folder))
     snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -9,6 +9,7 @@ Weights stored as pickle (``pytorch_model*.bin``) are refused: we never unpickle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -31,7 +32,7 @@ from ..renames import renamed_keywords, take_renamed
 from ..store import STORE_DIR, CheckpointStore
 from ..store.atomic import publish_folder, staging_folder
 from ..store.safetensors_io import StreamingWriter, header_size_estimate
-from .calibration import PRETRAINED_BASE, calibrate_folder, search_pretrained
+from .calibration import PRETRAINED_BASE, calibrate_folder, load_model, search_pretrained
 
 __all__ = ["compress_folder", "decompress_folder", "CompressResult", "STORE_DIR", "MODEL_REF", "find_store"]
 
@@ -169,12 +170,16 @@ def compress_folder(
             options = dict(search or {})
             renames = {"data": "eval_data", "space": "search_space"}
             take_renamed(options, renames, "compress_folder(search=...)", spell=repr, stacklevel=4)
-            calibration = None
-            if (config or PRETRAINED_BASE).error_feedback:
-                calibration = calibrate_folder(root, options.get("eval_data"))
+            calibration = model = None
+            feedback = (config or PRETRAINED_BASE).error_feedback
+            if feedback and threshold is not None:  # both evaluate the model: it is loaded once
+                with contextlib.suppress(DynaQuantError):  # a folder without one: each says so below
+                    model = load_model(root)
+            if feedback:
+                calibration = calibrate_folder(root, options.get("eval_data"), model=model)
             if threshold is not None:
                 result = search_pretrained(
-                    root, threshold, config=config, calibration=calibration, progress=progress, **options
+                    root, threshold, config=config, calibration=calibration, progress=progress, model=model, **options
                 )
                 metadata["search"] = result.to_dict()
                 if result.config is None:
