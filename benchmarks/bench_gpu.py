@@ -422,7 +422,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(OUT / "gpu.json"))
     parser.add_argument("--plot", default=str(OUT / "gpu.png"))
     parser.add_argument(
-        "--package", default=None, help="import hf_dynaquant from this folder (another commit's, to compare on one machine)"
+        "--package", default=None, help="import hf_dynaquant from this folder (another commit's: compare on one machine)"
     )
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # run one arm here, print its JSON
     a = parser.parse_args()

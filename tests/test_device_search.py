@@ -29,7 +29,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_uniform_numbers_equal_splitmix(device: str) -> None:
     for seed, offset in [(0, 0), (7, 123_456), ((1 << 64) - 1, (1 << 40) + 3), (0x9E3779B97F4A7C15, 5)]:
-        np.testing.assert_array_equal(device_uniform(seed, offset, 5000, torch.device(device)).cpu().numpy(), uniform(seed, offset, 5000))
+        on_device = device_uniform(seed, offset, 5000, torch.device(device)).cpu().numpy()
+        np.testing.assert_array_equal(on_device, uniform(seed, offset, 5000))
 
 
 def _random_plan(rng: np.random.Generator, w: np.ndarray, sens: np.ndarray | None) -> TensorPlan:
@@ -107,7 +108,8 @@ def test_candidates_measure_alike_on_the_device_and_the_host(device: str, residu
     )
     plan = plan_quantization(snapshot, config, sensitivity=sensitivity, reference=previous)
     assert plan.tensors and all(tp.residual == residual for tp in plan.tensors.values())
-    base = {n: quantize(snapshot[n], tp)[0] for n, tp in plan_quantization(previous, QuantConfig(bins=8, min_numel=256)).tensors.items()}
+    base_plan = plan_quantization(previous, QuantConfig(bins=8, min_numel=256))
+    base = {n: quantize(snapshot[n], tp)[0] for n, tp in base_plan.tensors.items()}
     on_device = DeviceTensors({n: p for n, p in model.named_parameters()}, base)
     assert DeviceTensors.takes(plan)
     np.testing.assert_array_equal(_code_totals(snapshot, plan, base, on_device), _code_totals(snapshot, plan, base))
@@ -144,13 +146,22 @@ def cpu_as_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(measures, "on_accelerator", one_device)
 
 
+@pytest.mark.parametrize("room", [True, False])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_search_on_the_accelerator_path_chooses_as_on_the_host(
-    cpu_as_accelerator, monkeypatch: pytest.MonkeyPatch, rounding: str
+    cpu_as_accelerator, monkeypatch: pytest.MonkeyPatch, rounding: str, room: bool
 ) -> None:
     """The whole search through the accelerator path (plans sketched in the calling thread,
     candidates measured by DeviceTensors; here on the CPU) plans, sizes, judges and chooses
-    exactly as the host path, residuals against the last checkpoint and its codes included."""
+    exactly as the host path, residuals against the last checkpoint and its codes included.
+    Without room on the device for the sensitivities (and references, base codes), the tensors
+    that need them are sketched and measured on the host instead, with the same result."""
+    from hf_dynaquant.core import quantizer
+    from hf_dynaquant.search import measures
+
+    if not room:
+        monkeypatch.setattr(quantizer, "cached_on_device", lambda *args: None)
+        monkeypatch.setattr(measures, "cached_on_device", lambda *args: None)
     from hf_dynaquant.search import ConfigurationSearch, SearchSpace
     from hf_dynaquant.search.space import Reference
 
@@ -162,12 +173,10 @@ def test_search_on_the_accelerator_path_chooses_as_on_the_host(
     sensitivity = {n: (t * torch.randn(t.shape, generator=g)).abs() for n, t in snapshot.items()}
     previous = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in snapshot.items()}
     references = {"previous": Reference(previous, {n: (s * 0.5) for n, s in sensitivity.items()})}
-    base = {n: quantize(snapshot[n], tp)[0] for n, tp in plan_quantization(previous, QuantConfig(bins=8, min_numel=256)).tensors.items()}
+    base_plan = plan_quantization(previous, QuantConfig(bins=8, min_numel=256))
+    base = {n: quantize(snapshot[n], tp)[0] for n, tp in base_plan.tensors.items()}
     space = SearchSpace(bins=(4, 8, 16), prune=(0.3, 0.0), protect=(0.005, 0.0), residuals=("previous", "none"))
     config = QuantConfig(min_numel=256, rounding=rounding, rounding_seed=3)
-    from hf_dynaquant.core import quantizer
-    from hf_dynaquant.search import measures
-
     calls: list[str] = []
     real = TensorPlan.device_codes
 
@@ -179,7 +188,7 @@ def test_search_on_the_accelerator_path_chooses_as_on_the_host(
     results = []
     for accelerated in (True, False):
         if not accelerated:  # the host path: no accelerator anywhere
-            assert set(calls) == {"candidate", "planner"}
+            assert set(calls) == ({"candidate", "planner"} if room else set())  # every tensor has a sensitivity
             calls.clear()
             monkeypatch.setattr(quantizer, "on_accelerator", lambda tensors: None)
             monkeypatch.setattr(measures, "on_accelerator", lambda tensors: None)

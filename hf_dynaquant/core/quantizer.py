@@ -63,6 +63,7 @@ feedback or rare rows (pre-trained snapshots) are partitioned on the host only.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -286,7 +287,9 @@ class TensorPlan:
         """Whether :meth:`device_codes` takes this plan (error feedback and rare rows: host only)."""
         return self.feedback is None and self.rare_rows is None
 
-    def device_codes(self, values: torch.Tensor, sensitivity: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_codes(
+        self, values: torch.Tensor, sensitivity: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes uint8, protected values as bfloat16)`` of flat float32 ``values`` (the
         target: a residual has its reference taken off already) where they live, equal to
         :meth:`codes` and the protected values :func:`quantize` stores (see the module
@@ -612,17 +615,21 @@ def plan_quantization(
         residual = config.residual if n in refs else "none"
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
+    def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
+        """That sketch, made on the host."""
+        w = plan.target(tensors[n])
+        codes, _ = plan._partition(w, sens[n].numpy() if n in sens else None, np.zeros(0, np.float32))
+        if rare is not None:
+            w, codes = plan.row_values(w, rare), plan.row_values(codes, rare)
+        return LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
+
     def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
         """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its
         common or rare rows only, with ``rare``)."""
         key = rest_key(n, rare)
         rest = cache.get(key)
         if rest is None:
-            w = plan.target(tensors[n])
-            codes, _ = plan._partition(w, sens[n].numpy() if n in sens else None, np.zeros(0, np.float32))
-            if rare is not None:
-                w, codes = plan.row_values(w, rare), plan.row_values(codes, rare)
-            rest = cache[key] = LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
+            rest = cache[key] = rest_sketch(plan, n, rare)
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
         return centres.astype(np.float32)
 
@@ -634,14 +641,16 @@ def plan_quantization(
             key = rest_key(n)
             if key in cache:
                 continue
-            residual = key[2]
-            s = cached_on_device(cache, (n, "sensitivity", residual), sens[n], device) if n in sens else None
-            if n in sens and s is None:  # no room for it on the device: this tensor is sketched on the host
-                continue
-            w = _residual(tensors[n], refs.get(n)).reshape(-1).float()
             probe = TensorPlan(kinds[n], np.zeros(0, np.float32), tau_mag, tau_sens, prune_tau[kinds[n]], prune_by)
-            codes, _ = probe.device_codes(w, s)
-            cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE])
+            with contextlib.suppress(torch.OutOfMemoryError):
+                s = cached_on_device(cache, (n, "sensitivity", key[2]), sens[n], device) if n in sens else None
+                if n not in sens or s is not None:
+                    w = _residual(tensors[n], refs.get(n)).reshape(-1).float()
+                    codes, _ = probe.device_codes(w, s)
+                    cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE])
+            if key not in cache:  # no room on the device: sketched on the host, in this thread too
+                probe.reference = flat_f32(refs[n]).numpy() if n in refs else None
+                cache[key] = rest_sketch(probe, n)
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
     plans = dict(zip(names, ordered_map(_PLAN_POOL, plan_of, names)))
