@@ -150,17 +150,16 @@ class DeviceTensors:
         base = self.base_codes.get(name)
         exact = self.exact[name]
         device = exact.device
-        parts: list[torch.Tensor | None] = []
-        room = device.type != "cuda" or has_room(device, exact.numel() * _DEVICE_BYTES_PER_VALUE)
-        copy = lambda key, host: cached_on_device(self.cache, key, host, device)  # noqa: E731
-        if room:
-            parts = [
-                copy((name, "sensitivity", tp.residual), tp.sensitivity) if tp.sensitivity is not None else None,
-                copy((name, "reference", tp.residual), tp.reference) if tp.reference is not None else None,
-                copy((name, "base codes"), base) if base is not None and base.size == exact.numel() else None,
-            ]
-        wanted = [tp.sensitivity is not None, tp.reference is not None, base is not None and base.size == exact.numel()]
-        if not room or any(w and p is None for w, p in zip(wanted, parts)):
+        # what the plan holds on the host that the device needs: each is copied there once
+        hosts = {
+            (name, "sensitivity", tp.residual): tp.sensitivity,
+            (name, "reference", tp.residual): tp.reference,
+            (name, "base codes"): base if base is not None and base.size == exact.numel() else None,
+        }
+        parts = None
+        if device.type != "cuda" or has_room(device, exact.numel() * _DEVICE_BYTES_PER_VALUE):
+            parts = [None if h is None else cached_on_device(self.cache, key, h, device) for key, h in hosts.items()]
+        if parts is None or any(h is not None and p is None for h, p in zip(hosts.values(), parts)):
             logger.debug("hf_dynaquant: no room on %s to measure %r there: measured on the host", device, name)
             return host_measure(name, tp, snapshot, base, decode)
         sens, reference, base_t = parts
