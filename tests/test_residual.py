@@ -374,3 +374,36 @@ def test_neighbourhood_takes_the_smallest_passing_of_either_kind():
     assert all(c.bits < second.bits for c in result.candidates[2:])  # only points smaller than round 1's best
     passing = [c for c in result.candidates if c.passed]
     assert result.config == min(passing, key=lambda c: c.bits).config
+
+
+def test_neighbourhood_searches_another_kind_around_the_centre_bolder_too():
+    """The centre is the last kind's point, not the other kind's: going on from a fine direct
+    configuration, the residual on the pre-trained weights is judged at every point around the
+    centre that measures smaller than round 1's best, bolder ones included, and the search takes
+    a bolder residual point than the centre; the last kind itself never goes bolder."""
+    model, x, y, gen, batches = _task()
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _fine_tune(model, x, y, gen)
+    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    space = SearchSpace(residuals=("pretrained", "none"), prune_by=("magnitude",))
+    search = ConfigurationSearch(
+        mean_loss(batches), 0.01, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
+    )
+    centre = (6, 5, 1)  # 32 bins, unpruned, 0.5% protected: passes coded directly, at many bits
+    search.last = last = space.config(centre, "magnitude", search.config, 32, residual="none")
+    result = search.search(model, snapshot, references={"pretrained": Reference(start)})
+    assert result.mode == "neighbourhood"
+    first = result.candidates[:2]
+    assert first[0].config == last and first[0].passed
+    assert first[1].config.residual == "pretrained" and first[1].passed
+    round_one = min(c.bits for c in first)
+    assert all(c.bits < round_one for c in result.candidates[2:])  # only points smaller than round 1's best
+    for c in result.candidates:
+        point = space.point_of(c.config)
+        assert all(abs(a - b) <= 1 for a, b in zip(point, centre))  # within epsilon
+        if c.config.residual == "none":
+            assert all(a >= b for a, b in zip(point, centre))  # the last kind never bolder
+    assert result.config.residual == "pretrained"
+    assert any(a < b for a, b in zip(space.point_of(result.config), centre))  # bolder than the centre
+    chosen = next(c for c in result.candidates if c.config == result.config)
+    assert chosen.passed and chosen.bits < round_one

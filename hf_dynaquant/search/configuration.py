@@ -49,12 +49,13 @@ configuration that keeps to it, at every checkpoint, cheaply:
   Every residual kind's columns share the one size-ordered queue, so the choice is by measured size
   at passing quality.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
-  pruning criteria) and the configurations at most ``epsilon`` steps away that are *not more aggressive*,
-  smallest measured size first; the first that passes ends the round. Round 1 also tries the
-  last point under the other available residual kinds, and takes one that passes with fewer
-  measured bits (or passes where the last residual fails). If none passes, the exhaustive search
-  runs again (counted as a fallback); so does it when the last residual is not available (a
-  keyframe has no previous checkpoint to code against).
+  pruning criteria) and, when it fails, the configurations at most ``epsilon`` steps away that are
+  *not more aggressive*, smallest measured size first; the first that passes ends the round. Round
+  1 also tries the last point under the other available residual kinds, and their points at most
+  ``epsilon`` steps away in every direction (that point is not their own) are sized too: those
+  measuring smaller than the best passing candidate are evaluated, smallest first. If none passes,
+  the exhaustive search runs again (counted as a fallback); so does it when the last residual is
+  not available (a keyframe has no previous checkpoint to code against).
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
   each rank (and sizes are measured the same way); results are all-gathered, so every rank picks
   the same configuration.
@@ -751,11 +752,19 @@ class _Context:
 
     def neighbourhood(self, last: QuantConfig, prune_by: Sequence[str]) -> Candidate | None:
         """Round 1: the last point under its pruning criterion and residual, under the other
-        criteria, and under the other available residuals. The answer is the passing candidate of
-        fewest measured bits among round 1 and, when the centre fails, the points at most
-        ``epsilon`` steps less aggressive under the last residual kind (never bolder), evaluated
-        smallest first and only where they measure smaller than round 1's best; they use the other
-        criterion when it passed clearly better at the centre."""
+        criteria, and under the other available residuals. Then the points around it, sized first
+        and evaluated smallest first, only where they measure smaller than the best passing
+        candidate so far; the first that passes is the answer, else round 1's smallest passing:
+
+        * under the last residual kind, when its centre fails: the points at most ``epsilon``
+          steps less aggressive (never bolder: the model grows denser as training goes on); they
+          use the other criterion when it passed clearly better at the centre;
+        * under each other residual kind, always: every point at most ``epsilon`` steps away,
+          bolder too. The centre is not that kind's own point, so judging the kind there alone
+          would keep a run on a kind that happened to win once (a fine-tune that moved to
+          residuals on the previous checkpoint at twice the size of those on its pre-trained
+          weights one step less aggressive, benchmarks/RESULTS.md, issue 15) or on a kind's
+          pruning level taken over from another kind."""
         space, eps = self.owner.search_space, self.owner.epsilon
         try:
             centre = space.point_of(last)
@@ -775,11 +784,14 @@ class _Context:
             criterion = others[0]
         chosen = self._cache[self.config(centre, criterion, emb, residual)]
         best = min((c for c in first if c.passed), key=lambda c: c.bits, default=None)
-        if chosen.passed:
-            return best  # the smallest passing of round 1
-        ranges = [range(c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
-        points = [p for p in itertools.product(*ranges) if p != centre]  # never bolder
-        near = [self.config(p, criterion, emb, residual) for p in points]
+
+        def around(bolder: bool) -> list[tuple[int, int, int]]:
+            ranges = [range(max(0, c - eps) if bolder else c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
+            return [p for p in itertools.product(*ranges) if p != centre]
+
+        near = [] if chosen.passed else [self.config(p, criterion, emb, residual) for p in around(bolder=False)]
+        near += [self.config(p, criterion, emb, r) for r in alternatives for p in around(bolder=True)]
+        near = [c for c in dict.fromkeys(near) if c not in self._cache]  # round 1 judged the centres
         by_size = sorted(zip(self.size(near), near), key=lambda x: x[0])
         near = [c for bits, c in by_size if best is None or bits < best.bits]
         world = self.world
