@@ -146,13 +146,14 @@ def run_restored(
 
 def checkpoint_choice(metadata: dict[str, Any]) -> dict[str, Any]:
     """What the store's entry metadata says was chosen for one checkpoint: the quantization
-    (``residual`` where the format records one, else ``"none"``), the search's measured
-    degradation and mode, and the optimizer-state coding."""
+    (``residual`` where the format records one, else ``"none"``; a searched peer's knob under
+    ``bins``), the search's measured degradation and mode, and the optimizer-state coding."""
     config = metadata.get("quant_config") or {}
     search = metadata.get("search") or {}
+    peer = (search.get("config") or {}) if search.get("codec") else {}  # a peer's searched knob (search.peers)
     return {
         "residual": config.get("residual", "none") if config else None,
-        "bins": config.get("bins"),
+        "bins": config.get("bins") or ", ".join(f"{k}={v}" for k, v in peer.items()) or None,
         "prune": config.get("prune"),
         "protect": config.get("protect"),
         "degradation": search.get("degradation"),

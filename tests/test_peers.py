@@ -451,3 +451,65 @@ def test_excp_in_training_needs_the_optimizer(tmp_path: Path) -> None:
     model = torch.nn.Linear(64, 64)
     with pytest.raises(CheckpointError, match="step 3: codec='excp' codes the optimizer's moments"):
         Compressor(model, tmp_path / "s", codec="excp").compress(3)
+
+
+def _overfit_mlp() -> tuple[torch.nn.Module, list]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    x = torch.randn(512, 32)
+    y = x[:, :8].argmax(1)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    for _ in range(200):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, [(x[i : i + 128], y[i : i + 128]) for i in range(0, 512, 128)]
+
+
+@pytest.mark.parametrize("codec", ["qd", "cnr", "gobo", "jointsq"])
+def test_peer_search_takes_the_most_compressive_passing_value(codec: str) -> None:
+    """The DynaQuant paper's search for its baselines, along the peer's knob: from the most
+    compressive value up until one passes (each failing one judged on the decoded model); the
+    weights, the train mode and the RNG are as before; a later search starts at the last answer
+    and never goes bolder; one with nothing passing stores losslessly, with a warning."""
+    from hf_dynaquant.search import mean_loss
+    from hf_dynaquant.search.peers import PEER_CUBES, PeerSearch
+
+    model, batches = _overfit_mlp()
+    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    knob, values = PEER_CUBES[codec]
+    search = PeerSearch(codec, mean_loss(batches), 0.01, z=0.0)
+    before = torch.get_rng_state()
+    choice = search.search(model, snapshot, where="step 1")
+    assert torch.equal(torch.get_rng_state(), before) and model.training
+    assert all(torch.equal(snapshot[n], t) for n, t in model.state_dict().items())
+    tried = [c["options"][knob] for c in choice.candidates]
+    assert choice.mode == "exhaustive" and tried == list(values[: len(tried)])
+    assert [c["passed"] for c in choice.candidates] == [False] * (len(tried) - 1) + [True]
+    assert choice.options == {knob: tried[-1]} and 1 < len(tried)  # 8 bins do not pass 1% on this model
+    assert all(c["degradation"] > 0.01 for c in choice.candidates[:-1])
+    sizes = [c["bytes"] for c in choice.candidates]
+    assert sizes == sorted(sizes)  # most compressive first
+    assert choice.to_dict()["config"] == choice.options and choice.to_dict()["evaluations"] == len(tried)
+
+    again = search.search(model, snapshot)
+    assert again.mode == "neighbourhood" and again.candidates[0]["options"] == choice.options  # never bolder
+    resumed = PeerSearch(codec, mean_loss(batches), 0.01, z=0.0)
+    resumed.continue_from(choice.to_dict())
+    assert resumed.last == search.last
+    resumed.continue_from({"codec": "other", "config": choice.options})
+    assert resumed.last is None
+
+    strict = PeerSearch(codec, mean_loss(batches), -1.0, z=0.0)  # nothing can pass
+    with pytest.warns(UserWarning, match=f"{codec} configuration search at step 2 found no"):
+        none = strict.search(model, snapshot, where="step 2")
+    assert none.options is None and len(none.candidates) == len(values)
+
+
+def test_peer_search_refuses_peers_without_a_knob() -> None:
+    from hf_dynaquant.search import mean_loss
+    from hf_dynaquant.search.peers import PeerSearch
+
+    with pytest.raises(InvalidSettingError, match="codec='nf4' has no configuration to search"):
+        PeerSearch("nf4", mean_loss([]), 0.01)

@@ -101,14 +101,15 @@ def test_describe_lists_every_setting() -> None:
         assert f"{f.name} = " in text and f.metadata["help"]
 
 
-def test_codec_setting_names_a_weights_codec_without_a_search() -> None:
+def test_codec_setting_names_a_weights_codec_and_which_peers_search() -> None:
     from hf_dynaquant import CheckpointSettings
     from hf_dynaquant.errors import InvalidSettingError
 
     assert CheckpointSettings().codec == "dynaquant"
     assert CheckpointSettings(codec="nf4", threshold=None).codec == "nf4"
-    with pytest.raises(InvalidSettingError, match="takes threshold=None"):
+    with pytest.raises(InvalidSettingError, match="codec='nf4' takes threshold=None: it has no configuration"):
         CheckpointSettings(codec="nf4", threshold=0.01)
+    assert CheckpointSettings(codec="qd", threshold=0.01).threshold == 0.01  # its bits searched (search.peers)
     assert CheckpointSettings(codec="excp", threshold=None).codec == "excp"  # weights and moments together
     with pytest.raises(InvalidSettingError, match="leave optimizer_state='compress'"):
         CheckpointSettings(codec="excp", threshold=None, optimizer_state="lossless")

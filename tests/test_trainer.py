@@ -127,6 +127,36 @@ def test_a_peer_codes_the_weights_and_the_run_resumes(tmp_path, data, codec) -> 
     assert all(torch.equal(loaded[n], t) for n, t in weights.items())
 
 
+def test_a_peer_is_searched_as_the_paper_searched_its_baselines(tmp_path, data) -> None:
+    """DynaQuantCallback(codec="qd") with a threshold: every checkpoint stores the fewest bits
+    whose decoded checkpoint passed the threshold (the candidates before it failed), the records
+    hold those bits, and a resumed run's search starts at the stored choice."""
+    train, held = data
+    cb = DynaQuantCallback(codec="qd", keyframe_every=2, busy_saves="wait")
+    trainer = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, eval_dataset=held, callbacks=[cb]
+    )
+    trainer.train()
+    store = checkpoint_store(tmp_path)
+    for step in (4, 8, 12):
+        entry = store.open(f"checkpoint-{step}")
+        search = entry.metadata["search"]
+        assert search["codec"] == "qd" and search["candidates"][-1]["passed"]
+        assert not any(c["passed"] for c in search["candidates"][:-1])
+        bits = search["config"]["bits"]
+        record = entry.record("model", "transformer.h.0.mlp.c_fc.weight")
+        assert record["codec"] == "qd" and record["params"]["levels"] == 2**bits
+    assert store.open("checkpoint-4").metadata["search"]["mode"] == "exhaustive"
+    chosen = store.open("checkpoint-8").metadata["search"]["config"]
+    resumed_cb = DynaQuantCallback(codec="qd", busy_saves="wait")
+    resumed = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, eval_dataset=held, callbacks=[resumed_cb]
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-8"))
+    after = store.open("checkpoint-12").metadata["search"]
+    assert after["mode"] == "neighbourhood" and after["candidates"][0]["options"] == chosen
+
+
 def test_excp_codes_weights_with_the_moments_and_the_run_resumes(tmp_path, data) -> None:
     """DynaQuantCallback(codec="excp"): a keyframe stores the weights exactly; the next
     checkpoint codes their residual on it (as restored) with ExCP, and Adam's moments shrunk by

@@ -81,7 +81,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -122,7 +122,7 @@ _POOL = ForkSafePool("dq-search")  # sizes and decodes a candidate's tensors a f
 
 
 @contextmanager
-def _preserved_state(model: torch.nn.Module, rng: bool):
+def evaluation_mode(model: torch.nn.Module, rng: bool):
     """Eval mode and no gradients; the train/eval mode restored afterwards, and with ``rng`` (the
     caller's thread owns the process-wide generators) every RNG state too."""
     was_training = model.training
@@ -230,20 +230,35 @@ def _evaluate(
     the error of the decoded values against the exact ones), which sum over the shards of a
     sharded model. Each tensor is measured (on ``device`` when given, see :func:`_measured`)
     before its decoded values are written into the model."""
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     totals = np.zeros(4)
-    with _preserved_state(model, preserve_rng):
-        try:
-            for name, values, sums in _measured(plan, snapshot, base_codes, device, decode=True):
-                totals += sums
-                live = live_tensor(model, name)  # written in this thread, on its (CUDA) stream
-                swapped.append((live, snapshot[name]))
-                live.copy_(values.view(live.shape).to(live.dtype))
-            value = metric.measure(model)
-        finally:
-            for live, original in swapped:
-                live.copy_(original)
+
+    def decoded() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, values, sums in _measured(plan, snapshot, base_codes, device, decode=True):
+            totals[:] += sums
+            yield name, values
+
+    with evaluation_mode(model, preserve_rng), written(model, snapshot, decoded()):
+        value = metric.measure(model)
     return value, totals
+
+
+@contextmanager
+def written(
+    model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], values: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[None]:
+    """The model with each ``(name, values)`` written into its tensor in place, in this thread
+    (on its CUDA stream), as they come; the originals copied back from ``snapshot`` afterwards,
+    bit-exactly, however the block ends."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for name, new in values:
+            live = live_tensor(model, name)
+            swapped.append((live, snapshot[name]))
+            live.copy_(new.view(live.shape).to(live.dtype))
+        yield
+    finally:
+        for live, original in swapped:
+            live.copy_(original)
 
 
 @dataclass(frozen=True)
@@ -280,6 +295,21 @@ _CLEAR_FAIL = 2.0
 _FAR = 4.0
 # One-sided 95%: a candidate passes when its degradation + DEFAULT_Z standard errors is within the threshold.
 DEFAULT_Z = 1.645
+
+
+def pass_rule(measures: Mapping[str, tuple[float, float]], threshold: float, z: float) -> tuple[bool, float, float]:
+    """``(passed, degradation, standard error)`` of a candidate with ``measures`` (name ->
+    (degradation, standard error)): it passes when every measure's degradation plus ``z``
+    standard errors is within ``threshold``; the degradation and standard error returned are the
+    binding measure's (the largest bound)."""
+
+    def bound(item: tuple[str, tuple[float, float]]) -> float:
+        deg, se = item[1]
+        value = deg + z * se
+        return value if math.isfinite(value) else math.inf
+
+    _, (deg, se) = max(measures.items(), key=bound)
+    return all(bound(item) <= threshold for item in measures.items()), deg, se
 
 
 @renamed_keywords(space="search_space", base="config")
@@ -370,14 +400,7 @@ class ConfigurationSearch:
         threshold: with ``z`` = 1.645, a candidate whose true degradation exceeds the threshold
         passes at most 5% of the time (one-sided), whatever the sampling error of the evaluation
         data. The candidate's degradation is that of the binding measure (the largest bound)."""
-
-        def bound(item: tuple[str, tuple[float, float]]) -> float:
-            deg, se = item[1]
-            value = deg + self.z * se
-            return value if math.isfinite(value) else math.inf
-
-        _, (deg, se) = max(measures.items(), key=bound)
-        passed = all(bound(item) <= self.threshold for item in measures.items())
+        passed, deg, se = pass_rule(measures, self.threshold, self.z)
         return Candidate(config, deg, bits, passed, plan, standard_error=se, measures=dict(measures))
 
     def owns_rng(self) -> bool:
@@ -416,7 +439,7 @@ class ConfigurationSearch:
         divergence) leaves nothing to compare candidates with: the checkpoint is stored
         losslessly, after the tensors at fault are named (or refused, see ``QuantConfig.non_finite``)."""
         started = time.perf_counter()
-        with _preserved_state(model, self.owns_rng()):
+        with evaluation_mode(model, self.owns_rng()):
             measured = self.metric.measure(model)
         baseline = lockstep.agree(measured.value) if lockstep is not None else measured.value
         if not math.isfinite(baseline):

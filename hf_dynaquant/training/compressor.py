@@ -48,6 +48,7 @@ from ..core.ranking import GradientEMA
 from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
 from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
+from ..search.peers import PEER_CUBES, PeerSearch
 from ..search.quality import device_of
 from ..store import CheckpointStore, EntryReader
 from .optimizer_state import (
@@ -227,7 +228,11 @@ class Compressor:
         self.settings = settings
         metric = settings.quality_metric()
         self.search: ConfigurationSearch | None = None
-        if metric is not None:
+        # a peer's knob searched as the DynaQuant paper searched its baselines (None: its defaults)
+        self.peer_search: PeerSearch | None = None
+        if metric is not None and settings.codec in PEER_CUBES:
+            self.peer_search = PeerSearch(settings.codec, metric, settings.threshold, seconds=settings.search_seconds)
+        elif metric is not None:
             self.search = ConfigurationSearch(
                 metric,
                 settings.threshold,
@@ -308,6 +313,8 @@ class Compressor:
         with store.open(self.last_entry) as entry:
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
                 self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
+            if self.peer_search is not None:
+                self.peer_search.continue_from(entry.metadata.get("search"))
             if self.search is not None:
                 searched = "search" in entry.metadata  # a fixed configuration's entry leaves the search exhaustive
                 self.search.continue_from(entry.metadata.get("quant_config") if searched else None)
@@ -350,7 +357,8 @@ class Compressor:
         A detached snapshot of a model on one CUDA device (with ``settings.use_accelerator``) is
         copied on the device when it has room, and its search evaluates there (see
         :mod:`hf_dynaquant.training.snapshot`); otherwise it is copied to the CPU."""
-        copy = copy or (self.search is not None and not detach_model)
+        searching = self.search is not None or self.peer_search is not None
+        copy = copy or (searching and not detach_model)
         live = self.model.state_dict(keep_vars=True)
         by_ptr = {p.data_ptr(): n for n, p in self.model.named_parameters()}
         params = {n: by_ptr[t.data_ptr()] for n, t in live.items() if t.data_ptr() in by_ptr}
@@ -390,7 +398,7 @@ class Compressor:
             types=layer_types(self.model),
             gradient_ema=ema,
             optimizer=optimizer,
-            model=self._search_model(detach_model) if self.search is not None else None,
+            model=self._search_model(detach_model) if searching else None,
             metadata={"step": step, **dict(metadata or {})},
             optimizer_params=self._optimizer_params() if self.settings.codec == "excp" and optimizer else None,
             staged=ready,
@@ -548,9 +556,15 @@ class Compressor:
         meta = dict(snap.metadata)
         search = None
         peer = self.settings.codec != "dynaquant"  # a peer's codec quantizes the weights itself
+        options: dict[str, Any] | None = {}  # the peer codec's (None: nothing passed its search)
         if peer:
             plan, chosen = None, None
             meta["codec"] = self.settings.codec
+            if self.peer_search is not None:
+                with snap.search_model() as model:
+                    picked = self.peer_search.search(model, {n: snap.state[n] for n in snap.params}, where=f"step {snap.step}")
+                search = meta["search"] = picked.to_dict()
+                options = picked.options
         elif self.search is None:
             plan: QuantPlan | None = self.plan_snapshot(snap)
             chosen: QuantConfig | None = plan.config
@@ -562,7 +576,7 @@ class Compressor:
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor
         trees = None
-        fallback: Any = {MODEL: get_codec(self.settings.codec) if peer else "lossless"}
+        fallback: Any = {MODEL: get_codec(self.settings.codec, **options) if peer and options is not None else "lossless"}
         if self.settings.codec == "excp":  # ExCP codes the weights with Adam's moments
             if snap.optimizer is None or snap.optimizer_params is None:
                 raise CheckpointError(f"step {snap.step}: codec='excp' codes the optimizer's moments: it needs an optimizer")

@@ -29,6 +29,7 @@ from ..codecs.dynaquant import DEFAULT_DELTA_CODING, DELTA_CODINGS
 from ..core.quantizer import QuantConfig
 from ..errors import InvalidSettingError
 from ..search import QualityMetric, SearchSpace, mean_loss
+from ..search.peers import PEER_CUBES
 from .optimizer_state import OPTIMIZER_MODES, MomentQuant
 
 __all__ = ["CheckpointSettings", "SettingsView", "ENV_PREFIX", "DEFAULT_EVAL_EXAMPLES", "BUSY_SAVES"]
@@ -165,9 +166,11 @@ class CheckpointSettings:
     codec: str = _setting(
         "dynaquant",
         "The weights' codec: 'dynaquant' (the method: config's plan, or the search under a threshold), or, for "
-        "comparisons, a peer at its defaults ('nf4', 'cnr', 'gobo', 'qd', 'jointsq', or 'lossless'), with "
-        "threshold=None. The optimizer state keeps optimizer_state's coding, except with 'excp', which codes "
-        "the weights' residuals and Adam's moments together (hf_dynaquant.training.excp).",
+        "comparisons, a peer: 'qd', 'cnr', 'gobo' and 'jointsq' have their knob searched under the threshold as "
+        "the DynaQuant paper searched its baselines (hf_dynaquant.search.peers), or run at their defaults with "
+        "threshold=None; 'nf4', 'excp' and 'lossless' take threshold=None. The optimizer state keeps "
+        "optimizer_state's coding, except with 'excp', which codes the weights' residuals and Adam's moments "
+        "together (hf_dynaquant.training.excp).",
         str,
     )
     progress: bool | None = _setting(
@@ -213,10 +216,10 @@ class CheckpointSettings:
                 f"codec={self.codec!r} codes the optimizer's moments together with the weights, in place of "
                 f"optimizer_state's coding: leave optimizer_state='compress' (got {self.optimizer_state!r})"
             )
-        if self.codec != "dynaquant" and self.threshold is not None:
+        if self.codec != "dynaquant" and self.codec not in PEER_CUBES and self.threshold is not None:
             raise InvalidSettingError(
-                f"codec={self.codec!r} takes threshold=None: the configuration search is DynaQuant's, and a peer "
-                f"codes the weights with its own defaults (got threshold={self.threshold!r})"
+                f"codec={self.codec!r} takes threshold=None: it has no configuration to search (searchable peers: "
+                f"{', '.join(sorted(PEER_CUBES))}) and codes the weights with its defaults (got threshold={self.threshold!r})"
             )
 
     @classmethod
