@@ -350,22 +350,28 @@ def test_sizes_count_the_code_delta_on_the_base_entry():
     assert measured_bits(snap, plan, base_codes=unrelated) == pytest.approx(alone, rel=0.02)  # never larger
 
 
-def test_neighbourhood_takes_the_smallest_passing_of_either_kind():
-    """Going on from a direct configuration that now fails: the search answers with the
-    passing candidate of fewest measured bits among the centre's other residual kind and the
-    points less aggressive than the centre, and evaluates only those points that measure
-    smaller than the best candidate round 1 found (never bolder than the centre)."""
+def _going_on_from_direct(centre, threshold):
+    """``(result, last, space)`` of a neighbourhood search of a fine-tune that goes on from the
+    direct configuration at ``centre``, with residuals on the pre-trained weights offered."""
     model, x, y, gen, batches = _task()
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     _fine_tune(model, x, y, gen)
     snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
     space = SearchSpace(residuals=("pretrained", "none"), prune_by=("magnitude",))
     search = ConfigurationSearch(
-        mean_loss(batches), 0.0005, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
+        mean_loss(batches), threshold, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
     )
-    centre = (0, 0, 0)  # the boldest point: 3 bins, half pruned; coded directly it loses far more than 0.05%
     search.last = last = space.config(centre, "magnitude", search.config, 32, residual="none")
-    result = search.search(model, snapshot, references={"pretrained": Reference(start)})
+    return search.search(model, snapshot, references={"pretrained": Reference(start)}), last, space
+
+
+def test_neighbourhood_takes_the_smallest_passing_of_either_kind():
+    """Going on from a direct configuration that now fails: the search answers with the
+    passing candidate of fewest measured bits among the centre's other residual kind and the
+    points less aggressive than the centre, and evaluates only those points that measure
+    smaller than the best candidate round 1 found (never bolder than the centre)."""
+    centre = (0, 0, 0)  # the boldest point: 3 bins, half pruned; coded directly it loses far more than 0.05%
+    result, last, space = _going_on_from_direct(centre, 0.0005)
     assert result.mode == "neighbourhood"
     first, second = result.candidates[:2]
     assert first.config == last and not first.passed  # the centre under its own kind fails
@@ -381,17 +387,8 @@ def test_neighbourhood_searches_another_kind_around_the_centre_bolder_too():
     configuration, the residual on the pre-trained weights is judged at every point around the
     centre that measures smaller than round 1's best, bolder ones included, and the search takes
     a bolder residual point than the centre; the last kind itself never goes bolder."""
-    model, x, y, gen, batches = _task()
-    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    _fine_tune(model, x, y, gen)
-    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
-    space = SearchSpace(residuals=("pretrained", "none"), prune_by=("magnitude",))
-    search = ConfigurationSearch(
-        mean_loss(batches), 0.01, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
-    )
     centre = (6, 5, 1)  # 32 bins, unpruned, 0.5% protected: passes coded directly, at many bits
-    search.last = last = space.config(centre, "magnitude", search.config, 32, residual="none")
-    result = search.search(model, snapshot, references={"pretrained": Reference(start)})
+    result, last, space = _going_on_from_direct(centre, 0.01)
     assert result.mode == "neighbourhood"
     first = result.candidates[:2]
     assert first[0].config == last and first[0].passed
