@@ -513,3 +513,36 @@ def test_peer_search_refuses_peers_without_a_knob() -> None:
 
     with pytest.raises(InvalidSettingError, match="codec='nf4' has no configuration to search"):
         PeerSearch("nf4", mean_loss([]), 0.01)
+
+
+def _peer_search_rank(rank: int, port: int, out: dict) -> None:
+    import os
+
+    from hf_dynaquant import Compressor
+    from hf_dynaquant.errors import UnsupportedSetupError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model, batches = torch.nn.Linear(8, 8), [(torch.randn(4, 8), torch.zeros(4, dtype=torch.long))]
+        try:
+            Compressor(model, None, codec="qd", threshold=0.01, eval_data=batches)
+        except UnsupportedSetupError as exc:
+            out[rank] = str(exc)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_peer_search_is_refused_with_several_processes() -> None:
+    """The peer's search evaluates in the writing process, where under DDP the model is the live
+    one: with several processes it is refused, naming the way out."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_peer_search_rank, args=(port, out), nprocs=2, join=True)
+    assert all("run the peer with threshold=None" in out.get(r, "") for r in (0, 1))

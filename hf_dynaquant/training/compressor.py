@@ -45,7 +45,7 @@ from ..core.dtypes import from_raw, storage_key
 from ..core.memory import has_room
 from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
 from ..core.ranking import GradientEMA
-from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError
+from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError, UnsupportedSetupError
 from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
 from ..search.peers import PEER_CUBES, PeerSearch
@@ -231,6 +231,11 @@ class Compressor:
         # a peer's knob searched as the DynaQuant paper searched its baselines (None: its defaults)
         self.peer_search: PeerSearch | None = None
         if metric is not None and settings.codec in PEER_CUBES:
+            if is_distributed():
+                raise UnsupportedSetupError(
+                    f"codec={settings.codec!r} with a threshold searches its knob in the writing process, on the "
+                    "live model while the other ranks train: with several processes run the peer with threshold=None"
+                )
             self.peer_search = PeerSearch(settings.codec, metric, settings.threshold, seconds=settings.search_seconds)
         elif metric is not None:
             self.search = ConfigurationSearch(
