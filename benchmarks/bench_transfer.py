@@ -178,6 +178,19 @@ def main() -> None:
                 results[arm][seed] = fine_tune(str(folders[arm]), train, test, len(labels), seed)
                 seconds = time.perf_counter() - t0
                 print(f"  seed {seed} {arm:<10}: accuracy {results[arm][seed]:.4f} ({seconds:.0f} s)", flush=True)
+            write_report(args, snap, compress_s, train, test, labels, results, ratios)  # kept if stopped early
+        summary = write_report(args, snap, compress_s, train, test, labels, results, ratios)
+    print("\n| arm | ratio | seeds | test accuracy (mean ± std) | vs original, paired (95% interval) |")
+    print("|---|---:|---:|---:|---:|")
+    for arm, s in summary.items():
+        vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
+        ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
+        print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
+
+
+def write_report(args, snap, compress_s: float, train, test, labels, results, ratios) -> dict[str, dict]:
+    """The summary of the runs so far, written to ``args.out`` (after every seed, so that a run
+    stopped early keeps what it finished)."""
     summary = summarise({arm: dict(sorted(r.items())) for arm, r in results.items() if r}, ratios)
     report = {
         "model": "sentence-transformers/all-MiniLM-L6-v2",
@@ -193,12 +206,7 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| arm | ratio | seeds | test accuracy (mean ± std) | vs original, paired (95% interval) |")
-    print("|---|---:|---:|---:|---:|")
-    for arm, s in summary.items():
-        vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
-        ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
-        print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
+    return summary
 
 
 if __name__ == "__main__":
