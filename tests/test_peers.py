@@ -505,6 +505,9 @@ def test_peer_search_takes_the_most_compressive_passing_value(codec: str) -> Non
     with pytest.warns(UserWarning, match=f"{codec} configuration search at step 2 found no"):
         none = strict.search(model, snapshot, where="step 2")
     assert none.options is None and len(none.candidates) == len(values)
+    with pytest.warns(UserWarning, match="neighbourhood"):
+        top = strict.search(model, snapshot)
+    assert [c["options"][knob] for c in top.candidates] == [values[-1]]  # from the top: never bolder
 
 
 def test_peer_search_refuses_peers_without_a_knob() -> None:

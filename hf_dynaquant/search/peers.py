@@ -23,7 +23,8 @@ measure's degradation plus ``z`` standard errors within the threshold, on the sa
 * **The walk** is the paper's along one axis: the first checkpoint tries the values from the
   most compressive one up, and the first that passes is the answer (sizes grow along the knob);
   a later checkpoint starts at the last answer and never goes bolder (the paper's
-  neighbourhood rule: the model grows denser as training goes on). When nothing passes, or the
+  neighbourhood rule: the model grows denser as training goes on), so after a walk in which
+  nothing passed, not even the top, the next starts at the top. When nothing passes, or the
   search's seconds run out first, the checkpoint is stored losslessly, never unverified.
 * **Evaluation** writes each candidate's decoded weights into the model the search is given,
   as :class:`~.configuration.ConfigurationSearch` does, and copies the originals back
@@ -154,6 +155,8 @@ class PeerSearch:
             if passed:
                 choice.options, self.last = options, index
                 return choice
+        if choice.mode == "exhaustive" and len(choice.candidates) == len(self.values):
+            self.last = len(self.values) - 1  # nothing passed, the top included: never bolder from here
         warnings.warn(
             f"the {self.codec} configuration search{f' at {where}' if where else ''} found no {self.knob} that keeps "
             f"the {self.metric.name} degradation within {self.threshold:.2%} ({choice.mode}): this checkpoint is "
