@@ -404,3 +404,17 @@ def test_neighbourhood_searches_another_kind_around_the_centre_bolder_too():
     assert any(a < b for a, b in zip(space.point_of(result.config), centre))  # bolder than the centre
     chosen = next(c for c in result.candidates if c.config == result.config)
     assert chosen.passed and chosen.bits < round_one
+
+
+def test_neighbourhood_leaves_other_kinds_to_the_fallback_when_nothing_passes():
+    """When round 1 finds nothing passing, the other kinds' points around the centre are not
+    evaluated one by one: the fallback's walk orders every kind's cube by size."""
+    centre = (0, 0, 0)  # 3 bins, half pruned: at a 0.001% threshold nothing passes there
+    result, last, space = _going_on_from_direct(centre, 0.00001)
+    assert result.mode == "fallback"
+    round_one = result.candidates[:2]
+    assert not any(c.passed for c in round_one)
+    after = result.candidates[2:]
+    # before the fallback only the last kind's less aggressive points (at most 7) come
+    fallback_start = next((i for i, c in enumerate(after) if c.config.bins == space.bins[-1]), len(after))
+    assert all(c.config.residual == "none" for c in after[:fallback_start])

@@ -51,11 +51,11 @@ configuration that keeps to it, at every checkpoint, cheaply:
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   pruning criteria) and, when it fails, the configurations at most ``epsilon`` steps away that are
   *not more aggressive*, smallest measured size first; the first that passes ends the round. Round
-  1 also tries the last point under the other available residual kinds, and their points at most
-  ``epsilon`` steps away in every direction (that point is not their own) are sized too: those
-  measuring smaller than the best passing candidate are evaluated, smallest first. If none passes,
-  the exhaustive search runs again (counted as a fallback); so does it when the last residual is
-  not available (a keyframe has no previous checkpoint to code against).
+  1 also tries the last point under the other available residual kinds; when round 1 found a
+  passing candidate, their points at most ``epsilon`` steps away in every direction (that point
+  is not their own) are sized too, and those measuring smaller than it are evaluated, smallest
+  first. If none passes, the exhaustive search runs again (counted as a fallback); so does it
+  when the last residual is not available (a keyframe has no previous checkpoint to code against).
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
   each rank (and sizes are measured the same way); results are all-gathered, so every rank picks
   the same configuration.
@@ -782,12 +782,13 @@ class _Context:
         * under the last residual kind, when its centre fails: the points at most ``epsilon``
           steps less aggressive (never bolder: the model grows denser as training goes on); they
           use the other criterion when it passed clearly better at the centre;
-        * under each other residual kind, always: every point at most ``epsilon`` steps away,
-          bolder too. The centre is not that kind's own point, so judging the kind there alone
-          would keep a run on a kind that happened to win once (a fine-tune that moved to
-          residuals on the previous checkpoint at twice the size of those on its pre-trained
-          weights one step less aggressive, benchmarks/RESULTS.md, issue 15) or on a kind's
-          pruning level taken over from another kind."""
+        * under each other residual kind, when round 1 found a passing candidate: every point at
+          most ``epsilon`` steps away, bolder too. The centre is not that kind's own point, so
+          judging the kind there alone would keep a run on a kind that happened to win once (a
+          fine-tune that moved to residuals on the previous checkpoint at twice the size of those
+          on its pre-trained weights one step less aggressive, benchmarks/RESULTS.md, issue 15)
+          or on a kind's pruning level taken over from another kind. Without a passing candidate
+          they are left to the fallback, whose walk orders every kind's cube by size."""
         space, eps = self.owner.search_space, self.owner.epsilon
         try:
             centre = space.point_of(last)
@@ -813,7 +814,8 @@ class _Context:
             return [p for p in itertools.product(*ranges) if p != centre]
 
         near = [] if chosen.passed else [self.config(p, criterion, emb, residual) for p in around(bolder=False)]
-        near += [self.config(p, criterion, emb, r) for r in alternatives for p in around(bolder=True)]
+        if best is not None:  # else the fallback's exhaustive walk orders every kind's cube by size anyway
+            near += [self.config(p, criterion, emb, r) for r in alternatives for p in around(bolder=True)]
         near = [c for c in dict.fromkeys(near) if c not in self._cache]  # round 1 judged the centres
         by_size = sorted(zip(self.size(near), near), key=lambda x: x[0])
         near = [c for bits, c in by_size if best is None or bits < best.bits]
