@@ -508,6 +508,8 @@ def test_peer_search_takes_the_most_compressive_passing_value(codec: str) -> Non
     with pytest.warns(UserWarning, match="neighbourhood"):
         top = strict.search(model, snapshot)
     assert [c["options"][knob] for c in top.candidates] == [values[-1]]  # from the top: never bolder
+    resumed.continue_from(none.to_dict())  # a resumed run, after such a walk, starts at the top too
+    assert resumed.last == len(values) - 1
 
 
 def test_peer_search_refuses_peers_without_a_knob() -> None:

@@ -114,11 +114,20 @@ class PeerSearch:
         self._rng_thread = threading.get_ident()
 
     def continue_from(self, record: Mapping[str, Any] | None) -> None:
-        """Go on from a stored checkpoint's search record (its ``search`` metadata): the next
-        search starts at the value it chose. Anything else starts the walk again."""
-        options = (record or {}).get("config") if isinstance(record, Mapping) else None
-        value = options.get(self.knob) if isinstance(options, Mapping) and record.get("codec") == self.codec else None
-        self.last = self.values.index(value) if value in self.values else None
+        """Go on from a stored checkpoint's search record (its ``search`` metadata), as if this
+        search had made it: the next search starts at the value it chose, or at the top when it
+        tried the top and nothing passed. Anything else starts the walk again."""
+        self.last = None
+        if not isinstance(record, Mapping) or record.get("codec") != self.codec:
+            return
+        options = record.get("config")
+        if isinstance(options, Mapping) and options.get(self.knob) in self.values:
+            self.last = self.values.index(options[self.knob])
+        elif options is None and any(
+            isinstance(c, Mapping) and (c.get("options") or {}).get(self.knob) == self.values[-1]
+            for c in record.get("candidates") or ()
+        ):
+            self.last = len(self.values) - 1
 
     def search(self, model: torch.nn.Module, snapshot: Mapping[str, torch.Tensor], *, where: str | None = None) -> PeerChoice:
         """The choice for the checkpoint whose exact weights are ``snapshot`` (names as in
