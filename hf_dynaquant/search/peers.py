@@ -136,11 +136,10 @@ class PeerSearch:
         rng = threading.get_ident() == self._rng_thread
         with evaluation_mode(model, rng):
             baseline = self.metric.measure(model)
-        mode = "exhaustive" if self.last is None else "neighbourhood"
-        if not math.isfinite(baseline.value):
-            mode = "non-finite"
+        finite = math.isfinite(baseline.value)  # else nothing to compare candidates with
+        mode = "non-finite" if not finite else "exhaustive" if self.last is None else "neighbourhood"
         choice = PeerChoice(self.codec, None, baseline.value, mode)
-        for index in range(self.last or 0, len(self.values)) if mode != "non-finite" else ():
+        for index in range(self.last or 0, len(self.values) if finite else 0):
             if self.seconds is not None and time.perf_counter() - started > self.seconds:
                 choice.mode = "out of time"
                 break
