@@ -27,7 +27,6 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
 from hf_dynaquant.training.checkpoint_dir import checkpoint_store
 from hf_dynaquant.training.compressor import load_weights
-from hf_dynaquant.training.optimizer_state import MomentQuant
 from hf_dynaquant.training.settings import CheckpointSettings
 
 
@@ -108,17 +107,21 @@ def callback_settings(spec: str) -> dict[str, Any]:
     return settings
 
 
-def moment_settings(spec: str) -> MomentQuant:
-    """``MomentQuant`` from ``key=value`` words (tuples as comma lists), over the defaults."""
+def dataclass_settings(cls: type, spec: str) -> Any:
+    """An instance of the dataclass ``cls`` (``MomentQuant``, ``SearchSpace``) from ``key=value``
+    words over its defaults; a tuple field takes a comma list of values of its first element's type."""
+    default = cls()
     fields = {}
     for word in spec.split():
         key, _, value = word.partition("=")
-        default = getattr(MomentQuant(), key)
-        if isinstance(default, tuple):
-            fields[key] = tuple(type(default[0])(v) for v in value.split(","))
+        if not hasattr(default, key):
+            raise SystemExit(f"{cls.__name__} has no setting {key!r}")
+        current = getattr(default, key)
+        if isinstance(current, tuple):
+            fields[key] = tuple(type(current[0])(v) for v in value.split(","))
         else:
-            fields[key] = type(default)(value)
-    return replace(MomentQuant(), **fields)
+            fields[key] = type(current)(value)
+    return replace(default, **fields)
 
 
 def run_restored(

@@ -6,6 +6,7 @@ Run it with::
                                             #   --save-steps 8 --restores 10 --batch 32
                                             #   --max-length 32 --callback 'threshold=0.01 ...'
                                             #   --moments 'scale_step=0.25' (MomentQuant settings)
+                                            #   --space 'prune=0.9,...' (SearchSpace settings)
                                             #   --json PATH --plot PATH
                                             #   --report A.json B.json (seeds run apart, one table)
 
@@ -72,6 +73,8 @@ from transformers import (
 from hf_dynaquant.demo import minilm_path
 from hf_dynaquant.integrations.trainer import DynaQuantTrainer
 from hf_dynaquant.pretrained.corpus import docstring_topics
+from hf_dynaquant.search import SearchSpace
+from hf_dynaquant.training.optimizer_state import MomentQuant
 
 OUT = Path(__file__).resolve().parent / "out"
 RUNS = ("plain", "compressed", "decoded")
@@ -186,6 +189,11 @@ def main() -> None:
         default="",
         help="MomentQuant settings of the compressed optimizer state as key=value, e.g. 'scale_step=0.25'",
     )
+    parser.add_argument(
+        "--space",
+        default="",
+        help="SearchSpace settings as key=value, e.g. 'prune=0.9,0.7,0.5,0.3,0.1,0.0' (default: its defaults)",
+    )
     parser.add_argument("--json", default=str(OUT / "finetune.json"))
     parser.add_argument("--plot", default=str(OUT / "finetune.png"))
     parser.add_argument(
@@ -201,7 +209,9 @@ def main() -> None:
         return
     settings = {"progress": False, **_runs.callback_settings(args.callback)}  # (no bar over the table)
     if args.moments:
-        settings["moment_quant"] = _runs.moment_settings(args.moments)
+        settings["moment_quant"] = _runs.dataclass_settings(MomentQuant, args.moments)
+    if args.space:
+        settings["search_space"] = _runs.dataclass_settings(SearchSpace, args.space)
     seeds = [int(s) for s in args.seeds.split(",")]
     job = Job(args)
     stops = _runs.restore_points(job.steps, args.save_steps, args.restores)

@@ -8,7 +8,7 @@ Run it with::
                                             #   --width 128 --layers 2 --heads 4 --context 64
                                             #   --vocab char|wordpiece (the model)
                                             #   --dtype bfloat16 (pure bf16 weights and moments)
-                                            #   --bins 4,6,... (the search's bin counts)
+                                            #   --space 'bins=3,4,... prune=...' (SearchSpace settings)
                                             #   --moments 'key=value ...' (MomentQuant settings)
                                             #   --callback 'key=value ...' (DynaQuantCallback settings)
 
@@ -62,10 +62,10 @@ import torch
 from _runs import (
     callback_settings,
     choices_table,
+    dataclass_settings,
     eval_curve,
     load_final_checkpoint,
     mean_spread,
-    moment_settings,
     plain_sizes,
     plot,
     ratios,
@@ -81,6 +81,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from hf_dynaquant.integrations.trainer import DynaQuantTrainer
 from hf_dynaquant.pretrained.corpus import CharTokenizer, docstring_lm_datasets
 from hf_dynaquant.search import SearchSpace
+from hf_dynaquant.training.optimizer_state import MomentQuant
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -226,9 +227,9 @@ def main() -> None:
     )
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the model initialisation and the Trainer")
     parser.add_argument(
-        "--bins",
-        default=None,
-        help="bin counts the search may choose, e.g. 2,3,4,6,8,12,16,32 (default: SearchSpace's)",
+        "--space",
+        default="",
+        help="SearchSpace settings as key=value, e.g. 'bins=2,3,4,6,8 prune=0.9,0.7,0.5,0.3,0.1,0.0'",
     )
     parser.add_argument(
         "--moments",
@@ -262,10 +263,10 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
     settings = callback_settings(args.callback)
-    if args.bins:
-        settings["search_space"] = SearchSpace(bins=tuple(int(b) for b in args.bins.split(",")))
+    if args.space:
+        settings["search_space"] = dataclass_settings(SearchSpace, args.space)
     if args.moments:
-        settings["moment_quant"] = moment_settings(args.moments)
+        settings["moment_quant"] = dataclass_settings(MomentQuant, args.moments)
     stops = restore_points(args.steps, args.save_steps, args.restores)
     print(f"restores after steps {stops}", flush=True)
     results: dict[int, dict] = {}

@@ -97,13 +97,18 @@ def search_lines(record: dict | None) -> list[str]:
     else:
         head += (
             f"chosen bins={chosen['bins']} prune={chosen['prune']} protect={chosen['protect']} "
-            f"prune_by={chosen['prune_by']} embedding_bins={chosen['embedding_bins']}, "
+            f"prune_by={chosen['prune_by']} embedding_bins={chosen['embedding_bins']} "
+            f"residual={chosen.get('residual', 'none')}, "
             f"degradation {record['degradation']:.3%} (baseline {record['baseline']:.4g})"
         )
-    out = [head, f"  {'bins':>4} {'prune':>5} {'protect':>7} {'prune_by':<11} {'degradation':>11} {'bits':>6}  passed"]
+    out = [
+        head,
+        f"  {'bins':>4} {'prune':>5} {'protect':>7} {'prune_by':<11} {'residual':<10} {'degradation':>11} {'bits':>6}  "
+        "passed",
+    ]
     for c in map(read_config_record, record["candidates"]):
         out.append(
-            f"  {c['bins']:>4} {c['prune']:>5} {c['protect']:>7} {c['prune_by']:<11} {c['degradation']:>11.3%} "
-            f"{c['bits']:>6.2f}  {'yes' if c['passed'] else 'no'}"
+            f"  {c['bins']:>4} {c['prune']:>5} {c['protect']:>7} {c['prune_by']:<11} {c.get('residual', 'none'):<10} "
+            f"{c['degradation']:>11.3%} {c['bits']:>6.2f}  {'yes' if c['passed'] else 'no'}"
         )
     return out

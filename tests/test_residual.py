@@ -350,9 +350,10 @@ def test_sizes_count_the_code_delta_on_the_base_entry():
     assert measured_bits(snap, plan, base_codes=unrelated) == pytest.approx(alone, rel=0.02)  # never larger
 
 
-def _going_on_from_direct(centre, threshold):
+def _going_on_from_direct(centre, threshold, delta_bits=None):
     """``(result, last, space)`` of a neighbourhood search of a fine-tune that goes on from the
-    direct configuration at ``centre``, with residuals on the pre-trained weights offered."""
+    direct configuration at ``centre``, with residuals on the pre-trained weights offered (and
+    ``delta_bits``: what each kind's last delta on its own kind cost, see ``chain_cost``)."""
     model, x, y, gen, batches = _task()
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     _fine_tune(model, x, y, gen)
@@ -362,6 +363,7 @@ def _going_on_from_direct(centre, threshold):
         mean_loss(batches), threshold, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
     )
     search.last = last = space.config(centre, "magnitude", search.config, 32, residual="none")
+    search.delta_bits = dict(delta_bits or {})
     return search.search(model, snapshot, references={"pretrained": Reference(start)}), last, space
 
 
@@ -418,3 +420,65 @@ def test_neighbourhood_leaves_other_kinds_to_the_fallback_when_nothing_passes():
     # before the fallback only the last kind's less aggressive points (at most 7) come
     fallback_start = next((i for i, c in enumerate(after) if c.config.bins == space.bins[-1]), len(after))
     assert all(c.config.residual == "none" for c in after[:fallback_start])
+
+
+def test_the_search_minimises_this_checkpoint_and_the_next():
+    """Candidates are ranked by chain cost: their size now plus what the next checkpoint of their
+    kind is expected to cost (the kind's last delta on its own kind, else their own size). With
+    no history that ranks as size does; when the pre-trained residual's deltas are known to be
+    dear, the direct coding that is larger now but cheap to go on from is kept."""
+    centre = (2, 5, 1)  # 6 bins, unpruned: passes coded directly and as a residual
+    by_size, _, _ = _going_on_from_direct(centre, 0.01)
+    assert by_size.config.residual == "pretrained"
+    dear = {"pretrained": 10.0}
+    result, last, space = _going_on_from_direct(centre, 0.01, delta_bits=dear)
+    cost = lambda c: c.bits + dear.get(c.config.residual, c.bits)  # noqa: E731
+    chosen = next(c for c in result.candidates if c.config == result.config)
+    assert result.config == last and chosen.bits > min(c.bits for c in by_size.candidates if c.passed)
+    assert chosen == min((c for c in result.candidates if c.passed), key=cost)
+    round_one = min(cost(c) for c in result.candidates[:2] if c.passed)
+    assert all(cost(c) < round_one for c in result.candidates[2:])  # only points cheaper than round 1's best
+
+
+def test_delta_costs_go_along_the_chain_and_come_back_on_a_resume(tmp_path):
+    """The search records what a delta of each kind on its own kind cost (the entry's ``bits``),
+    and a run resumed in a new process reads the chain's last one back, so it ranks as the
+    process that wrote the chain would have."""
+    model, x, y, gen, batches = _task()
+    settings = dict(threshold=0.01, metric=mean_loss(batches), pretrained=None, keyframe_every=100)
+    space = SearchSpace(residuals=("previous", "none"), prune_by=("magnitude",))
+    comp = Compressor(model, tmp_path / "s", QuantConfig(min_numel=1024), search_space=space, **settings)
+    chosen = []  # (residual kind, bits) per step
+    for step in (1, 2, 3, 4):
+        _fine_tune(model, x, y, gen, steps=3)
+        comp.compress(step)
+        result = comp.last_search
+        assert result.to_dict()["bits"] == result.bits
+        chosen.append((result.config.residual, result.bits))
+    expected = {kind: bits for (before, _), (kind, bits) in zip(chosen, chosen[1:]) if kind == before}
+    assert expected and comp.search.delta_bits == expected
+    resumed = Compressor(model, comp.store, QuantConfig(min_numel=1024), search_space=space, **settings)
+    resumed.continue_chain("step-4")
+    assert resumed.search.delta_bits == pytest.approx(expected)
+
+
+def test_a_residual_on_the_previous_checkpoint_may_go_bolder():
+    """Unlike the weights, the update since the previous checkpoint shrinks as the learning rate
+    decays: going on from a passing residual on the previous checkpoint, the search also judges
+    that kind's bolder points around the centre (cheaper ones only) and takes one that passes."""
+    model, x, y, gen, batches = _task()
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    _fine_tune(model, x, y, gen)
+    snapshot = {n: t.detach().clone() for n, t in model.state_dict().items() if t.dim() >= 2}
+    space = SearchSpace(residuals=("previous",), prune_by=("magnitude",))
+    search = ConfigurationSearch(
+        mean_loss(batches), 0.01, search_space=space, config=QuantConfig(min_numel=1024), z=0.0
+    )
+    centre = (3, 5, 1)  # 8 bins, unpruned: a small update passes there with room to spare
+    search.last = last = space.config(centre, "magnitude", search.config, 32, residual="previous")
+    result = search.search(model, snapshot, references={"previous": Reference(before)})
+    assert result.mode == "neighbourhood"
+    assert result.candidates[0].config == last and result.candidates[0].passed
+    assert all(c.bits < result.candidates[0].bits for c in result.candidates[1:])
+    point = space.point_of(result.config)
+    assert all(abs(a - b) <= 1 for a, b in zip(point, centre)) and any(a < b for a, b in zip(point, centre))

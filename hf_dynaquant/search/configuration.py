@@ -46,14 +46,19 @@ configuration that keeps to it, at every checkpoint, cheaply:
   themselves (``"none"``) or their residual against a reference the decoder has (``"previous"``:
   the last checkpoint's decoded weights; ``"pretrained"``: the weights a fine-tune started from),
   each offered where the caller hands :meth:`ConfigurationSearch.search` its :class:`Reference`.
-  Every residual kind's columns share the one size-ordered queue, so the choice is by measured size
-  at passing quality.
+  Every residual kind's columns share the one queue, so the choice is by size at passing
+  quality: by *chain cost*, this checkpoint's measured size plus what the next checkpoint of the
+  same kind is expected to cost (:meth:`ConfigurationSearch.chain_cost`). A kind whose codes
+  persist between checkpoints (the weights, their residual on the pre-trained weights) stores
+  the next one as a small code delta, while a residual on the previous checkpoint has new codes
+  every time; ranking by this checkpoint's size alone switched kinds for a saving that the next
+  checkpoints paid back several times over.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   pruning criteria) and, when it fails, the configurations at most ``epsilon`` steps away that are
-  *not more aggressive*, smallest measured size first; the first that passes ends the round. Round
+  *not more aggressive*, lowest chain cost first; the first that passes ends the round. Round
   1 also tries the last point under the other available residual kinds; when round 1 found a
   passing candidate, their points at most ``epsilon`` steps away in every direction (that point
-  is not their own) are sized too, and those measuring smaller than it are evaluated, smallest
+  is not their own) are sized too, and those of lower chain cost than it are evaluated, lowest
   first. If none passes, the exhaustive search runs again (counted as a fallback); so does it
   when the last residual is not available (a keyframe has no previous checkpoint to code against).
 * **Data-parallel.** With ``torch.distributed`` initialised, each round hands one candidate to
@@ -359,19 +364,24 @@ class ConfigurationSearch:
         self.search_space, self.epsilon = search_space or SearchSpace(), epsilon
         self.config = config or QuantConfig()
         self.last: QuantConfig | None = None
+        # per residual kind, the bits a value of its last checkpoint that was a delta on one of its own
+        # kind: what the next checkpoint of that kind is expected to cost (see chain_cost)
+        self.delta_bits: dict[str, float] = {}
         self.fallbacks = 0
         self._rng_thread = threading.get_ident()  # the thread that made the search: the training thread
 
     space = renamed_attribute("space", "search_space")
     base = renamed_attribute("base", "config")
 
-    def continue_from(self, config: Mapping[str, Any] | None) -> None:
+    def continue_from(self, config: Mapping[str, Any] | None, delta_bits: Mapping[str, float] | None = None) -> None:
         """Go on from the configuration a stored checkpoint records (its ``quant_config``
         metadata, with the key names of any version: see
         :func:`~hf_dynaquant.core.quantizer.read_config_record`), as if this search had chosen it: a
         run resumed in a new process searches the neighbourhood of where it stopped instead of the
         whole cube. Nothing (a lossless or fixed-configuration checkpoint, or a configuration off
-        this search's cube) leaves the next search exhaustive."""
+        this search's cube) leaves the next search exhaustive. ``delta_bits``: what the chain's
+        last delta of each residual kind on one of its own kind cost (see :meth:`chain_cost`)."""
+        self.delta_bits = dict(delta_bits or {})
         self.last = None
         if not config:
             return
@@ -389,8 +399,8 @@ class ConfigurationSearch:
         """With several processes, every rank takes rank 0's position (collective: every rank
         calls it). After a resume only the writing rank reads the stored configuration
         (:meth:`continue_from`), while the next search is spread over all ranks, which must
-        search alike."""
-        self.last = broadcast(self.last)
+        search alike (with the same chain costs)."""
+        self.last, self.delta_bits = broadcast((self.last, self.delta_bits))
 
     def judge(
         self, config: QuantConfig, measures: Mapping[str, tuple[float, float]], bits: float, plan: QuantPlan | None
@@ -402,6 +412,23 @@ class ConfigurationSearch:
         data. The candidate's degradation is that of the binding measure (the largest bound)."""
         passed, deg, se = pass_rule(measures, self.threshold, self.z)
         return Candidate(config, deg, bits, passed, plan, standard_error=se, measures=dict(measures))
+
+    def chain_cost(self, config: QuantConfig, bits: float) -> float:
+        """What choosing ``config`` (measured at ``bits`` per value as stored) costs this
+        checkpoint and the next: the search minimises this, not this checkpoint's size alone. The
+        next checkpoint of the same residual kind is expected to cost what that kind's last delta
+        on one of its own kind cost, or, with no such delta yet, what this candidate costs. A kind
+        whose codes persist between checkpoints (the weights, or their residual on the pre-trained
+        weights: the next checkpoint stores a small code delta) is charged its full price once
+        when the run switches to it, while a residual on the previous checkpoint, whose codes are
+        new at every checkpoint, costs its full size each time. Ranked by size alone, a fine-tune
+        took previous-checkpoint residuals for three checkpoints at ~3.5 MB each where its
+        pre-trained residuals' deltas cost ~1-2 MB (benchmarks/RESULTS.md, issue 15)."""
+        return bits + self.delta_bits.get(config.residual, bits)
+
+    def candidate_cost(self, candidate: Candidate) -> float:
+        """:meth:`chain_cost` of an evaluated candidate."""
+        return self.chain_cost(candidate.config, candidate.bits)
 
     def owns_rng(self) -> bool:
         """Whether this thread may save and restore the process-wide RNG states around an
@@ -469,7 +496,7 @@ class ConfigurationSearch:
                 found = ctx.exhaustive(prune_by)
         except _OutOfTime:
             # a passing candidate of an unfinished round (round 1 of a neighbourhood), if any
-            found = min((c for c in ctx.tried if c.passed), key=lambda c: c.bits, default=None)
+            found = min((c for c in ctx.tried if c.passed), key=self.candidate_cost, default=None)
             mode = "out of time"
         finally:
             ctx.bar.close()
@@ -486,6 +513,8 @@ class ConfigurationSearch:
                 None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local, sized=ctx.sized, z=self.z
             )
         found = ctx.embedding_bins(found)
+        if ctx.base_codes and self.last is not None and self.last.residual == found.config.residual:
+            self.delta_bits[found.config.residual] = found.bits  # a delta on a checkpoint of its own kind
         self.last = found.config
         plan = found.plan or ctx.plan(found.config)
         return SearchResult(
@@ -500,6 +529,7 @@ class ConfigurationSearch:
             standard_error=found.standard_error,
             z=self.z,
             weight_error=found.weight_error,
+            bits=found.bits,
         )
 
     def _non_finite_baseline(
@@ -705,19 +735,20 @@ class _Context:
         )
 
     def exhaustive(self, prune_by: Sequence[str]) -> Candidate | None:
-        """The passing configuration of fewest measured bits, every (pruning, criterion, residual)
-        column in one queue.
+        """The passing configuration of lowest chain cost (:meth:`ConfigurationSearch.chain_cost`,
+        a rising function of the measured size within a residual kind), every (pruning, criterion,
+        residual) column in one queue.
 
         The queue walks the cube from the most compressive corner of each column: a point leaves
-        it in order of measured size, and its successors (one more step of bins; at the fewest
+        it in order of chain cost, and its successors (one more step of bins; at the fewest
         bins, one more step of protection) join, sized, as it leaves. Size rises along both, so
-        every point still to come is at least as large as the one leaving, and the first that
+        every point still to come costs at least as much as the one leaving, and the first that
         passes is the answer. A point at or below a clear failure (see :meth:`condemned`) is
         skipped when its turn comes."""
         space, world = self.owner.search_space, self.world
         n_bins, n_prune, n_protect = space.shape
         columns = [(m, r) for r in self.residuals for m in prune_by]
-        queue: list[tuple[float, tuple[int, int, int], int]] = []  # (bits, point, column index)
+        queue: list[tuple[float, tuple[int, int, int], int]] = []  # (chain cost, point, column index)
         seen: set[QuantConfig] = set()
 
         def at(point: tuple[int, int, int], column: int) -> QuantConfig:
@@ -730,8 +761,8 @@ class _Context:
                 if (config := at(point, column)) not in seen:  # without pruning, both criteria meet
                     seen.add(config)
                     fresh.append((point, config))
-            for (point, _), bits in zip(fresh, self.size([c for _, c in fresh])):
-                heapq.heappush(queue, (bits, point, column))
+            for (point, config), bits in zip(fresh, self.size([c for _, c in fresh])):
+                heapq.heappush(queue, (self.owner.chain_cost(config, bits), point, column))
 
         def successors(point: tuple[int, int, int]) -> list[tuple[int, int, int]]:
             """One more step of bins; at the fewest bins, also one more step of protection (a tree
@@ -776,19 +807,23 @@ class _Context:
     def neighbourhood(self, last: QuantConfig, prune_by: Sequence[str]) -> Candidate | None:
         """Round 1: the last point under its pruning criterion and residual, under the other
         criteria, and under the other available residuals. Then the points around it, sized first
-        and evaluated smallest first, only where they measure smaller than the best passing
-        candidate so far; the first that passes is the answer, else round 1's smallest passing:
+        and evaluated in order of chain cost (:meth:`ConfigurationSearch.chain_cost`), only where
+        that is lower than the best passing candidate's so far; the first that passes is the
+        answer, else round 1's cheapest passing:
 
         * under the last residual kind, when its centre fails: the points at most ``epsilon``
           steps less aggressive (never bolder: the model grows denser as training goes on); they
-          use the other criterion when it passed clearly better at the centre;
+          use the other criterion when it passed clearly better at the centre. A residual on the
+          previous checkpoint is the exception: it is the update made since, which shrinks as the
+          learning rate decays, so when its centre passes its points around it, bolder too, are
+          judged as another kind's are;
         * under each other residual kind, when round 1 found a passing candidate: every point at
           most ``epsilon`` steps away, bolder too. The centre is not that kind's own point, so
           judging the kind there alone would keep a run on a kind that happened to win once (a
           fine-tune that moved to residuals on the previous checkpoint at twice the size of those
           on its pre-trained weights one step less aggressive, benchmarks/RESULTS.md, issue 15)
           or on a kind's pruning level taken over from another kind. Without a passing candidate
-          they are left to the fallback, whose walk orders every kind's cube by size."""
+          they are left to the fallback, whose walk orders every kind's cube by chain cost."""
         space, eps = self.owner.search_space, self.owner.epsilon
         try:
             centre = space.point_of(last)
@@ -807,18 +842,22 @@ class _Context:
         if others and first[1].passed and first[1].degradation < 0.9 * first[0].degradation:
             criterion = others[0]
         chosen = self._cache[self.config(centre, criterion, emb, residual)]
-        best = min((c for c in first if c.passed), key=lambda c: c.bits, default=None)
+        cost = self.owner.candidate_cost
+        best = min((c for c in first if c.passed), key=cost, default=None)
 
         def around(bolder: bool) -> list[tuple[int, int, int]]:
             ranges = [range(max(0, c - eps) if bolder else c, min(n, c + eps + 1)) for c, n in zip(centre, space.shape)]
             return [p for p in itertools.product(*ranges) if p != centre]
 
-        near = [] if chosen.passed else [self.config(p, criterion, emb, residual) for p in around(bolder=False)]
-        if best is not None:  # else the fallback's exhaustive walk orders every kind's cube by size anyway
+        shrinking = chosen.passed and residual == "previous"  # (see the docstring)
+        own = around(bolder=shrinking) if shrinking or not chosen.passed else []
+        near = [self.config(p, criterion, emb, residual) for p in own]
+        if best is not None:  # else the fallback's exhaustive walk orders every kind's cube by chain cost anyway
             near += [self.config(p, criterion, emb, r) for r in alternatives for p in around(bolder=True)]
         near = [c for c in dict.fromkeys(near) if c not in self._cache]  # round 1 judged the centres
-        by_size = sorted(zip(self.size(near), near), key=lambda x: x[0])
-        near = [c for bits, c in by_size if best is None or bits < best.bits]
+        chain_cost = self.owner.chain_cost
+        by_cost = sorted(((chain_cost(c, bits), c) for c, bits in zip(near, self.size(near))), key=lambda x: x[0])
+        near = [c for key, c in by_cost if best is None or key < cost(best)]
         world = self.world
         for start in range(0, len(near), world):
             for cand in self.evaluate(near[start : start + world]):

@@ -144,6 +144,7 @@ class SearchResult:
     standard_error: float | None = None  # of the chosen candidate's degradation: what the test could resolve
     z: float = 0.0  # the pass rule: degradation + z * standard_error <= threshold
     weight_error: float | None = None  # of the chosen candidate: relative L2 error of the weights a resume loads
+    bits: float | None = None  # of the chosen candidate: measured bits per quantized value, as stored
 
     @property
     def evaluations(self) -> int:
@@ -157,6 +158,7 @@ class SearchResult:
             "standard_error": self.standard_error,
             "z": self.z,
             "weight_error": self.weight_error,
+            "bits": self.bits,
             "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,
