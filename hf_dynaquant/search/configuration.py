@@ -422,8 +422,9 @@ class ConfigurationSearch:
         weights: the next checkpoint stores a small code delta) is charged its full price once
         when the run switches to it, while a residual on the previous checkpoint, whose codes are
         new at every checkpoint, costs its full size each time. Ranked by size alone, a fine-tune
-        took previous-checkpoint residuals for three checkpoints at ~3.5 MB each where its
-        pre-trained residuals' deltas cost ~1-2 MB (benchmarks/RESULTS.md, issue 15)."""
+        took previous-checkpoint residuals for three checkpoints at 3.1-3.6 MB each, after
+        pre-trained residual deltas of 2.3-2.8 MB, and paid 3.8 MB to come back to deltas of
+        0.3-1 MB (benchmarks/RESULTS.md, issue 15)."""
         return bits + self.delta_bits.get(config.residual, bits)
 
     def candidate_cost(self, candidate: Candidate) -> float:
