@@ -52,10 +52,12 @@ configuration that keeps to it, at every checkpoint, cheaply:
   persist between checkpoints (the weights, their residual on the pre-trained weights) stores
   the next one as a small code delta, while a residual on the previous checkpoint has new codes
   every time; ranking by this checkpoint's size alone switched kinds for a saving that the next
-  checkpoints paid back several times over.
+  checkpoints paid back.
 * **Later checkpoints: epsilon-neighbourhood.** Candidates are the last choice (under both
   pruning criteria) and, when it fails, the configurations at most ``epsilon`` steps away that are
-  *not more aggressive*, lowest chain cost first; the first that passes ends the round. Round
+  *not more aggressive*, lowest chain cost first; the first that passes ends the round (a residual
+  on the previous checkpoint, the update made since, shrinks as the learning rate decays: when
+  its last choice passes, its bolder points around it are judged too). Round
   1 also tries the last point under the other available residual kinds; when round 1 found a
   passing candidate, their points at most ``epsilon`` steps away in every direction (that point
   is not their own) are sized too, and those of lower chain cost than it are evaluated, lowest
