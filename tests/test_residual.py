@@ -442,8 +442,8 @@ def test_the_search_minimises_this_checkpoint_and_the_next():
 
 def test_delta_costs_go_along_the_chain_and_come_back_on_a_resume(tmp_path):
     """The search records what a delta of each kind on its own kind cost (the entry's ``bits``),
-    and a run resumed in a new process reads the chain's last one back, so it ranks as the
-    process that wrote the chain would have."""
+    each entry's search record keeps those costs (``delta_bits``), and a run resumed in a new
+    process reads them back, so it ranks as the process that wrote the chain would have."""
     model, x, y, gen, batches = _task()
     settings = dict(threshold=0.01, metric=mean_loss(batches), pretrained=None, keyframe_every=100)
     space = SearchSpace(residuals=("previous", "none"), prune_by=("magnitude",))

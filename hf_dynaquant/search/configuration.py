@@ -381,8 +381,9 @@ class ConfigurationSearch:
         :func:`~hf_dynaquant.core.quantizer.read_config_record`), as if this search had chosen it: a
         run resumed in a new process searches the neighbourhood of where it stopped instead of the
         whole cube. Nothing (a lossless or fixed-configuration checkpoint, or a configuration off
-        this search's cube) leaves the next search exhaustive. ``delta_bits``: what the chain's
-        last delta of each residual kind on one of its own kind cost (see :meth:`chain_cost`)."""
+        this search's cube) leaves the next search exhaustive. ``delta_bits``: the search's
+        :attr:`delta_bits` when it wrote that checkpoint (its record's ``delta_bits``; see
+        :meth:`chain_cost`)."""
         self.delta_bits = dict(delta_bits or {})
         self.last = None
         if not config:
@@ -513,7 +514,15 @@ class ConfigurationSearch:
                 stacklevel=2,
             )
             return SearchResult(
-                None, None, baseline, mode, ctx.tried, local_evaluations=ctx.local, sized=ctx.sized, z=self.z
+                None,
+                None,
+                baseline,
+                mode,
+                ctx.tried,
+                local_evaluations=ctx.local,
+                sized=ctx.sized,
+                z=self.z,
+                delta_bits=dict(self.delta_bits),
             )
         found = ctx.embedding_bins(found)
         if ctx.base_codes and self.last is not None and self.last.residual == found.config.residual:
@@ -533,6 +542,7 @@ class ConfigurationSearch:
             z=self.z,
             weight_error=found.weight_error,
             bits=found.bits,
+            delta_bits=dict(self.delta_bits),
         )
 
     def _non_finite_baseline(
@@ -551,7 +561,7 @@ class ConfigurationSearch:
             "no configuration can be judged, this checkpoint is stored losslessly",
             stacklevel=3,
         )
-        return SearchResult(None, None, baseline, "non-finite")
+        return SearchResult(None, None, baseline, "non-finite", delta_bits=dict(self.delta_bits))
 
 
 class _OutOfTime(Exception):

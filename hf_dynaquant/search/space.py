@@ -145,6 +145,8 @@ class SearchResult:
     z: float = 0.0  # the pass rule: degradation + z * standard_error <= threshold
     weight_error: float | None = None  # of the chosen candidate: relative L2 error of the weights a resume loads
     bits: float | None = None  # of the chosen candidate: measured bits per quantized value, as stored
+    # the search's delta costs after this choice (ConfigurationSearch.delta_bits): a resumed run goes on from them
+    delta_bits: dict[str, float] = field(default_factory=dict)
 
     @property
     def evaluations(self) -> int:
@@ -159,6 +161,7 @@ class SearchResult:
             "z": self.z,
             "weight_error": self.weight_error,
             "bits": self.bits,
+            "delta_bits": self.delta_bits,
             "baseline": self.baseline if math.isfinite(self.baseline) else str(self.baseline),  # JSON has no NaN
             "mode": self.mode,
             "evaluations": self.evaluations,

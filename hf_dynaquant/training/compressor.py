@@ -313,8 +313,7 @@ class Compressor:
         the chain goes on instead of starting with a keyframe."""
         store = self._writable()
         self.last_entry = store.resolve(ref_or_id)
-        chain = store.chain(self.last_entry)
-        self._chain_length = len(chain)
+        self._chain_length = len(store.chain(self.last_entry))
         self._states, self._previous = {}, None
         with store.open(self.last_entry) as entry:
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
@@ -322,9 +321,9 @@ class Compressor:
             if self.peer_search is not None:
                 self.peer_search.continue_from(entry.metadata.get("search"))
             if self.search is not None:
-                searched = "search" in entry.metadata  # a fixed configuration's entry leaves the search exhaustive
+                record = entry.metadata.get("search")  # a fixed configuration's entry leaves the search exhaustive
                 self.search.continue_from(
-                    entry.metadata.get("quant_config") if searched else None, _delta_bits(store, chain)
+                    entry.metadata.get("quant_config") if record is not None else None, (record or {}).get("delta_bits")
                 )
                 if not self._next_is_keyframe() and MODEL in entry.sections:
                     # the next delta's base codes, so its search sizes candidates as stored (and the
@@ -689,25 +688,6 @@ class Compressor:
         if model is self.model:
             self.resumed_from(entry_id)
         return meta
-
-
-def _delta_bits(store: CheckpointStore, chain: list[str]) -> dict[str, float]:
-    """Per residual kind, the measured bits per value of the chain's last searched entry of that
-    kind that was a delta on an entry of its own kind (``chain``: newest first), as
-    :attr:`ConfigurationSearch.delta_bits` holds them in the process that wrote the chain."""
-    kinds: list[str | None] = []
-    bits: list[float | None] = []
-    for entry_id in chain:
-        with store.open(entry_id) as entry:
-            search = entry.metadata.get("search") or {}
-        kinds.append(search.get("residual"))
-        bits.append(search.get("bits"))
-    out: dict[str, float] = {}
-    for i in range(len(chain) - 1):  # entry i is a delta on entry i + 1
-        kind = kinds[i]
-        if kind is not None and kind == kinds[i + 1] and bits[i] is not None and kind not in out:
-            out[kind] = float(bits[i])
-    return out
 
 
 def _is_quantized(record: Mapping[str, Any]) -> bool:
