@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import constriction
 import numpy as np
 import pytest
 import torch
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynaquant import CheckpointStore
-from hf_dynaquant.core.ans import ans_decode, ans_encode
+from hf_dynaquant.core.ans import LANES, ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes
 from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
@@ -34,8 +35,10 @@ def test_round_trip_any_symbols_and_groups(values: list[int], cuts: list[int]) -
     sizes = np.array(cuts + [0], dtype=np.int64)
     sizes[-1] = max(0, symbols.size - int(sizes[:-1].sum()))
     symbols = np.resize(symbols, int(sizes.sum())) if symbols.size else np.zeros(int(sizes.sum()), np.uint8)
-    assert np.array_equal(ans_decode(ans_encode(symbols, sizes), symbols.size, sizes), symbols)
-    assert np.array_equal(ans_decode(ans_encode(symbols), symbols.size), symbols)
+    for lanes in (1, 2, 4, 8):
+        payload = ans_encode(symbols, sizes, lanes)
+        assert np.array_equal(ans_decode(payload, symbols.size, sizes, lanes), symbols)
+        assert np.array_equal(ans_decode(ans_encode(symbols, lanes=lanes), symbols.size, lanes=lanes), symbols)
 
 
 def test_reaches_the_order0_entropy() -> None:
@@ -44,8 +47,10 @@ def test_reaches_the_order0_entropy() -> None:
     symbols = rng.choice(6, 200_000, p=[0.02, 0.002, 0.5, 0.4, 0.06, 0.018]).astype(np.uint8)
     payload = ans_encode(symbols)
     assert len(payload) <= _entropy_bytes(symbols) + 64
-    coding, zstd = encode_codes(symbols)
-    assert coding == ANS and len(zstd) == len(payload)
+    in_lanes = ans_encode(symbols, lanes=LANES)
+    assert len(in_lanes) <= len(payload) + 40  # the other lanes' states and word counts
+    coding, coded = encode_codes(symbols)
+    assert coding == ans_coding(LANES) == "ans4" and coded == in_lanes
     import zstandard
 
     assert len(zstandard.ZstdCompressor(level=1).compress(symbols.tobytes())) > 1.1 * len(payload)
@@ -82,6 +87,35 @@ def test_stream_bytes_are_pinned() -> None:
 PINNED = "0c050100070a020502000508013faeb9a54fb3635656cf0000"
 
 
+def test_lanes_are_streams_of_their_own_and_pinned() -> None:
+    """Lane ``j`` holds the symbols at positions ``j mod L``, each a stream of one lane coded
+    with the groups' models; the table ends with the first lanes' word counts. A long stream
+    takes four lanes, a short one keeps one (the extra states would cost more than they save)."""
+    symbols = np.array([2, 3, 3, 2, 4, 2, 3, 3, 0, 3, 2, 3] * 3, dtype=np.uint8)
+    groups = np.array([20, 16])
+    payload = ans_encode(symbols, groups, lanes=4)
+    assert payload.hex() == PINNED_LANES
+    assert np.array_equal(ans_decode(bytes.fromhex(PINNED_LANES), 36, groups, 4), symbols)
+    table = uleb128_decode(np.frombuffer(payload, np.uint8)[1 : 1 + payload[0]])
+    counts = table[-3:].astype(np.int64)
+    words = np.frombuffer(payload[1 + payload[0] :], "<u4")
+    bounds = np.concatenate(([0], np.cumsum(counts), [words.size]))
+    sizes = np.concatenate(([0], np.cumsum(groups)))
+    for j in range(4):  # constriction decodes each lane alone: its positions, with the groups' models
+        coder = constriction.stream.stack.AnsCoder(words[bounds[j] : bounds[j + 1]].astype(np.uint32))
+        for start, stop in zip(sizes[:-1], sizes[1:]):
+            group = symbols[start:stop]
+            model = constriction.stream.model.Categorical(np.bincount(group) / group.size, perfect=False)
+            mine = symbols[start + (j - start) % 4 : stop : 4]
+            assert np.array_equal(coder.decode(model, mine.size), mine)
+        assert coder.is_empty()
+    assert lanes_for(1000) == 1 and lanes_for(1 << 20) == LANES
+    assert [ans_lanes(c) for c in ("ans", "ans2", "ans4", "ans8", "ans3", "ans-rows", "zstd")] == [1, 2, 4, 8, 0, 0, 0]
+
+
+PINNED_LANES = "0f050100070a020502000508010202011b3e5afb390600005d379372010000001b6986c9fcce1c3901000000"
+
+
 def test_damaged_streams_raise_value_errors() -> None:
     rng = np.random.default_rng(2)
     symbols = rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4]).astype(np.uint8)
@@ -102,6 +136,19 @@ def test_damaged_streams_raise_value_errors() -> None:
         ans_decode(bytes(flipped), symbols.size)
     with pytest.raises(CorruptCheckpointError, match="tensor w"):
         decode_stream(ANS, payload[:-3], symbols.size, "tensor w")
+    with pytest.raises(CorruptCheckpointError, match="unknown stream coding 'ans3'"):
+        decode_stream("ans3", payload, symbols.size, "tensor w")
+    with pytest.raises(ValueError, match="lane sizes"):
+        ans_decode(payload, symbols.size, lanes=2)  # no lane sizes in a one-lane table
+    lanes = ans_encode(symbols, lanes=4)
+    with pytest.raises(ValueError, match="lane sizes"):
+        ans_decode(lanes, symbols.size)  # a four-lane table read as one lane
+    damaged = bytearray(lanes)
+    damaged[damaged[0]] = 0x7F  # the last lane size byte: more words than the stream has
+    with pytest.raises(ValueError):
+        ans_decode(bytes(damaged), symbols.size, lanes=4)
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        ans_encode(symbols, lanes=3)
 
 
 def test_uleb128_round_trip_and_limits() -> None:
@@ -122,7 +169,7 @@ def test_many_levels_keep_zstd_which_decodes_faster() -> None:
     coding, payload = encode_codes(codes)
     assert coding == ZSTD and len(payload) < 1.1 * _entropy_bytes(codes) + 1000
     coarse = (2 + rng.binomial(2, 0.3, 200_000)).astype(np.uint8)  # 3 levels: Huffman wastes a third
-    assert encode_codes(coarse)[0] == ANS
+    assert encode_codes(coarse)[0] == ans_coding(LANES)
 
 
 def test_keyframes_take_zstd_when_repeats_make_it_smaller() -> None:
@@ -148,7 +195,7 @@ def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
         assert delta["params"]["mode"] == "delta" and delta["params"]["delta_coding"] == coding
         sizes[coding] = delta["blobs"]["delta"]["nbytes"]
         if coding == "ans":
-            assert key["params"]["codes_stream"] == ANS and delta["params"]["delta_stream"] == [ANS, 256 * 256]
+            assert key["params"]["codes_stream"] == "ans4" and delta["params"]["delta_stream"] == ["ans4", 256 * 256]
         else:  # the paper's coding keeps zstd keyframes (faster to decode)
             assert key["params"]["codes_stream"] == ZSTD
         assert store.verify(deep=True) == []
@@ -191,10 +238,11 @@ def test_c_kernels_code_constrictions_streams_bit_for_bit(monkeypatch) -> None:
     rare = np.zeros(400_000, np.uint8)
     rare[[5, 200_000]] = [1, 37]  # two symbols seen once, a gap between them
     cases.append((rare, np.array([rare.size])))
-    for symbols, sizes in cases:
-        ours = ans_encode(symbols, sizes)
-        assert np.array_equal(ans_decode(ours, symbols.size, sizes), symbols)
+    for case, (symbols, sizes) in enumerate(cases):
+        lanes = (1, 2, 4, 8)[case % 4]
+        ours = ans_encode(symbols, sizes, lanes)
+        assert np.array_equal(ans_decode(ours, symbols.size, sizes, lanes), symbols)
         with monkeypatch.context() as patch:
             patch.setattr(ans, "native", None)
-            assert ans_encode(symbols, sizes) == ours
-            assert np.array_equal(ans_decode(ours, symbols.size, sizes), symbols)
+            assert ans_encode(symbols, sizes, lanes) == ours
+            assert np.array_equal(ans_decode(ours, symbols.size, sizes, lanes), symbols)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.ans import ans_decode, ans_encode
+from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from ..core.delta import (
     apply_delta,
     cyclic_delta,
@@ -43,7 +43,7 @@ from ..core.delta import (
     varint_encode,
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
-from ..core.entropy import ANS, ans_bytes, decode_stream, encode_codes, encode_stream, order0_bits
+from ..core.entropy import ans_bytes, decode_stream, encode_codes, encode_stream, order0_bits
 from ..core.histogram import byte_counts, pair_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
@@ -77,7 +77,8 @@ class QuantState:
 def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic delta."""
     if coding == "ans":
-        return ANS, ans_encode(regroup(delta, prev), _groups(prev)), int(delta.size)
+        lanes = lanes_for(delta.size)
+        return ans_coding(lanes), ans_encode(regroup(delta, prev), _groups(prev), lanes), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -95,7 +96,9 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         if coding == "ans":
             if int(size) != n:
                 raise ValueError(f"delta holds {int(size)} values, expected {n}")
-            delta = ungroup(ans_decode(payload, n, _groups(prev)), prev)
+            if not ans_lanes(stream_coding):
+                raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
+            delta = ungroup(ans_decode(payload, n, _groups(prev), ans_lanes(stream_coding)), prev)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             if coding == "entropy":
@@ -127,7 +130,7 @@ class DynaQuantCodec(Codec):
     """Quantize with a plan (encode); decode needs only the stored params and blobs."""
 
     name = "dynaquant"
-    version = 1
+    version = 2  # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:

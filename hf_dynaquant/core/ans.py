@@ -16,12 +16,20 @@ The stream may be cut into *groups*: consecutive runs of symbols, each coded wit
 histogram (the delta encoder's groups are the previous checkpoint's codes, so a group's
 migration rate is its own model). The decoder must know the group sizes; they are not stored.
 
+One state decodes one symbol after another, each waiting on the last (about 120 M symbols/s on
+one core here, however the loop is written), so a long stream is cut into ``L`` interleaved
+*lanes*: the symbol at position ``i`` goes to lane ``i mod L``, each lane a coder of its own,
+and the C decoder runs the ``L`` states in one loop, where the CPU overlaps them. Each lane is
+a constriction stream of its own symbols, so constriction still decodes every lane.
+
 Payload layout (FORMAT.md, "rANS streams"): ``uleb128(len(table))``, the ``table``, then the
-coder's 32-bit words, little-endian. The table holds, for each non-empty group in order,
-``uleb128(K)`` and the ``K`` exact symbol counts (``uleb128`` each), ``K`` being the group's
-largest symbol plus one. A group with one distinct symbol writes no words. The model of a
-group is ``Categorical(counts / sum(counts), perfect=False)``: exact counts make the model a
-pure function of the table, and the decoder checks the decoded histogram against it.
+coder's 32-bit words, little-endian (lane 0's, then lane 1's, ...). The table holds, for each
+non-empty group in order, ``uleb128(K)`` and the ``K`` exact symbol counts (``uleb128`` each),
+``K`` being the group's largest symbol plus one; with ``L > 1`` lanes, it ends with the word
+counts of lanes ``0 .. L-2`` (the last lane has the words left). A group with one distinct
+symbol writes no words. The model of a group is ``Categorical(counts / sum(counts),
+perfect=False)``: exact counts make the model a pure function of the table, and the decoder
+checks the decoded histogram against it.
 """
 
 from __future__ import annotations
@@ -33,12 +41,35 @@ from .histogram import byte_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
-__all__ = ["ans_encode", "ans_decode"]
+__all__ = ["ans_encode", "ans_decode", "ans_lanes", "lanes_for", "LANES"]
 
 # Symbols handed to the coder at once. constriction holds the GIL while it codes, so this bounds
 # both the int32 copies (4 MiB) and how long a background encode can hold up the training loop's
 # Python thread (about 5-10 ms); the stream does not depend on it.
 _SLICE = 1 << 20
+
+LANES = 4  # lanes of a long stream: four states overlap (measured in benchmarks/RESULTS.md, issue 16)
+_LANES_FROM = 1 << 16  # symbols from which a stream takes LANES lanes (the extra lanes' states and
+# counts, about 30 bytes, are then under 0.1% of a stream at a bit a symbol)
+_CODING = "ans"  # the stream coding of one lane; "ans<L>" is L lanes (FORMAT.md section 8)
+
+
+def lanes_for(n: int) -> int:
+    """The lanes a writer cuts a stream of ``n`` symbols into."""
+    return LANES if n >= _LANES_FROM else 1
+
+
+def ans_coding(lanes: int) -> str:
+    """The stream coding name (FORMAT.md) of an rANS stream in ``lanes`` lanes."""
+    return _CODING if lanes == 1 else f"{_CODING}{lanes}"
+
+
+def ans_lanes(coding: str) -> int:
+    """The lanes of an rANS stream coding (``"ans"``: 1, ``"ans4"``: 4), 0 for another coding."""
+    if coding == _CODING:
+        return 1
+    tail = coding[len(_CODING) :] if coding.startswith(_CODING) else ""
+    return int(tail) if tail in ("2", "4", "8") else 0
 
 
 def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
@@ -85,9 +116,16 @@ def _sizes(n: int, groups: np.ndarray | None) -> np.ndarray:
     return sizes
 
 
-def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None) -> bytes:
+def _lane(start: int, stop: int, j: int, lanes: int) -> slice:
+    """The positions of lane ``j`` in ``[start, stop)``."""
+    return slice(start + (j - start) % lanes, stop, lanes)
+
+
+def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None, lanes: int = 1) -> bytes:
     """The rANS payload of uint8 ``symbols``; ``groups``: sizes of consecutive runs that get
-    a model each (default: one group)."""
+    a model each (default: one group); ``lanes``: interleaved lanes (1, 2, 4 or 8)."""
+    if lanes not in (1, 2, 4, 8):
+        raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
     sym = np.ascontiguousarray(symbols, dtype=np.uint8).ravel()
     sizes = _sizes(sym.size, groups)
     bounds = np.concatenate(([0], np.cumsum(sizes)))
@@ -98,23 +136,31 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None) -> bytes:
         table += [counts.size, *counts.tolist()]
         if np.count_nonzero(counts) > 1:
             coded.append((start, stop, counts))
-    header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
     if native is not None:
         cdf, offsets, _, starts, stops = _tables(coded)
-        words = native.ans_encode(sym, cdf, offsets, starts, stops)  # little-endian words
+        words, counts = native.ans_encode(sym, cdf, offsets, starts, stops, lanes)  # little-endian words
     else:
-        coder = constriction.stream.stack.AnsCoder()
-        for start, stop, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
-            model = _model(counts)
-            for at in reversed(range(start, stop, _SLICE)):
-                coder.encode_reverse(sym[at : min(at + _SLICE, stop)].astype(np.int32), model)
-        words = coder.get_compressed().astype("<u4").tobytes()
+        streams = []
+        for j in range(lanes):
+            coder = constriction.stream.stack.AnsCoder()
+            for start, stop, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
+                model, mine = _model(counts), sym[_lane(start, stop, j, lanes)]
+                for at in reversed(range(0, mine.size, _SLICE)):
+                    coder.encode_reverse(mine[at : at + _SLICE].astype(np.int32), model)
+            streams.append(coder.get_compressed().astype("<u4").tobytes())
+        words, counts = b"".join(streams), [len(w) // 4 for w in streams]
+    table += list(counts[:-1])
+    header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
     return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + words
 
 
-def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndarray | None = None) -> np.ndarray:
+def ans_decode(
+    payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndarray | None = None, lanes: int = 1
+) -> np.ndarray:
     """Inverse of :func:`ans_encode`: ``n`` uint8 symbols. ``ValueError`` names what is wrong
     with a damaged payload."""
+    if lanes not in (1, 2, 4, 8):
+        raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
     data = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
     sizes = _sizes(n, groups)
     first = int(np.argmax(data[:10] < 0x80)) + 1 if data.size else 0
@@ -137,19 +183,27 @@ def ans_decode(payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndar
             out[bounds[g] : bounds[g + 1]] = int(np.flatnonzero(counts)[0])
         else:
             coded.append((int(bounds[g]), int(bounds[g + 1]), counts))
-    if pos != table.size:
-        raise ValueError("rANS table has entries for more groups than the stream has")
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
+    if table.size - pos != lanes - 1:
+        raise ValueError(f"rANS table has {table.size - pos} entries after its groups, not the {lanes - 1} lane sizes")
+    ends = np.cumsum([0, *(int(c) for c in table[pos:])])  # Python ints: a damaged count cannot wrap
+    if int(ends.min()) < 0 or int(ends[-1]) > words.size:
+        raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
+    lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
     if native is not None:
-        left, state = native.ans_decode(words, *_tables(coded), out)
-        empty = left == 0 and state == 0
+        empty = native.ans_decode(words, lane_bounds, *_tables(coded), out)
     else:
-        decoder = constriction.stream.stack.AnsCoder(words)
-        for start, stop, counts in coded:
-            model = _model(counts)
-            for at in range(start, stop, _SLICE):
-                out[at : min(at + _SLICE, stop)] = decoder.decode(model, min(at + _SLICE, stop) - at)
-        empty = decoder.is_empty()
+        empty = True
+        for j in range(lanes):
+            decoder = constriction.stream.stack.AnsCoder(words[lane_bounds[j] : lane_bounds[j + 1]])
+            for start, stop, counts in coded:
+                model, mine = _model(counts), _lane(start, stop, j, lanes)
+                size = len(range(mine.start, mine.stop, lanes))
+                values = np.empty(size, dtype=np.uint8)
+                for at in range(0, size, _SLICE):
+                    values[at : at + _SLICE] = decoder.decode(model, min(_SLICE, size - at))
+                out[mine] = values
+            empty &= decoder.is_empty()
     for start, stop, counts in coded:
         if not np.array_equal(byte_counts(out[start:stop], counts.size), counts):
             raise ValueError(f"rANS group of symbols {start}-{stop} decodes to a histogram other than its table's")

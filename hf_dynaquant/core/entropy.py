@@ -16,7 +16,7 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .ans import ans_decode, ans_encode
+from .ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from .bitplanes import pack_bits, unpack_bits
 from .histogram import byte_counts
 
@@ -37,7 +37,7 @@ __all__ = [
 
 RAW = "raw"
 ZSTD = "zstd"
-ANS = "ans"  # order-0 rANS, one group (core/ans.py)
+ANS = ans_coding(1)  # order-0 rANS, one group (core/ans.py); ans_coding(L): in L lanes
 PACK = "pack"  # "pack<N>": N-bit symbols packed densely, least significant bit first
 _SAMPLE = 1 << 16
 
@@ -139,9 +139,10 @@ def encode_codes(codes: np.ndarray) -> tuple[str, bytes]:
     """
     coding, payload = encode_stream(codes)
     if order0_bits(codes) / 8 <= _ANS_PAYS * len(payload):
-        ans = ans_encode(codes)
+        lanes = lanes_for(codes.size)
+        ans = ans_encode(codes, lanes=lanes)
         if len(ans) < len(payload):
-            return ANS, ans
+            return ans_coding(lanes), ans
     return coding, payload
 
 
@@ -164,9 +165,9 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
         out = np.frombuffer(payload, dtype=np.uint8)
     elif coding == ZSTD:
         out = np.frombuffer(decompress(payload, where, size), dtype=np.uint8)
-    elif coding == ANS:
+    elif ans_lanes(coding):
         try:
-            out = ans_decode(payload, size)
+            out = ans_decode(payload, size, lanes=ans_lanes(coding))
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
     elif packed_bits(coding):

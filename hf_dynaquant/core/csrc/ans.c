@@ -6,12 +6,21 @@
  * own model, given as a cumulative table cdf[0..k] (cdf[0] = 0, cdf[k] = 2^24, strictly
  * increasing; ans.py computes it exactly as constriction quantizes the group's probabilities).
  * The words form a stack: the encoder pushes, the decoder pops from the end, so the encoder
- * codes the last group's last symbol first. */
+ * codes the last group's last symbol first.
+ *
+ * A stream is cut into L interleaved lanes (L = 1, 2, 4 or 8): the symbol at position i belongs
+ * to lane i mod L, and each lane is a coder of its own (its own state and words). One state
+ * codes one symbol after the other, each waiting on the last one's multiply; L states in one
+ * loop overlap in the CPU. The lanes are walked in rows of L positions with a constant lane
+ * index (the functions are instantiated for each L), so the compiler keeps the states in
+ * registers. */
 
 #define PRECISION 24
 #define QMASK ((1u << PRECISION) - 1)
 #define LOOKUP_BITS 12 /* a first guess of the symbol from the quantile's top 12 bits */
 #define STATE_LOW ((uint64_t)1 << 32)
+#define MAX_LANES 8
+#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const uint32_t *cdf;          /* k + 1 entries */
@@ -30,133 +39,225 @@ static void model_init(model_t *m, const uint32_t *cdf, int k) {
     }
 }
 
-static inline int model_symbol(const model_t *m, uint32_t q) {
+INLINE int model_symbol(const model_t *m, uint32_t q) {
     int s = m->first[q >> (PRECISION - LOOKUP_BITS)];
     while (s + 1 < m->k && m->cdf[s + 1] <= q) s++;
     return s;
 }
 
-/* decode: words[0..n_words), groups g = 0..n_groups-1 filling out[start[g]..stop[g]) with the
- * model cdf + cdf_off[g] of k[g] symbols. Returns the words left unread; *state_out is the
- * final state (0 after a whole, undamaged stream). */
-static Py_ssize_t decode(const uint32_t *words, Py_ssize_t n_words, const uint32_t *cdf, const int64_t *cdf_off,
-                         const int64_t *k, const int64_t *start, const int64_t *stop, Py_ssize_t n_groups,
-                         uint8_t *out, uint64_t *state_out, model_t *model) {
-    Py_ssize_t top = n_words; /* words[0..top) are still on the stack */
-    uint64_t state = 0;
-    if (top > 0) {
-        state = words[--top];
-        while (top > 0) {
-            state = (state << 32) | words[--top];
-            if (state >= STATE_LOW) break;
+static int valid_lanes(Py_ssize_t lanes) {
+    if (lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8) return 1;
+    PyErr_Format(PyExc_ValueError, "rANS lanes must be 1, 2, 4 or 8, not %zd", lanes);
+    return 0;
+}
+
+/* One symbol of a lane: its state st, whose words are words[low..*top). */
+INLINE uint8_t decode_symbol(uint64_t *st, int64_t *top, int64_t low, const uint32_t *restrict words,
+                             const model_t *restrict m) {
+    const uint32_t q = (uint32_t)(*st & QMASK);
+    const int s = model_symbol(m, q);
+    *st = (*st >> PRECISION) * (uint64_t)(m->cdf[s + 1] - m->cdf[s]) + (q - m->cdf[s]);
+    if (*st < STATE_LOW && *top > low) *st = (*st << 32) | words[--*top];
+    return (uint8_t)s;
+}
+
+/* The decoder of a stream in L lanes: lane j's words are words[bound[j]..bound[j+1]). Groups
+ * g = 0..n_groups-1 fill out[start[g]..stop[g]) with the model cdf + cdf_off[g] of k[g]
+ * symbols. Returns 1 when every lane ends empty (no words left, state 0: a whole, undamaged
+ * stream), else 0. */
+INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bound, const uint32_t *cdf,
+                  const int64_t *cdf_off, const int64_t *k, const int64_t *start, const int64_t *stop,
+                  Py_ssize_t n_groups, uint8_t *restrict out, model_t *restrict model) {
+    uint64_t st[MAX_LANES];
+    int64_t top[MAX_LANES];
+    for (int j = 0; j < L; j++) {
+        top[j] = bound[j + 1];
+        st[j] = 0;
+        if (top[j] > bound[j]) {
+            st[j] = words[--top[j]];
+            while (top[j] > bound[j]) {
+                st[j] = (st[j] << 32) | words[--top[j]];
+                if (st[j] >= STATE_LOW) break;
+            }
         }
     }
     for (Py_ssize_t g = 0; g < n_groups; g++) {
         model_init(model, cdf + cdf_off[g], (int)k[g]);
-        const uint32_t *c = model->cdf;
-        for (int64_t i = start[g]; i < stop[g]; i++) {
-            const uint32_t q = (uint32_t)(state & QMASK);
-            const int s = model_symbol(model, q);
-            state = (state >> PRECISION) * (uint64_t)(c[s + 1] - c[s]) + (q - c[s]);
-            if (state < STATE_LOW && top > 0) state = (state << 32) | words[--top];
-            out[i] = (uint8_t)s;
-        }
+        const int64_t a = start[g], b = stop[g];
+        int64_t row = a & ~(int64_t)(L - 1);
+        for (; row < b && (row < a || row + L > b); row += L) /* rows the group begins or ends in */
+            for (int j = 0; j < L; j++)
+                if (row + j >= a && row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
+        for (; row + L <= b; row += L) /* whole rows */
+            for (int j = 0; j < L; j++) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
+        for (; row < b; row += L) /* the last row */
+            for (int j = 0; j < L; j++)
+                if (row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
     }
-    *state_out = state;
-    return top;
+    int empty = 1;
+    for (int j = 0; j < L; j++) empty &= st[j] == 0 && top[j] == bound[j];
+    return empty;
 }
 
+#define DECODE_ARGS const uint32_t *w, const int64_t *b, const uint32_t *cdf, const int64_t *off, const int64_t *k, \
+                    const int64_t *start, const int64_t *stop, Py_ssize_t n, uint8_t *out, model_t *m
+static int decode_1(DECODE_ARGS) { return decode(1, w, b, cdf, off, k, start, stop, n, out, m); }
+static int decode_2(DECODE_ARGS) { return decode(2, w, b, cdf, off, k, start, stop, n, out, m); }
+static int decode_4(DECODE_ARGS) { return decode(4, w, b, cdf, off, k, start, stop, n, out, m); }
+static int decode_8(DECODE_ARGS) { return decode(8, w, b, cdf, off, k, start, stop, n, out, m); }
+
+/* ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out) -> every lane
+ * ended empty */
 PyObject *py_ans_decode(PyObject *self, PyObject *args) {
-    Py_buffer words, cdf, cdf_off, k, start, stop, out;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*", &words, &cdf, &cdf_off, &k, &start, &stop, &out)) return NULL;
-    const Py_ssize_t n_groups = k.len / 8;
-    Py_ssize_t left = -1;
-    uint64_t state = 0;
-    model_t *model = PyMem_RawMalloc(sizeof(model_t));
-    if (model == NULL)
-        PyErr_NoMemory();
-    else {
+    Py_buffer words, bound, cdf, cdf_off, k, start, stop, out;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*", &words, &bound, &cdf, &cdf_off, &k, &start, &stop, &out))
+        return NULL;
+    const Py_ssize_t n_groups = k.len / 8, lanes = bound.len / 8 - 1;
+    int empty = -1;
+    model_t *model = NULL;
+    if (valid_lanes(lanes) && (model = PyMem_RawMalloc(sizeof(model_t))) == NULL) PyErr_NoMemory();
+    if (model != NULL) {
+        int (*fn)(DECODE_ARGS) = lanes == 1 ? decode_1 : lanes == 2 ? decode_2 : lanes == 4 ? decode_4 : decode_8;
         Py_BEGIN_ALLOW_THREADS
-        left = decode(words.buf, words.len / 4, cdf.buf, cdf_off.buf, k.buf, start.buf, stop.buf, n_groups, out.buf,
-                      &state, model);
+        empty = fn(words.buf, bound.buf, cdf.buf, cdf_off.buf, k.buf, start.buf, stop.buf, n_groups, out.buf, model);
         Py_END_ALLOW_THREADS
         PyMem_RawFree(model);
     }
-    PyBuffer_Release(&words); PyBuffer_Release(&cdf); PyBuffer_Release(&cdf_off); PyBuffer_Release(&k);
-    PyBuffer_Release(&start); PyBuffer_Release(&stop); PyBuffer_Release(&out);
-    return left < 0 ? NULL : Py_BuildValue("nK", left, (unsigned long long)state);
+    PyBuffer_Release(&words); PyBuffer_Release(&bound); PyBuffer_Release(&cdf); PyBuffer_Release(&cdf_off);
+    PyBuffer_Release(&k); PyBuffer_Release(&start); PyBuffer_Release(&stop); PyBuffer_Release(&out);
+    return empty < 0 ? NULL : PyBool_FromLong(empty);
 }
 
-/* encode: the groups in reverse, each group's symbols in reverse, pushing words onto a buffer
- * that grows as needed; then the final state's words, least significant first (none for a state
- * of 0, one below 2^32). Returns the word count or -1 when memory ran out (*buf then freed).
- * The state's division by a symbol's frequency is a multiplication by its reciprocal (a 64-bit
- * division took a sixth of the time): the same quotient and remainder, so the same stream. */
-static Py_ssize_t encode(const uint8_t *sym, const uint32_t *cdf, const int64_t *cdf_off, const int64_t *start,
-                         const int64_t *stop, Py_ssize_t n_groups, uint32_t **buf, Py_ssize_t cap) {
-    Py_ssize_t n = 0;
-    uint64_t state = 0, rcp[256];
+/* One lane's words while encoding: a buffer that grows as needed. */
+typedef struct {
+    uint32_t *buf;
+    Py_ssize_t n, cap;
+} words_t;
+
+/* Room for two more words (a final state's two words too); 0 when memory ran out. */
+INLINE int room(words_t *w) {
+    if (w->n + 2 <= w->cap) return 1;
+    const Py_ssize_t cap = 2 * w->cap + 2;
+    uint32_t *grown = realloc(w->buf, (size_t)cap * 4);
+    if (grown == NULL) return 0;
+    w->buf = grown;
+    w->cap = cap;
+    return 1;
+}
+
+/* state / freq and state % freq by the reciprocal floor(2^64 / freq), made in *rcp as the
+ * symbol first occurs: it underestimates the quotient by at most one, which the remainder
+ * corrects (a 64-bit division took a sixth of the time; the same quotient, so the same
+ * stream). freq 1 has no 64-bit reciprocal. */
+INLINE uint64_t divide(uint64_t state, uint32_t freq, uint64_t *rcp, uint64_t *r) {
+#ifdef __SIZEOF_INT128__
+    if (freq == 1) {
+        *r = 0;
+        return state;
+    }
+    if (*rcp == 0) *rcp = UINT64_MAX / freq + (UINT64_MAX % freq == freq - 1);
+    uint64_t q = (uint64_t)(((unsigned __int128)state * *rcp) >> 64);
+    *r = state - q * freq;
+    if (*r >= freq) {
+        q++;
+        *r -= freq;
+    }
+    return q;
+#else
+    *r = state % freq;
+    return state / freq;
+#endif
+}
+
+/* The encoder of a stream in L lanes: the groups in reverse, each group's symbols in reverse,
+ * each pushing words onto its lane's buffer; then each lane's final state's words, least
+ * significant first (none for a state of 0, one below 2^32). Returns 0, or -1 when memory ran
+ * out. */
+INLINE int encode(const int L, const uint8_t *sym, const uint32_t *cdf, const int64_t *cdf_off, const int64_t *start,
+                  const int64_t *stop, Py_ssize_t n_groups, words_t *lane) {
+    uint64_t st[MAX_LANES], rcp[256];
+    for (int j = 0; j < L; j++) st[j] = 0;
     for (Py_ssize_t g = n_groups - 1; g >= 0; g--) {
         const uint32_t *c = cdf + cdf_off[g];
-        memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals, made as its symbols first occur */
-        for (int64_t i = stop[g] - 1; i >= start[g]; i--) {
-            const uint32_t left = c[sym[i]], freq = c[sym[i] + 1] - left;
-            if ((state >> (64 - PRECISION)) >= freq) {
-                if (n + 2 > cap) { /* (room for the final state's two words too) */
-                    cap *= 2;
-                    uint32_t *grown = realloc(*buf, (size_t)cap * 4);
-                    if (grown == NULL) { free(*buf); *buf = NULL; return -1; }
-                    *buf = grown;
+        memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals */
+        for (int64_t row = (stop[g] - 1) & ~(int64_t)(L - 1); row > start[g] - L; row -= L) {
+            for (int j = L - 1; j >= 0; j--) {
+                const int64_t i = row + j;
+                if (i < start[g] || i >= stop[g]) continue;
+                const uint32_t left = c[sym[i]], freq = c[sym[i] + 1] - left;
+                if ((st[j] >> (64 - PRECISION)) >= freq) {
+                    if (!room(&lane[j])) return -1;
+                    lane[j].buf[lane[j].n++] = (uint32_t)st[j];
+                    st[j] >>= 32;
                 }
-                (*buf)[n++] = (uint32_t)state;
-                state >>= 32;
+                uint64_t r;
+                const uint64_t q = divide(st[j], freq, &rcp[sym[i]], &r);
+                st[j] = (q << PRECISION) | (left + r);
             }
-            /* state / freq by a reciprocal: floor(2^64 / freq) underestimates the quotient by at
-             * most one, which the remainder corrects (freq 1 has no 64-bit reciprocal) */
-            uint64_t q, r;
-#ifdef __SIZEOF_INT128__
-            if (freq == 1) { q = state; r = 0; }
-            else {
-                uint64_t m = rcp[sym[i]];
-                if (m == 0) m = rcp[sym[i]] = UINT64_MAX / freq + (UINT64_MAX % freq == freq - 1);
-                q = (uint64_t)(((unsigned __int128)state * m) >> 64);
-                r = state - q * freq;
-                if (r >= freq) { q++; r -= freq; }
-            }
-#else
-            q = state / freq; r = state % freq;
-#endif
-            state = (q << PRECISION) | (left + r);
         }
     }
-    if (n + 2 > cap) {
-        uint32_t *grown = realloc(*buf, (size_t)(n + 2) * 4);
-        if (grown == NULL) { free(*buf); *buf = NULL; return -1; }
-        *buf = grown;
+    for (int j = 0; j < L; j++) {
+        if (!room(&lane[j])) return -1;
+        if (st[j] >= STATE_LOW) {
+            lane[j].buf[lane[j].n++] = (uint32_t)st[j];
+            lane[j].buf[lane[j].n++] = (uint32_t)(st[j] >> 32);
+        } else if (st[j] > 0) {
+            lane[j].buf[lane[j].n++] = (uint32_t)st[j];
+        }
     }
-    if (state >= STATE_LOW) {
-        (*buf)[n++] = (uint32_t)state;
-        (*buf)[n++] = (uint32_t)(state >> 32);
-    } else if (state > 0) {
-        (*buf)[n++] = (uint32_t)state;
-    }
-    return n;
+    return 0;
 }
 
+#define ENCODE_ARGS const uint8_t *sym, const uint32_t *cdf, const int64_t *off, const int64_t *start, \
+                    const int64_t *stop, Py_ssize_t n, words_t *lane
+static int encode_1(ENCODE_ARGS) { return encode(1, sym, cdf, off, start, stop, n, lane); }
+static int encode_2(ENCODE_ARGS) { return encode(2, sym, cdf, off, start, stop, n, lane); }
+static int encode_4(ENCODE_ARGS) { return encode(4, sym, cdf, off, start, stop, n, lane); }
+static int encode_8(ENCODE_ARGS) { return encode(8, sym, cdf, off, start, stop, n, lane); }
+
+/* ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the words of lane 0, then of
+ * lane 1, ..., as little-endian bytes; the word count of each lane) */
 PyObject *py_ans_encode(PyObject *self, PyObject *args) {
     Py_buffer sym, cdf, cdf_off, start, stop;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &sym, &cdf, &cdf_off, &start, &stop)) return NULL;
-    Py_ssize_t cap = sym.len / 16 + 16, n = -1;
-    uint32_t *buf = malloc((size_t)cap * 4);
-    if (buf != NULL) {
+    Py_ssize_t lanes;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*n", &sym, &cdf, &cdf_off, &start, &stop, &lanes)) return NULL;
+    PyObject *result = NULL;
+    if (valid_lanes(lanes)) {
+        words_t lane[MAX_LANES];
+        for (Py_ssize_t j = 0; j < lanes; j++) {
+            lane[j].n = lane[j].cap = 0;
+            lane[j].buf = NULL; /* room() allocates */
+        }
+        int (*fn)(ENCODE_ARGS) = lanes == 1 ? encode_1 : lanes == 2 ? encode_2 : lanes == 4 ? encode_4 : encode_8;
+        int failed;
         Py_BEGIN_ALLOW_THREADS
-        n = encode(sym.buf, cdf.buf, cdf_off.buf, start.buf, stop.buf, start.len / 8, &buf, cap);
+        for (Py_ssize_t j = 0; j < lanes; j++) { /* a first guess: a quarter of a word a symbol */
+            lane[j].cap = sym.len / 16 / lanes + 16;
+            lane[j].buf = malloc((size_t)lane[j].cap * 4);
+            if (lane[j].buf == NULL) lane[j].cap = 0;
+        }
+        failed = fn(sym.buf, cdf.buf, cdf_off.buf, start.buf, stop.buf, start.len / 8, lane);
         Py_END_ALLOW_THREADS
+        Py_ssize_t total = 0;
+        for (Py_ssize_t j = 0; j < lanes; j++) total += lane[j].n;
+        PyObject *data = failed ? NULL : PyBytes_FromStringAndSize(NULL, total * 4);
+        PyObject *counts = failed ? NULL : PyTuple_New(lanes);
+        if (failed) PyErr_NoMemory();
+        if (data != NULL && counts != NULL) {
+            char *at = PyBytes_AS_STRING(data);
+            for (Py_ssize_t j = 0; j < lanes; j++) {
+                memcpy(at, lane[j].buf, (size_t)lane[j].n * 4);
+                at += lane[j].n * 4;
+                PyTuple_SET_ITEM(counts, j, PyLong_FromSsize_t(lane[j].n));
+            }
+            result = Py_BuildValue("NN", data, counts);
+        } else {
+            Py_XDECREF(data);
+            Py_XDECREF(counts);
+        }
+        for (Py_ssize_t j = 0; j < lanes; j++) free(lane[j].buf);
     }
     PyBuffer_Release(&sym); PyBuffer_Release(&cdf); PyBuffer_Release(&cdf_off);
     PyBuffer_Release(&start); PyBuffer_Release(&stop);
-    if (n < 0) return PyErr_NoMemory();
-    PyObject *result = PyBytes_FromStringAndSize((const char *)buf, n * 4);
-    free(buf);
     return result;
 }

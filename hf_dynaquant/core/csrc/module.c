@@ -30,9 +30,9 @@ static PyMethodDef methods[] = {
      "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
     {"ans_encode", py_ans_encode, METH_VARARGS,
-     "ans_encode(symbols, cdf, cdf_offsets, starts, stops) -> rANS words (constriction's stream)"},
+     "ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the lanes' rANS words, each lane's word count)"},
     {"ans_decode", py_ans_decode, METH_VARARGS,
-     "ans_decode(words, cdf, cdf_offsets, sizes, starts, stops, out) -> (words left, final state)"},
+     "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out) -> every lane ended empty"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
     {NULL, NULL, 0, NULL}};
 
