@@ -39,9 +39,9 @@ static void model_init(model_t *m, const uint32_t *cdf, int k) {
     }
 }
 
-INLINE int model_symbol(const model_t *m, uint32_t q) {
-    int s = m->first[q >> (PRECISION - LOOKUP_BITS)];
-    while (s + 1 < m->k && m->cdf[s + 1] <= q) s++;
+INLINE int model_symbol(const uint8_t *first, const uint32_t *cdf, int k, uint32_t q) {
+    int s = first[q >> (PRECISION - LOOKUP_BITS)];
+    while (s + 1 < k && cdf[s + 1] <= q) s++;
     return s;
 }
 
@@ -51,12 +51,14 @@ static int valid_lanes(Py_ssize_t lanes) {
     return 0;
 }
 
-/* One symbol of a lane: its state st, whose words are words[low..*top). */
+/* One symbol of a lane: its state st, whose words are words[low..*top), with the model of
+ * first (the guesses), cdf and k (model_t's fields, passed as values so that nothing is
+ * reloaded after each byte written). */
 INLINE uint8_t decode_symbol(uint64_t *st, int64_t *top, int64_t low, const uint32_t *restrict words,
-                             const model_t *restrict m) {
+                             const uint8_t *restrict first, const uint32_t *restrict cdf, int k) {
     const uint32_t q = (uint32_t)(*st & QMASK);
-    const int s = model_symbol(m, q);
-    *st = (*st >> PRECISION) * (uint64_t)(m->cdf[s + 1] - m->cdf[s]) + (q - m->cdf[s]);
+    const int s = model_symbol(first, cdf, k, q);
+    *st = (*st >> PRECISION) * (uint64_t)(cdf[s + 1] - cdf[s]) + (q - cdf[s]);
     if (*st < STATE_LOW && *top > low) *st = (*st << 32) | words[--*top];
     return (uint8_t)s;
 }
@@ -83,16 +85,21 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
     }
     for (Py_ssize_t g = 0; g < n_groups; g++) {
         model_init(model, cdf + cdf_off[g], (int)k[g]);
+        const uint8_t *first = model->first;
+        const uint32_t *c = model->cdf;
+        const int kg = model->k;
         const int64_t a = start[g], b = stop[g];
         int64_t row = a & ~(int64_t)(L - 1);
         for (; row < b && (row < a || row + L > b); row += L) /* rows the group begins or ends in */
             for (int j = 0; j < L; j++)
-                if (row + j >= a && row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
-        for (; row + L <= b; row += L) /* whole rows */
-            for (int j = 0; j < L; j++) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
+                if (row + j >= a && row + j < b)
+                    out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
+        for (; row + L <= b; row += L) /* whole rows: the lanes unrolled, their states in registers */
+#pragma GCC unroll 8
+            for (int j = 0; j < L; j++) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
         for (; row < b; row += L) /* the last row */
             for (int j = 0; j < L; j++)
-                if (row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, model);
+                if (row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
     }
     int empty = 1;
     for (int j = 0; j < L; j++) empty &= st[j] == 0 && top[j] == bound[j];
@@ -169,34 +176,45 @@ INLINE uint64_t divide(uint64_t state, uint32_t freq, uint64_t *rcp, uint64_t *r
 #endif
 }
 
+/* One symbol of a lane, pushed onto state st and the lane's words; 0 when memory ran out. */
+INLINE int encode_symbol(uint64_t *st, words_t *lane, uint8_t sym, const uint32_t *restrict c, uint64_t *restrict rcp) {
+    const uint32_t left = c[sym], freq = c[sym + 1] - left;
+    if ((*st >> (64 - PRECISION)) >= freq) {
+        if (!room(lane)) return 0;
+        lane->buf[lane->n++] = (uint32_t)*st;
+        *st >>= 32;
+    }
+    uint64_t r;
+    const uint64_t q = divide(*st, freq, &rcp[sym], &r);
+    *st = (q << PRECISION) | (left + r);
+    return 1;
+}
+
 /* The encoder of a stream in L lanes: the groups in reverse, each group's symbols in reverse,
  * each pushing words onto its lane's buffer; then each lane's final state's words, least
  * significant first (none for a state of 0, one below 2^32). Returns 0, or -1 when memory ran
  * out. */
-INLINE int encode(const int L, const uint8_t *sym, const uint32_t *cdf, const int64_t *cdf_off, const int64_t *start,
-                  const int64_t *stop, Py_ssize_t n_groups, words_t *lane) {
+INLINE int encode(const int L, const uint8_t *restrict sym, const uint32_t *cdf, const int64_t *cdf_off,
+                  const int64_t *start, const int64_t *stop, Py_ssize_t n_groups, words_t *restrict lane) {
     uint64_t st[MAX_LANES], rcp[256];
+    int ok = 1;
     for (int j = 0; j < L; j++) st[j] = 0;
-    for (Py_ssize_t g = n_groups - 1; g >= 0; g--) {
+    for (Py_ssize_t g = n_groups - 1; g >= 0 && ok; g--) {
         const uint32_t *c = cdf + cdf_off[g];
+        const int64_t a = start[g], b = stop[g];
         memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals */
-        for (int64_t row = (stop[g] - 1) & ~(int64_t)(L - 1); row > start[g] - L; row -= L) {
-            for (int j = L - 1; j >= 0; j--) {
-                const int64_t i = row + j;
-                if (i < start[g] || i >= stop[g]) continue;
-                const uint32_t left = c[sym[i]], freq = c[sym[i] + 1] - left;
-                if ((st[j] >> (64 - PRECISION)) >= freq) {
-                    if (!room(&lane[j])) return -1;
-                    lane[j].buf[lane[j].n++] = (uint32_t)st[j];
-                    st[j] >>= 32;
-                }
-                uint64_t r;
-                const uint64_t q = divide(st[j], freq, &rcp[sym[i]], &r);
-                st[j] = (q << PRECISION) | (left + r);
-            }
-        }
+        int64_t row = (b - 1) & ~(int64_t)(L - 1);
+        for (; row > a - L && (row + L > b || row < a); row -= L) /* rows the group ends or begins in */
+            for (int j = L - 1; j >= 0; j--)
+                if (row + j >= a && row + j < b) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
+        for (; row >= a && ok; row -= L) /* whole rows: the lanes unrolled, their states in registers */
+#pragma GCC unroll 8
+            for (int j = L - 1; j >= 0; j--) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
+        for (; row > a - L; row -= L) /* the first row */
+            for (int j = L - 1; j >= 0; j--)
+                if (row + j >= a) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
     }
-    for (int j = 0; j < L; j++) {
+    for (int j = 0; j < L && ok; j++) {
         if (!room(&lane[j])) return -1;
         if (st[j] >= STATE_LOW) {
             lane[j].buf[lane[j].n++] = (uint32_t)st[j];
@@ -205,7 +223,7 @@ INLINE int encode(const int L, const uint8_t *sym, const uint32_t *cdf, const in
             lane[j].buf[lane[j].n++] = (uint32_t)st[j];
         }
     }
-    return 0;
+    return ok ? 0 : -1;
 }
 
 #define ENCODE_ARGS const uint8_t *sym, const uint32_t *cdf, const int64_t *off, const int64_t *start, \
