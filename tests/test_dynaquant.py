@@ -235,6 +235,39 @@ def test_scale_stats_kernel_matches_torch(monkeypatch, step) -> None:
     assert fast[2][0] and fast[2][1] == -math.inf and list(fast[2][2]) == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gains", [(1.0, 1.0), (1.37, 1.05)])
+def test_moments_from_update_and_scale_kernel_matches_torch(monkeypatch, dtype, gains) -> None:
+    """Adam's moments back from a decoded update and scale: the compiled pass (one expf per
+    distinct scale value, through its cache) is torch's to an ulp, on a scale of grid values
+    (more of them than the cache has ways for some sets), NaN, a scale under the floor and
+    zeros; in place for float32, converted for bf16."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    g = torch.Generator().manual_seed(5)
+    n = 300_000
+    u = torch.randn(n, generator=g)
+    s = math.log(1e-8) + torch.randint(0, 254, (n,), generator=g).float() * 0.37  # the grid's centres
+    s[:4] = torch.tensor([float("nan"), math.log(1e-8) - 1.0, math.log(1e-8), 0.0])
+    u[4:6] = torch.tensor([float("nan"), 0.0])
+    gain, scale_gain = gains
+    results = []
+    for native in (moments_mod.native, None):
+        monkeypatch.setattr(moments_mod, "native", native)
+        uu, ss = u.clone(), s.clone()
+        m, v = moments_mod.update_scale_to_adam(uu, ss, 1e-8, dtype, gain=gain, scale_gain=scale_gain, inplace=True)
+        assert m.dtype == v.dtype == dtype
+        if dtype == torch.float32:
+            assert m.data_ptr() == uu.data_ptr() and v.data_ptr() == ss.data_ptr()  # in place
+        results.append((m.float(), v.float()))
+    (fast_m, fast_v), (ref_m, ref_v) = results
+    ulp = 2.5e-7 if dtype == torch.float32 else 2**-7  # (a float32 ulp can round to the other bf16)
+    torch.testing.assert_close(fast_m, ref_m, rtol=ulp, atol=0, equal_nan=True)
+    torch.testing.assert_close(fast_v, ref_v, rtol=2 * ulp, atol=0, equal_nan=True)
+    assert fast_v[1] == 0 and fast_v[2] == 0 and torch.isnan(fast_v[0]) and torch.isnan(fast_m[4])
+
+
 def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
     from hf_dynaquant.core import quantizer as quantizer_mod
 

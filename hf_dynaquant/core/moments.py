@@ -119,10 +119,16 @@ def update_scale_to_adam(
     :func:`scale_gain`): ``sqrt(v) = scale_gain * (exp(s) - eps)`` (``v = 0`` stays 0) and
     ``m = gain * u * (sqrt(v) + eps)``, so Adam's first step after a restore is ``gain * u``.
     ``inplace``: ``u`` and ``s`` (float32, the caller's to give up) become ``m`` and ``v``, with
-    no temporaries."""
+    no temporaries. The compiled kernel takes one pass and one ``exp`` per distinct scale value
+    (a decoded scale has at most :data:`MAX_SCALE_LEVELS`): the restore's main thread spent more
+    time in torch's six passes than in anything else; its ``expf`` is within an ulp of torch's."""
     if not (inplace and u.dtype == s.dtype == torch.float32):
         u, s = u.float().clone(), s.float().clone()
     floor = scale_floor(eps)
+    if native is not None and u.device.type == s.device.type == "cpu" and u.shape == s.shape:
+        u, s = u.contiguous(), s.contiguous()  # (decoded tensors already are: no copy)
+        native.scale_to_adam_f32(u.numpy(), s.numpy(), floor, gain, scale_gain)  # one pass, in place
+        return u.to(dtype), s.to(dtype)
     denom = s.exp_()  # sqrt(v) + eps as rounded
     if scale_gain != 1:
         denom.sub_(floor).clamp_min_(0).mul_(scale_gain).add_(floor)

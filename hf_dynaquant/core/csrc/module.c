@@ -26,6 +26,8 @@ static PyMethodDef methods[] = {
     {"adam_update", py_adam_update, METH_VARARGS, "adam_update(m, m_bf16, v, v_bf16, floor, u): Adam's update, float32"},
     {"scale_stats_f32", py_scale_stats_f32, METH_VARARGS,
      "scale_stats_f32(s, origin, step) -> (all finite, maximum, scale gain sum)"},
+    {"scale_to_adam_f32", py_scale_to_adam_f32, METH_VARARGS,
+     "scale_to_adam_f32(u, s, floor, gain, scale_gain): u, s become Adam's m, v in place"},
     {"dequantize_u8", py_dequantize_u8, METH_VARARGS,
      "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},

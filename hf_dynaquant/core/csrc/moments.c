@@ -78,6 +78,74 @@ PyObject *py_adam_update(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* exp of a decoded Adam scale, which holds at most MAX_SCALE_LEVELS distinct values (the
+ * grid's centres): each distinct value's expf is taken once and kept in a small two-way cache
+ * keyed by the value's bits (a value that finds both ways taken only costs another expf). */
+#define EXP_SETS 1024
+typedef struct {
+    uint32_t key[EXP_SETS][2];
+    float value[EXP_SETS][2];
+    uint8_t used[EXP_SETS]; /* ways filled, 0-2 */
+    uint8_t next[EXP_SETS]; /* the way a miss replaces */
+} exp_cache;
+
+static inline float cached_expf(exp_cache *c, float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint32_t set = (bits * 2654435761u) >> 22; /* the top 10 bits of a multiplicative hash */
+    if (c->used[set] > 0 && c->key[set][0] == bits) return c->value[set][0];
+    if (c->used[set] > 1 && c->key[set][1] == bits) return c->value[set][1];
+    const float e = expf(x);
+    const int way = c->used[set] < 2 ? c->used[set]++ : (c->next[set] ^= 1);
+    c->key[set][way] = bits;
+    c->value[set][way] = e;
+    return e;
+}
+
+/* Adam's moments back from a decoded update u and scale s, in place (moments.py,
+ * update_scale_to_adam): d = exp(s), with a scale gain d = max(d - floor, 0) * scale_gain + floor,
+ * then u becomes m = u * d (* gain) and s becomes v = max(d - floor, 0)^2, each operation rounded
+ * to float32 as torch's sequence of in-place operations rounds it (NaN stays NaN). One pass,
+ * with one expf per distinct scale value, where torch made six passes and an exp per value. */
+static void scale_to_adam_f32(float *u, float *s, Py_ssize_t n, float floor, float gain, float scale_gain,
+                              exp_cache *cache) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float d = cached_expf(cache, s[i]);
+        if (scale_gain != 1.0f) {
+            float x = d - floor;
+            x = x < 0.0f ? 0.0f : x; /* NaN < 0 is false: NaN stays NaN */
+            x = x * scale_gain;
+            d = x + floor;
+        }
+        float m = u[i] * d;
+        if (gain != 1.0f) m = m * gain;
+        float v = d - floor;
+        v = v < 0.0f ? 0.0f : v;
+        u[i] = m;
+        s[i] = v * v;
+    }
+}
+
+PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args) {
+    Py_buffer u, s;
+    double floor, gain, scale_gain;
+    if (!PyArg_ParseTuple(args, "w*w*ddd", &u, &s, &floor, &gain, &scale_gain)) return NULL;
+    exp_cache *cache = NULL;
+    if (u.len != s.len)
+        PyErr_SetString(PyExc_ValueError, "scale_to_adam: the update and the scale differ in length");
+    else if ((cache = PyMem_RawCalloc(1, sizeof(exp_cache))) == NULL)
+        PyErr_NoMemory();
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        scale_to_adam_f32(u.buf, s.buf, u.len / 4, (float)floor, (float)gain, (float)scale_gain, cache);
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(cache);
+    }
+    PyBuffer_Release(&u); PyBuffer_Release(&s);
+    if (cache == NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* exp(r) for |r| <= 1/2 to about 1e-7 relative (Taylor to degree 7; the term left out is under
  * 0.5^8 / 8! = 1e-7), as plain arithmetic the compiler can vectorise. */
 static inline double exp_small(double r) {
