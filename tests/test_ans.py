@@ -202,6 +202,31 @@ def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
     assert sizes["ans"] < 0.85 * sizes["regroup"]
 
 
+def test_one_lane_streams_of_earlier_writers_still_read(tmp_path, monkeypatch) -> None:
+    """Writers before lanes (codec version 1) coded long keyframes and deltas in one lane
+    (``"ans"``): such a chain reads back to exactly what the same chain in four lanes reads to."""
+    import hf_dynaquant.codecs.dynaquant as dynaquant_codec
+    import hf_dynaquant.core.entropy as entropy
+
+    torch.manual_seed(0)
+    w = {"layer.weight": torch.randn(256, 256) * 0.05}
+    moved = {"layer.weight": w["layer.weight"] + 0.004 * torch.randn(256, 256)}
+    config = QuantConfig(bins=6, prune=0.0, protect=0.001, min_numel=1000)
+    decoded, streams = {}, {}
+    for lanes in (1, LANES):
+        with monkeypatch.context() as patch:
+            for module in (entropy, dynaquant_codec):
+                patch.setattr(module, "lanes_for", lambda n, lanes=lanes: lanes)
+            store = CheckpointStore(tmp_path / str(lanes))
+            base = compress_state_dict(store, w, config, ref="k")
+            compress_state_dict(store, moved, config, base=base, ref="d")
+        key, delta = store.open("k").record("model", "layer.weight"), store.open("d").record("model", "layer.weight")
+        streams[lanes] = (key["params"]["codes_stream"], delta["params"]["delta_stream"][0])
+        decoded[lanes] = [store.open(ref).load_section("model")["layer.weight"] for ref in ("k", "d")]
+    assert streams == {1: ("ans", "ans"), LANES: ("ans4", "ans4")}
+    assert all(torch.equal(a, b) for a, b in zip(decoded[1], decoded[LANES]))
+
+
 def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch) -> None:
     """constriction sees at most ``_SLICE`` symbols at once (bounded memory); the stream is the same."""
     import hf_dynaquant.core.ans as ans
