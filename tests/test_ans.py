@@ -147,6 +147,11 @@ def test_damaged_streams_raise_value_errors() -> None:
     damaged[damaged[0]] = 0x7F  # the last lane size byte: more words than the stream has
     with pytest.raises(ValueError):
         ans_decode(bytes(damaged), symbols.size, lanes=4)
+    header = uleb128_decode(np.frombuffer(lanes, np.uint8)[1 : 1 + lanes[0]])
+    header[-3:] = [3, 2**64 - 2, 1]  # a lane of "-2" words: the lanes would overlap
+    table = uleb128_encode(header).tobytes()
+    with pytest.raises(ValueError, match="lane sizes"):
+        ans_decode(bytes([len(table)]) + table + lanes[1 + lanes[0] :], symbols.size, lanes=4)
     with pytest.raises(ValueError, match="1, 2, 4 or 8"):
         ans_encode(symbols, lanes=3)
 

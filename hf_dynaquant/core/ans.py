@@ -186,8 +186,9 @@ def ans_decode(
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
     if table.size - pos != lanes - 1:
         raise ValueError(f"rANS table has {table.size - pos} entries after its groups, not the {lanes - 1} lane sizes")
-    ends = np.cumsum([0, *(int(c) for c in table[pos:])])  # Python ints: a damaged count cannot wrap
-    if int(ends.min()) < 0 or int(ends[-1]) > words.size:
+    counts = [int(c) for c in table[pos:]]  # (a count of 2^63 or more reads as negative)
+    ends = np.cumsum([0, *counts])
+    if min(counts, default=0) < 0 or int(ends[-1]) > words.size:
         raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
     lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
     if native is not None:
