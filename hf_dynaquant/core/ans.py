@@ -41,7 +41,7 @@ from .histogram import byte_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
-__all__ = ["ans_encode", "ans_decode", "ans_lanes", "lanes_for", "LANES"]
+__all__ = ["ans_encode", "ans_decode", "ans_coding", "ans_lanes", "lanes_for", "LANES"]
 
 # Symbols handed to the coder at once. constriction holds the GIL while it codes, so this bounds
 # both the int32 copies (4 MiB) and how long a background encode can hold up the training loop's
@@ -138,7 +138,7 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None, lanes: int
             coded.append((start, stop, counts))
     if native is not None:
         cdf, offsets, _, starts, stops = _tables(coded)
-        words, counts = native.ans_encode(sym, cdf, offsets, starts, stops, lanes)  # little-endian words
+        words, lane_words = native.ans_encode(sym, cdf, offsets, starts, stops, lanes)  # little-endian words
     else:
         streams = []
         for j in range(lanes):
@@ -148,8 +148,8 @@ def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None, lanes: int
                 for at in reversed(range(0, mine.size, _SLICE)):
                     coder.encode_reverse(mine[at : at + _SLICE].astype(np.int32), model)
             streams.append(coder.get_compressed().astype("<u4").tobytes())
-        words, counts = b"".join(streams), [len(w) // 4 for w in streams]
-    table += list(counts[:-1])
+        words, lane_words = b"".join(streams), [len(w) // 4 for w in streams]
+    table += list(lane_words[:-1])
     header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
     return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + words
 
@@ -186,9 +186,9 @@ def ans_decode(
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
     if table.size - pos != lanes - 1:
         raise ValueError(f"rANS table has {table.size - pos} entries after its groups, not the {lanes - 1} lane sizes")
-    counts = [int(c) for c in table[pos:]]  # (a count of 2^63 or more reads as negative)
-    ends = np.cumsum([0, *counts])
-    if min(counts, default=0) < 0 or int(ends[-1]) > words.size:
+    lane_words = [int(c) for c in table[pos:]]  # (a count of 2^63 or more reads as negative)
+    ends = np.cumsum([0, *lane_words])
+    if min(lane_words, default=0) < 0 or int(ends[-1]) > words.size:
         raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
     lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
     if native is not None:
