@@ -103,6 +103,32 @@ def test_ordered_map_keeps_order_and_bounds_what_is_in_flight() -> None:
         pool.shutdown()
 
 
+def test_a_slow_item_at_the_head_leaves_the_other_threads_working() -> None:
+    """With a budget, items behind a slow one keep running on the other threads while the
+    caller waits for it (the budget, not a count of one more than the threads, bounds them)."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, ordered_map
+
+    pool = ForkSafePool("test-ahead", max_workers=2)
+    finished, lock, done = [0], threading.Lock(), threading.Event()
+
+    def work(item: tuple[int, int]) -> bool:
+        if item[0] == 0:  # the head: done only once eight items behind it are
+            return done.wait(timeout=10)
+        with lock:
+            finished[0] += 1
+            if finished[0] == 8:
+                done.set()
+        return True
+
+    items = [(0, 50)] + [(i, 1) for i in range(1, 11)]
+    try:
+        assert all(ordered_map(pool, work, items, weight=lambda it: it[1], budget=100))
+    finally:
+        pool.shutdown()
+
+
 def test_weighed_batches_cut_in_order_under_the_budget() -> None:
     from hf_dynaquant.core.pool import weighed_batches
 
