@@ -96,9 +96,10 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         if coding == "ans":
             if int(size) != n:
                 raise ValueError(f"delta holds {int(size)} values, expected {n}")
-            if not ans_lanes(stream_coding):
+            lanes = ans_lanes(stream_coding)
+            if not lanes:
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
-            delta = ungroup(ans_decode(payload, n, _groups(prev), ans_lanes(stream_coding)), prev)
+            delta = ungroup(ans_decode(payload, n, _groups(prev), lanes), prev)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             if coding == "entropy":

@@ -165,9 +165,9 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
         out = np.frombuffer(payload, dtype=np.uint8)
     elif coding == ZSTD:
         out = np.frombuffer(decompress(payload, where, size), dtype=np.uint8)
-    elif ans_lanes(coding):
+    elif lanes := ans_lanes(coding):
         try:
-            out = ans_decode(payload, size, lanes=ans_lanes(coding))
+            out = ans_decode(payload, size, lanes=lanes)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
     elif packed_bits(coding):

@@ -197,24 +197,24 @@ INLINE int encode_symbol(uint64_t *st, words_t *lane, uint8_t sym, const uint32_
 INLINE int encode(const int L, const uint8_t *restrict sym, const uint32_t *cdf, const int64_t *cdf_off,
                   const int64_t *start, const int64_t *stop, Py_ssize_t n_groups, words_t *restrict lane) {
     uint64_t st[MAX_LANES], rcp[256];
-    int ok = 1;
     for (int j = 0; j < L; j++) st[j] = 0;
-    for (Py_ssize_t g = n_groups - 1; g >= 0 && ok; g--) {
+    for (Py_ssize_t g = n_groups - 1; g >= 0; g--) {
         const uint32_t *c = cdf + cdf_off[g];
         const int64_t a = start[g], b = stop[g];
         memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals */
         int64_t row = (b - 1) & ~(int64_t)(L - 1);
         for (; row > a - L && (row + L > b || row < a); row -= L) /* rows the group ends or begins in */
             for (int j = L - 1; j >= 0; j--)
-                if (row + j >= a && row + j < b) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
-        for (; row >= a && ok; row -= L) /* whole rows: the lanes unrolled, their states in registers */
+                if (row + j >= a && row + j < b && !encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
+        for (; row >= a; row -= L) /* whole rows: the lanes unrolled, their states in registers */
 #pragma GCC unroll 8
-            for (int j = L - 1; j >= 0; j--) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
+            for (int j = L - 1; j >= 0; j--)
+                if (!encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
         for (; row > a - L; row -= L) /* the first row */
             for (int j = L - 1; j >= 0; j--)
-                if (row + j >= a) ok &= encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp);
+                if (row + j >= a && !encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
     }
-    for (int j = 0; j < L && ok; j++) {
+    for (int j = 0; j < L; j++) {
         if (!room(&lane[j])) return -1;
         if (st[j] >= STATE_LOW) {
             lane[j].buf[lane[j].n++] = (uint32_t)st[j];
@@ -223,7 +223,7 @@ INLINE int encode(const int L, const uint8_t *restrict sym, const uint32_t *cdf,
             lane[j].buf[lane[j].n++] = (uint32_t)st[j];
         }
     }
-    return ok ? 0 : -1;
+    return 0;
 }
 
 #define ENCODE_ARGS const uint8_t *sym, const uint32_t *cdf, const int64_t *off, const int64_t *start, \
