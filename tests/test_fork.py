@@ -73,7 +73,8 @@ def test_pools_work_in_a_forked_child() -> None:
 
 def test_ordered_map_keeps_order_and_bounds_what_is_in_flight() -> None:
     """Results come in order; at most ``ahead`` items run at once, and with a weight budget the
-    items running weigh at most the budget together (one heavier than it runs alone)."""
+    items running weigh at most the budget together, where one heavier than half the budget
+    counts as just over half: it runs beside lighter ones, never beside another such item."""
     import threading
     import time
 
@@ -85,21 +86,60 @@ def test_ordered_map_keeps_order_and_bounds_what_is_in_flight() -> None:
     def work(item: tuple[int, int]) -> int:
         with lock:
             running[item[0]] = item[1]
-            peaks.append((len(running), sum(running.values())))
+            peaks.append(sorted(running.values()))
         time.sleep(0.01)
         with lock:
             del running[item[0]]
         return item[0]
 
-    items = [(i, w) for i, w in enumerate([1, 1, 5, 1, 1, 9, 1, 2, 2, 2])]
+    items = [(i, w) for i, w in enumerate([1, 1, 5, 1, 1, 9, 1, 2, 2, 2, 6, 7])]
     try:
-        assert list(ordered_map(pool, work, items, ahead=3)) == list(range(10))
-        assert max(n for n, _ in peaks) <= 3
+        assert list(ordered_map(pool, work, items, ahead=3)) == list(range(12))
+        assert max(len(p) for p in peaks) <= 3
         peaks.clear()
-        out = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=4))
-        assert out == list(range(10))
-        assert all(load <= 4 or n == 1 for n, load in peaks)  # the 5 and the 9 ran alone
+        out = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8))
+        assert out == list(range(12))
+        for weights in peaks:
+            heavy = [w for w in weights if w > 4]
+            assert len(heavy) <= 1  # the 5, the 9, the 6 and the 7 never together
+            assert sum(min(w, 5) for w in weights) <= 8  # a heavy item counts as 5 of the 8
+        assert any(len(p) > 1 and max(p) > 4 for p in peaks)  # and runs beside light ones
     finally:
+        pool.shutdown()
+
+
+def test_completed_map_gives_results_as_they_finish_under_the_same_bounds() -> None:
+    """Each item once, with its result, as soon as it is done: a slow item at the head holds
+    back neither the results behind it nor, through their weight, the items after them."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, completed_map
+
+    pool = ForkSafePool("test-completed", max_workers=2)
+    release, lock, running, peak = threading.Event(), threading.Lock(), [0], [0]
+
+    def work(item: tuple[int, int]) -> int:
+        with lock:
+            running[0] += item[1]
+            peak[0] = max(peak[0], running[0])
+        if item[0] == 0:
+            release.wait(timeout=10)
+        with lock:
+            running[0] -= item[1]
+        return -item[0]
+
+    items = [(0, 3)] + [(i, 2) for i in range(1, 21)]
+    seen = []
+    try:
+        for item, result in completed_map(pool, work, items, weight=lambda it: it[1], budget=8):
+            assert result == -item[0]
+            seen.append(item[0])
+            if len(seen) == 15:  # fifteen results behind the head, each light ones' weight reused
+                release.set()
+        assert sorted(seen) == list(range(21)) and seen.index(0) >= 15
+        assert peak[0] <= 8
+    finally:
+        release.set()
         pool.shutdown()
 
 

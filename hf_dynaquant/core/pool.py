@@ -16,12 +16,19 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["ForkSafePool", "reset_after_fork", "default_workers", "ordered_map", "weighed_batches", "VALUES_IN_FLIGHT"]
+__all__ = [
+    "ForkSafePool",
+    "reset_after_fork",
+    "default_workers",
+    "ordered_map",
+    "completed_map",
+    "weighed_batches",
+    "VALUES_IN_FLIGHT",
+]
 
 T = TypeVar("T")
 # Tensor values encoded or decoded at once on a pool (``ordered_map``'s budget): a tensor's
@@ -114,28 +121,80 @@ def ordered_map(
     unlike ``Executor.map``, which submits every item at once, the items (and what
     ``fn`` makes of them) are held ``ahead`` at a time, so memory stays bounded while the pool's
     threads work on several tensors at once. With ``weight`` and ``budget`` the items in flight
-    also weigh at most ``budget`` together (an item heavier than that runs alone): what ``fn``
-    holds while it works grows with the item (a tensor's temporaries with its values), and a few
-    of the largest tensors at once would otherwise set the peak. ``items`` is consumed in the
-    calling thread."""
+    also weigh at most ``budget`` together, an item heavier than half the budget counting as
+    just over half (:func:`_admitted`): what ``fn`` holds while it works grows with the item (a
+    tensor's temporaries with its values), and a few of the largest tensors at once would
+    otherwise set the peak. ``items`` is consumed in the calling thread."""
+    for _, result in _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True):
+        yield result
+
+
+def completed_map(
+    pool: ForkSafePool, fn: Callable[[U], T], items: Iterable[U], *, weight: Callable[[U], int], budget: int
+) -> Iterator[tuple[U, T]]:
+    """``(item, fn(item))`` for each item as soon as it is done, in the order they finish, under
+    the bounds of :func:`ordered_map` with a ``budget``. For callers that take the results in
+    any order (a restore loading tensors by name): a large item in front no longer holds back
+    the results behind it, and so the budget they weigh, while the pool's other threads idle."""
+    return _bounded_map(pool, fn, items, None, weight, budget, in_order=False)
+
+
+def _admitted(w: int, budget: int) -> int:
+    """What an item of weight ``w`` counts for against ``budget``: its weight, but an item
+    heavier than half the budget counts as just over half. It then runs beside lighter items
+    weighing up to the other half (a 124M model's embedding and its two moments, each over
+    the budget, each left one of two threads idle while they ran alone), but never beside
+    another such item, so the temporaries in flight stay under its own plus half the budget."""
+    return min(w, budget // 2 + 1)
+
+
+def _bounded_map(
+    pool: ForkSafePool,
+    fn: Callable[[U], T],
+    items: Iterable[U],
+    ahead: int | None,
+    weight: Callable[[U], int] | None,
+    budget: int | None,
+    *,
+    in_order: bool,
+) -> Iterator[tuple[U, T]]:
+    """The loop of :func:`ordered_map` (``in_order``) and :func:`completed_map`: submit the
+    items while the bounds allow, and take results (the oldest, or any that are done) to make
+    room."""
     ahead = (pool.max_workers + 1 if budget is None else _AHEAD_WITH_BUDGET) if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
-    pending: deque[tuple[Future[T], int]] = deque()
+    pending: dict[Future[T], tuple[U, int]] = {}  # in submission order
     load = 0
+
+    def take(block: bool) -> Iterator[tuple[U, T]]:
+        """Results to make room: the oldest (in order, waiting for it), else those done (waiting
+        for one if ``block``)."""
+        nonlocal load
+        if in_order:
+            done = [next(iter(pending))] if block else []
+        else:
+            done = [f for f in pending if f.done()]
+            if block and not done:
+                done = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
+        for future in done:
+            item, w = pending.pop(future)
+            load -= w
+            yield item, future.result()
+
     try:
         for item in items:
-            w = weight(item) if weight is not None and budget is not None else 0
+            w = _admitted(weight(item), budget) if weight is not None and budget is not None else 0
             while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
-                future, done = pending.popleft()
-                load -= done
-                yield future.result()
-            pending.append((pool.submit(fn, item), w))
+                yield from take(block=True)
+            pending[pool.submit(fn, item)] = (item, w)
             load += w
+            if not in_order:
+                yield from take(block=False)
         while pending:
-            yield pending.popleft()[0].result()
+            yield from take(block=True)
     finally:
-        for future, _ in pending:  # a failure or an abandoned loop: no work goes on for nobody
+        for future in pending:  # a failure or an abandoned loop: no work goes on for nobody
             future.cancel()
 
 

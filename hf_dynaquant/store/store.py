@@ -37,7 +37,7 @@ from ..codecs.base import Codec, Encoded, get_codec
 from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
 from ..core.memory import ReleaseFreed
-from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
+from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, completed_map, ordered_map
 from ..errors import (
     CodecError,
     CorruptCheckpointError,
@@ -365,24 +365,27 @@ class EntryReader:
 
     def iter_section(self, section: str, *, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every tensor of a section, decoded a few at a time on the
-        pool (so a caller that consumes each tensor as it comes holds only those few); an alias
-        (a tied weight) comes after its target, as the same tensor object."""
+        pool (so a caller that consumes each tensor as it comes holds only those few), in the
+        order they are done; an alias (a tied weight) comes right after its target, as the same
+        tensor object. The tensors heavier than a quarter of the budget are decoded first, beside
+        the others: last, they would keep one thread busy while the others idle at the end."""
         records = self._section(section)
         targets = [n for n, rec in records.items() if "alias_of" not in rec]
+        targets.sort(key=lambda n: math.prod(records[n]["shape"]) <= VALUES_IN_FLIGHT // 4)  # (stable)
         aliases: dict[str, list[str]] = {}
         for name, rec in records.items():
             if "alias_of" in rec:
                 aliases.setdefault(rec["alias_of"], []).append(name)
         self._prepare(section)
         with tqdm(total=len(records), desc=f"decoding {section}", unit="tensor", disable=not progress) as bar:
-            tensors = ordered_map(
+            tensors = completed_map(
                 _TENSOR_POOL,
                 lambda n: self.tensor(section, n),
                 targets,
                 weight=lambda n: math.prod(records[n]["shape"]),
                 budget=VALUES_IN_FLIGHT,
             )
-            for name, tensor in zip(targets, tensors):
+            for name, tensor in tensors:
                 for each in (name, *aliases.pop(name, [])):
                     yield each, tensor
                     bar.update()

@@ -461,7 +461,7 @@ def decode_optimizer_state(
     """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``) whose
     tensors arrive one by one: ``tree`` holds a :class:`TensorKey` for each tensor
     (``EntryReader.tree(name, leaf=TensorKey)``), ``tensors`` yields ``(key, tensor)`` (the tree's
-    section decoded in order, :meth:`~hf_dynaquant.store.EntryReader.iter_section`), and ``fetch``
+    section decoded in any order, :meth:`~hf_dynaquant.store.EntryReader.iter_section`), and ``fetch``
     gives a key that never arrives (raising what is wrong with it). Each parameter's state is
     converted as soon as its tensors are in, so only a few parameters' stored (float32) forms
     are held at once, never the whole optimizer's (a bf16 model's restore held 2.2x its
