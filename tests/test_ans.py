@@ -116,6 +116,40 @@ def test_lanes_are_streams_of_their_own_and_pinned() -> None:
 PINNED_LANES = "0f050100070a020502000508010202011b3e5afb390600005d379372010000001b6986c9fcce1c3901000000"
 
 
+def _with_table(payload: bytes, edit) -> bytes:
+    """``payload`` with its table (the uleb128 numbers after the table length) passed through ``edit``."""
+    data = np.frombuffer(payload, dtype=np.uint8)
+    first = int(np.argmax(data < 0x80)) + 1
+    end = first + int(uleb128_decode(data[:first])[0])
+    table = edit(uleb128_decode(data[first:end]).astype(np.uint64))
+    header = uleb128_encode(table).tobytes()
+    return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + payload[end:]
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+@pytest.mark.parametrize("kernel", ["compiled", "python"])
+def test_a_stream_decoding_to_another_histogram_than_its_table_is_refused(monkeypatch, lanes, kernel) -> None:
+    """The decoder counts what each group decodes to (the compiled kernel as it decodes, lane by
+    lane); a table whose counts were swapped (same total) decodes to other symbols, refused by name."""
+    from hf_dynaquant.core import ans as ans_mod
+
+    if kernel == "python":
+        monkeypatch.setattr(ans_mod, "native", None)
+    rng = np.random.default_rng(4)
+    sizes = np.array([3000, 5000])
+    symbols = np.concatenate([rng.choice(3, 3000, p=[0.2, 0.3, 0.5]), rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4])])
+    payload = ans_encode(symbols.astype(np.uint8), sizes, lanes)
+    assert np.array_equal(ans_decode(payload, symbols.size, sizes, lanes), symbols)
+
+    def swap_second_group(table: np.ndarray) -> np.ndarray:  # [3, c0, c1, c2, 4, c0, c1, c2, c3, lane sizes...]
+        out = table.copy()
+        out[[5, 8]] = table[[8, 5]]
+        return out
+
+    with pytest.raises(ValueError, match="group of symbols 3000-8000 decodes to a histogram other than its table's"):
+        ans_decode(_with_table(payload, swap_second_group), symbols.size, sizes, lanes)
+
+
 def test_damaged_streams_raise_value_errors() -> None:
     rng = np.random.default_rng(2)
     symbols = rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4]).astype(np.uint8)

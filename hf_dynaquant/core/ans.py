@@ -191,8 +191,11 @@ def ans_decode(
     if min(lane_words, default=0) < 0 or int(ends[-1]) > words.size:
         raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
     lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
-    if native is not None:
-        empty = native.ans_decode(words, lane_bounds, *_tables(coded), out)
+    if native is not None:  # the kernel counts the symbols as it decodes them
+        tables = _tables(coded)
+        hist = np.zeros(tables[0].size, dtype=np.int64)
+        empty = native.ans_decode(words, lane_bounds, *tables, out, hist)
+        decoded = np.split(hist, tables[1][1:])
     else:
         empty = True
         for j in range(lanes):
@@ -205,8 +208,9 @@ def ans_decode(
                     values[at : at + _SLICE] = decoder.decode(model, min(_SLICE, size - at))
                 out[mine] = values
             empty &= decoder.is_empty()
-    for start, stop, counts in coded:
-        if not np.array_equal(byte_counts(out[start:stop], counts.size), counts):
+        decoded = [byte_counts(out[start:stop], counts.size) for start, stop, counts in coded]
+    for (start, stop, counts), histogram in zip(coded, decoded):
+        if not np.array_equal(histogram[: counts.size], counts):
             raise ValueError(f"rANS group of symbols {start}-{stop} decodes to a histogram other than its table's")
     if not empty:
         raise ValueError("rANS stream has words left over after its last symbol")

@@ -26,6 +26,7 @@ typedef struct {
     const uint32_t *cdf;          /* k + 1 entries */
     int k;                        /* symbols of the alphabet */
     uint8_t first[1 << LOOKUP_BITS]; /* the symbol of the quantile (q >> shift) << shift */
+    int64_t counts[MAX_LANES][256]; /* the decoder's histogram of the group, lane by lane */
 } model_t;
 
 static void model_init(model_t *m, const uint32_t *cdf, int k) {
@@ -65,12 +66,15 @@ INLINE uint8_t decode_symbol(uint64_t *st, int64_t *top, int64_t low, const uint
 
 /* The decoder of a stream in L lanes: lane j's words are words[bound[j]..bound[j+1]). Groups
  * g = 0..n_groups-1 fill out[start[g]..stop[g]) with the model cdf + cdf_off[g] of k[g]
- * symbols. Returns 1 when every lane ends empty (no words left, state 0: a whole, undamaged
- * stream), else 0. */
+ * symbols, and hist[cdf_off[g] + s] with how many symbols s they decoded to (counted as they
+ * are decoded, each lane apart: the check that a group decodes to its table's histogram then
+ * costs no second pass over the symbols). Returns 1 when every lane ends empty (no words left,
+ * state 0: a whole, undamaged stream), else 0. */
 INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bound, const uint32_t *cdf,
                   const int64_t *cdf_off, const int64_t *k, const int64_t *start, const int64_t *stop,
-                  Py_ssize_t n_groups, uint8_t *restrict out, model_t *restrict model) {
+                  Py_ssize_t n_groups, uint8_t *restrict out, int64_t *restrict hist, model_t *restrict model) {
     uint64_t st[MAX_LANES];
+    int64_t (*cnt)[256] = model->counts;
     int64_t top[MAX_LANES];
     for (int j = 0; j < L; j++) {
         top[j] = bound[j + 1];
@@ -89,17 +93,24 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
         const uint32_t *c = model->cdf;
         const int kg = model->k;
         const int64_t a = start[g], b = stop[g];
+        for (int j = 0; j < L; j++) memset(cnt[j], 0, (size_t)kg * sizeof(int64_t));
         int64_t row = a & ~(int64_t)(L - 1);
         for (; row < b && (row < a || row + L > b); row += L) /* rows the group begins or ends in */
             for (int j = 0; j < L; j++)
                 if (row + j >= a && row + j < b)
-                    out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
+                    cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
         for (; row + L <= b; row += L) /* whole rows: the lanes unrolled, their states in registers */
 #pragma GCC unroll 8
-            for (int j = 0; j < L; j++) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
+            for (int j = 0; j < L; j++)
+                cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
         for (; row < b; row += L) /* the last row */
             for (int j = 0; j < L; j++)
-                if (row + j < b) out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg);
+                if (row + j < b) cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
+        for (int s = 0; s < kg; s++) {
+            int64_t total = 0;
+            for (int j = 0; j < L; j++) total += cnt[j][s];
+            hist[cdf_off[g] + s] = total;
+        }
     }
     int empty = 1;
     for (int j = 0; j < L; j++) empty &= st[j] == 0 && top[j] == bound[j];
@@ -107,31 +118,36 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
 }
 
 #define DECODE_ARGS const uint32_t *w, const int64_t *b, const uint32_t *cdf, const int64_t *off, const int64_t *k, \
-                    const int64_t *start, const int64_t *stop, Py_ssize_t n, uint8_t *out, model_t *m
-static int decode_1(DECODE_ARGS) { return decode(1, w, b, cdf, off, k, start, stop, n, out, m); }
-static int decode_2(DECODE_ARGS) { return decode(2, w, b, cdf, off, k, start, stop, n, out, m); }
-static int decode_4(DECODE_ARGS) { return decode(4, w, b, cdf, off, k, start, stop, n, out, m); }
-static int decode_8(DECODE_ARGS) { return decode(8, w, b, cdf, off, k, start, stop, n, out, m); }
+                    const int64_t *start, const int64_t *stop, Py_ssize_t n, uint8_t *out, int64_t *h, model_t *m
+static int decode_1(DECODE_ARGS) { return decode(1, w, b, cdf, off, k, start, stop, n, out, h, m); }
+static int decode_2(DECODE_ARGS) { return decode(2, w, b, cdf, off, k, start, stop, n, out, h, m); }
+static int decode_4(DECODE_ARGS) { return decode(4, w, b, cdf, off, k, start, stop, n, out, h, m); }
+static int decode_8(DECODE_ARGS) { return decode(8, w, b, cdf, off, k, start, stop, n, out, h, m); }
 
-/* ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out) -> every lane
- * ended empty */
+/* ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out, hist) -> every
+ * lane ended empty; hist (int64, an entry per entry of cdf) gets each group's histogram */
 PyObject *py_ans_decode(PyObject *self, PyObject *args) {
-    Py_buffer words, bound, cdf, cdf_off, k, start, stop, out;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*", &words, &bound, &cdf, &cdf_off, &k, &start, &stop, &out))
+    Py_buffer words, bound, cdf, cdf_off, k, start, stop, out, hist;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*", &words, &bound, &cdf, &cdf_off, &k, &start, &stop, &out, &hist))
         return NULL;
     const Py_ssize_t n_groups = k.len / 8, lanes = bound.len / 8 - 1;
     int empty = -1;
     model_t *model = NULL;
-    if (valid_lanes(lanes) && (model = PyMem_RawMalloc(sizeof(model_t))) == NULL) PyErr_NoMemory();
+    if (hist.len / 8 < cdf.len / 4)
+        PyErr_SetString(PyExc_ValueError, "ans_decode: the histogram has fewer entries than the tables");
+    else if (valid_lanes(lanes) && (model = PyMem_RawMalloc(sizeof(model_t))) == NULL)
+        PyErr_NoMemory();
     if (model != NULL) {
         int (*fn)(DECODE_ARGS) = lanes == 1 ? decode_1 : lanes == 2 ? decode_2 : lanes == 4 ? decode_4 : decode_8;
         Py_BEGIN_ALLOW_THREADS
-        empty = fn(words.buf, bound.buf, cdf.buf, cdf_off.buf, k.buf, start.buf, stop.buf, n_groups, out.buf, model);
+        empty = fn(words.buf, bound.buf, cdf.buf, cdf_off.buf, k.buf, start.buf, stop.buf, n_groups, out.buf, hist.buf,
+                   model);
         Py_END_ALLOW_THREADS
         PyMem_RawFree(model);
     }
     PyBuffer_Release(&words); PyBuffer_Release(&bound); PyBuffer_Release(&cdf); PyBuffer_Release(&cdf_off);
     PyBuffer_Release(&k); PyBuffer_Release(&start); PyBuffer_Release(&stop); PyBuffer_Release(&out);
+    PyBuffer_Release(&hist);
     return empty < 0 ? NULL : PyBool_FromLong(empty);
 }
 

@@ -34,7 +34,7 @@ static PyMethodDef methods[] = {
     {"ans_encode", py_ans_encode, METH_VARARGS,
      "ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the lanes' rANS words, each lane's word count)"},
     {"ans_decode", py_ans_decode, METH_VARARGS,
-     "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out) -> every lane ended empty"},
+     "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out, hist) -> every lane ended empty"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
     {NULL, NULL, 0, NULL}};
 
