@@ -291,6 +291,55 @@ def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
         dequantize(codes, centres, protected[1:])
 
 
+def _partition_reference(w, sens, tau_mag, tau_sens, tau_prune, by_sens, mids) -> tuple[np.ndarray, int]:
+    """The partition's rules, spelled out in float64 (the kernel's contract): protected where
+    ``|w| > tau_mag`` or ``sens > tau_sens``, else pruned where the criterion is below
+    ``tau_prune`` or exactly 0 (pruning off when ``tau_prune < 0``), else 2 + the number of
+    midpoints below ``w`` (NaN: none)."""
+    mag = np.abs(w).astype(np.float64)
+    protected = mag > tau_mag
+    if sens is not None:
+        protected |= sens.astype(np.float64) > tau_sens
+    criterion = (sens if by_sens and sens is not None else np.abs(w)).astype(np.float64)
+    pruned = ((criterion < tau_prune) | (criterion == 0)) if tau_prune >= 0 else np.zeros(w.size, bool)
+    below = (mids[None, :] < w[:, None]).sum(axis=1) if mids.size else np.zeros(w.size, np.int64)
+    codes = np.where(protected, 1, np.where(pruned, 0, 2 + below)).astype(np.uint8)
+    return codes, int(protected.sum())
+
+
+@pytest.mark.parametrize("nmids", [0, 1, 3, 4, 7, 8, 15, 16, 31, 32, 40, 253])
+def test_partition_kernel_follows_its_rules_at_every_edge(nmids: int) -> None:
+    """The compiled partition (float32 comparisons against the double thresholds' float32
+    neighbours, midpoints counted without branches up to 31 of them, searched by halves past
+    that) against the rules in float64: values on and beside each threshold, thresholds
+    between two float32s, zeros of both signs, NaN and infinities, with and without a
+    sensitivity, pruning by either criterion or not at all."""
+    native = quantizer_mod.native
+    assert native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(nmids)
+    tau_mag, tau_sens, tau_prune = 1.5 + 1e-9, 0.75, 0.1 + 3e-10  # the first and last between float32s
+    near = [np.nextafter(np.float32(t), np.float32(d)) for t in (tau_mag, tau_prune, 1.5, 0.1) for d in (-1, 2)]
+    special = np.array(
+        [0.0, -0.0, np.nan, np.inf, -np.inf, 1.5, -1.5, 0.1, -0.1, *near, *(-np.array(near))], dtype=np.float32
+    )
+    w = np.concatenate([special, rng.normal(0, 0.8, 5000).astype(np.float32)])
+    sens = np.abs(rng.normal(0, 0.5, w.size)).astype(np.float32)
+    sens[:40:3] = 0.0
+    sens[1:40:5] = np.float32(tau_sens)
+    mids = np.sort(rng.normal(0, 0.6, nmids)).astype(np.float32)
+    if nmids:
+        w[100 : 100 + nmids] = mids  # values exactly on a midpoint
+    for with_sens, by_sens, prune in [(False, False, tau_prune), (True, False, tau_prune), (True, True, tau_prune),
+                                      (False, False, -1.0), (True, True, -1.0)]:  # fmt: skip
+        s = sens if with_sens else None
+        codes = np.empty(w.size, np.uint8)
+        nprot = native.partition_f32(w, s if with_sens else w, with_sens, tau_mag, tau_sens, prune, by_sens, mids, codes)
+        want, want_prot = _partition_reference(w, s, tau_mag, tau_sens, prune, by_sens, mids)
+        bad = np.flatnonzero(codes != want)
+        assert bad.size == 0, (with_sens, by_sens, prune, w[bad[:5]], codes[bad[:5]], want[bad[:5]])
+        assert nprot == want_prot
+
+
 def test_rle_rejects_malformed_streams() -> None:
     with pytest.raises(ValueError):
         rle_decode(np.array([3, 0]))

@@ -20,7 +20,6 @@
 #define LOOKUP_BITS 12 /* a first guess of the symbol from the quantile's top 12 bits */
 #define STATE_LOW ((uint64_t)1 << 32)
 #define MAX_LANES 8
-#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const uint32_t *cdf;          /* k + 1 entries */

@@ -23,6 +23,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A function the compiler must inline (specialised for its constant arguments at each call). */
+#define INLINE static inline __attribute__((always_inline))
+/* A loop the compiler vectorises, built twice on Linux x86-64 (the loader picks AVX2 where the
+ * CPU has it, else the baseline SSE2 build); the same results either way. */
+#if defined(__linux__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SIMD_CLONES
+#endif
+
 PyObject *py_histogram(PyObject *self, PyObject *args);
 PyObject *py_split(PyObject *self, PyObject *args);
 PyObject *py_join(PyObject *self, PyObject *args);

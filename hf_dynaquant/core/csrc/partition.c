@@ -3,22 +3,82 @@
 /* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights:
  * code 1 if protected (|w| > tau_mag, or sens > tau_sens), else 0 if pruned (metric <
  * tau_prune, or metric exactly 0, the metric being |w| or sens; tau_prune < 0 disables pruning),
- * else 2 + the nearest of the sorted centres (2 when there are none yet). Returns the number of
- * protected values. */
+ * else 2 + the nearest of the sorted centres (2 when there are none yet): the number of the
+ * centres' midpoints below w. Returns the number of protected values.
+ *
+ * The thresholds are doubles and the values float32: (double) x > t exactly when x > the
+ * largest float32 not above t, and (double) x < t exactly when x < the smallest float32 not
+ * below it (quantizer.py says why), so the loops compare in float32, with no branches: a
+ * value's code is picked from the three outcomes, and up to SMALL_MIDS midpoints are counted
+ * against padding of +inf (never below a value, NaN included). The compiler then vectorises
+ * the loop; a value's code is the one the search by halves gives (NaN: 2). More midpoints
+ * (centres past 32) take that search, by halves, value by value. */
+#define SMALL_MIDS 31
+
+static float f32_at_most(double t) {
+    float f = (float)t;
+    return (double)f > t ? nextafterf(f, -INFINITY) : f;
+}
+
+static float f32_at_least(double t) {
+    float f = (float)t;
+    return (double)f < t ? nextafterf(f, INFINITY) : f;
+}
+
+/* The loop for HAS_SENS (a sensitivity given) and BY_SENS (pruning by it), M midpoints counted
+ * (mids padded with +inf to M), instantiated for each combination below. */
+INLINE Py_ssize_t partition_loop(const int HAS_SENS, const int BY_SENS, const int M, const float *restrict w,
+                                 const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp, int prune,
+                                 const float *restrict mids, uint8_t *restrict codes) {
+    Py_ssize_t nprot = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float x = w[i], a = fabsf(x), s = HAS_SENS ? sens[i] : 0.0f;
+        const int protect = HAS_SENS ? (a > tm) | (s > ts) : a > tm;
+        const float m = BY_SENS ? s : a;
+        const int pruned = prune & ((m < tp) | (m == 0.0f));
+        int c = 2;
+#pragma GCC unroll 32
+        for (int k = 0; k < M; k++) c += mids[k] < x;
+        codes[i] = (uint8_t)(protect + (1 - protect) * (1 - pruned) * c); /* 1, else 0, else c */
+        nprot += protect;
+    }
+    return nprot;
+}
+
+#define PARTITION_LOOPS(M)                                                                                \
+    SIMD_CLONES static Py_ssize_t partition_##M(int has_sens, int by_sens, const float *w, const float *sens,    \
+                                                Py_ssize_t n, float tm, float ts, float tp, int prune,           \
+                                                const float *mids, uint8_t *codes) {                             \
+        if (!has_sens) return partition_loop(0, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);               \
+        if (!by_sens) return partition_loop(1, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);                \
+        return partition_loop(1, 1, M, w, sens, n, tm, ts, tp, prune, mids, codes);                              \
+    }
+PARTITION_LOOPS(3)
+PARTITION_LOOPS(7)
+PARTITION_LOOPS(15)
+PARTITION_LOOPS(31)
+
 static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
                                 double tau_sens, double tau_prune, int prune_by_sens,
                                 const float *mids, Py_ssize_t nmids, uint8_t *codes) {
+    const float tm = f32_at_most(tau_mag), ts = f32_at_most(tau_sens), tp = f32_at_least(tau_prune);
+    const int prune = tau_prune >= 0, has_sens = sens != NULL, by_sens = prune_by_sens && has_sens;
+    if (nmids <= SMALL_MIDS) {
+        float padded[SMALL_MIDS];
+        for (Py_ssize_t k = 0; k < SMALL_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
+        Py_ssize_t (*loop)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
+                           const float *, uint8_t *) =
+            nmids <= 3 ? partition_3 : nmids <= 7 ? partition_7 : nmids <= 15 ? partition_15 : partition_31;
+        return loop(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes);
+    }
     Py_ssize_t nprot = 0, top = 1;
     while (top * 2 <= nmids) top *= 2;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const double a = fabs((double)w[i]);
-        const double s = sens ? (double)sens[i] : 0.0;
-        if (a > tau_mag || (sens && s > tau_sens)) { codes[i] = 1; nprot++; continue; }
-        const double m = prune_by_sens && sens ? s : a;
-        if (tau_prune >= 0 && (m < tau_prune || m == 0)) { codes[i] = 0; continue; }
-        /* the number of midpoints below w is the nearest centre's index (branch-free search) */
-        const float x = w[i];
-        Py_ssize_t lo = 0;
+        const float x = w[i], a = fabsf(x), s = has_sens ? sens[i] : 0.0f;
+        if (a > tm || (has_sens && s > ts)) { codes[i] = 1; nprot++; continue; }
+        const float m = by_sens ? s : a;
+        if (prune && (m < tp || m == 0.0f)) { codes[i] = 0; continue; }
+        Py_ssize_t lo = 0; /* the number of midpoints below x (branch-free search by halves) */
         for (Py_ssize_t step = top; step > 0; step >>= 1)
             lo += (lo + step <= nmids && mids[lo + step - 1] < x) ? step : 0;
         codes[i] = (uint8_t)(2 + lo);
