@@ -34,10 +34,10 @@ from tqdm.auto import tqdm
 
 from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
-from ..core.dtypes import RawTensor, dtype_name, from_raw, storage_key, to_raw
+from ..core.dtypes import RawTensor, dtype_name, from_raw, itemsize, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
 from ..core.memory import ReleaseFreed
-from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, completed_map, ordered_map
+from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, completed_map, ordered_map, tensor_weight
 from ..errors import (
     CodecError,
     CorruptCheckpointError,
@@ -46,6 +46,7 @@ from ..errors import (
     MissingBaseError,
     MissingPretrainedError,
     StoreWriteError,
+    UnsupportedTensorError,
 )
 from .atomic import (
     TempDir,
@@ -371,7 +372,8 @@ class EntryReader:
         the others: last, they would keep one thread busy while the others idle at the end."""
         records = self._section(section)
         targets = [n for n, rec in records.items() if "alias_of" not in rec]
-        targets.sort(key=lambda n: math.prod(records[n]["shape"]) <= VALUES_IN_FLIGHT // 4)  # (stable)
+        weight = {n: _weight(records[n]) for n in targets}
+        targets.sort(key=lambda n: weight[n] <= VALUES_IN_FLIGHT // 4)  # (stable)
         aliases: dict[str, list[str]] = {}
         for name, rec in records.items():
             if "alias_of" in rec:
@@ -382,7 +384,7 @@ class EntryReader:
                 _TENSOR_POOL,
                 lambda n: self.tensor(section, n),
                 targets,
-                weight=lambda n: math.prod(records[n]["shape"]),
+                weight=weight.__getitem__,
                 budget=VALUES_IN_FLIGHT,
             )
             for name, tensor in tensors:
@@ -667,8 +669,8 @@ class CheckpointStore:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
-                numel = lambda job: math.prod(job[2].shape)  # noqa: E731
-                encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=numel, budget=VALUES_IN_FLIGHT)
+                weigh = lambda job: tensor_weight(math.prod(job[2].shape), itemsize(job[2].dtype))  # noqa: E731
+                encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT)
                 freed = ReleaseFreed()
                 for section, name, raw, codec, encoded in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
@@ -828,6 +830,17 @@ class CheckpointStore:
                 "gone); gc or the next write removes it"
             )
         return problems
+
+
+def _weight(rec: Mapping[str, Any]) -> int:
+    """A stored tensor's weight against :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT`
+    (:func:`~hf_dynaquant.core.pool.tensor_weight`); an unknown dtype counts as float32, and
+    decoding the tensor names what is wrong with it."""
+    try:
+        size = itemsize(rec["dtype"])
+    except UnsupportedTensorError:
+        size = 4
+    return tensor_weight(math.prod(rec["shape"]), size)
 
 
 def _numels(group: Mapping[str, torch.Tensor]) -> dict[str, int]:
