@@ -47,10 +47,8 @@ U = TypeVar("U")
 def tensor_weight(numel: int, itemsize: int) -> int:
     """What a tensor of ``numel`` values of ``itemsize`` bytes each weighs against
     :data:`VALUES_IN_FLIGHT`: its values, each counted ``4 / itemsize`` times. The temporaries of
-    encoding and decoding are float32 whatever the dtype, so a bfloat16 tensor's weigh twice what
-    its own bytes do against its checkpoint: counted so, they stay the same share of any
-    checkpoint (a pure-bf16 124M model's saves peaked at 0.96x its checkpoint and its restore at
-    1.16x while each value counted once)."""
+    encoding and decoding are float32 whatever the dtype, so counted so they stay the same share
+    of a bfloat16 checkpoint as of a float32 one."""
     return numel * 4 // itemsize
 
 
@@ -134,9 +132,9 @@ def ordered_map(
     ``fn`` makes of them) are held ``ahead`` at a time, so memory stays bounded while the pool's
     threads work on several tensors at once. With ``weight`` and ``budget`` the items in flight
     also weigh at most ``budget`` together, an item heavier than three quarters of the budget
-    counting as three quarters (:func:`_admitted`): what ``fn`` holds while it works grows with the item (a
-    tensor's temporaries with its values), and a few of the largest tensors at once would
-    otherwise set the peak. ``items`` is consumed in the calling thread."""
+    counting as three quarters (:func:`_admitted`): what ``fn`` holds while it works grows with
+    the item (a tensor's temporaries with its values), and a few of the largest tensors at once
+    would otherwise set the peak. ``items`` is consumed in the calling thread."""
     for _, result in _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True):
         yield result
 
@@ -158,7 +156,7 @@ def _admitted(w: int, budget: int) -> int:
     over the budget, each left one of two threads idle while they ran alone), but never beside
     another item over a quarter, so the temporaries in flight stay under its own plus a quarter
     of the budget (with half, a pure-bf16 124M model's delta peaked at 0.8x its checkpoint,
-    against 0.6x alone and 0.7x with a quarter)."""
+    against 0.6-0.7x alone and 0.7x with a quarter)."""
     return min(w, budget - budget // 4)
 
 
