@@ -45,13 +45,13 @@ INLINE Py_ssize_t partition_loop(const int HAS_SENS, const int BY_SENS, const in
     return nprot;
 }
 
-#define PARTITION_LOOPS(M)                                                                                \
-    SIMD_CLONES static Py_ssize_t partition_##M(int has_sens, int by_sens, const float *w, const float *sens,    \
-                                                Py_ssize_t n, float tm, float ts, float tp, int prune,           \
-                                                const float *mids, uint8_t *codes) {                             \
-        if (!has_sens) return partition_loop(0, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);               \
-        if (!by_sens) return partition_loop(1, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);                \
-        return partition_loop(1, 1, M, w, sens, n, tm, ts, tp, prune, mids, codes);                              \
+#define PARTITION_LOOPS(M)                                                                                    \
+    SIMD_CLONES static Py_ssize_t partition_##M(int has_sens, int by_sens, const float *w, const float *sens, \
+                                                Py_ssize_t n, float tm, float ts, float tp, int prune,        \
+                                                const float *mids, uint8_t *codes) {                          \
+        if (!has_sens) return partition_loop(0, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);            \
+        if (!by_sens) return partition_loop(1, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);             \
+        return partition_loop(1, 1, M, w, sens, n, tm, ts, tp, prune, mids, codes);                           \
     }
 PARTITION_LOOPS(3)
 PARTITION_LOOPS(7)
