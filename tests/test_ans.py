@@ -150,6 +150,23 @@ def test_a_stream_decoding_to_another_histogram_than_its_table_is_refused(monkey
         ans_decode(_with_table(payload, swap_second_group), symbols.size, sizes, lanes)
 
 
+def test_the_compiled_decoder_refuses_tables_it_cannot_hold() -> None:
+    """Called directly, the kernel checks what ``ans_decode`` checks before it: an alphabet of
+    more than 256 symbols, or a histogram buffer shorter than the tables, is a ValueError, not
+    a write past its buffers."""
+    assert native is not None, "the compiled kernels were not built"
+    words, bounds = np.zeros(2, np.uint32), np.array([0, 2], np.int64)
+    cdf = np.arange(301, dtype=np.uint32)
+    offsets = starts = np.zeros(1, np.int64)
+    stops, out = np.array([4], np.int64), np.zeros(4, np.uint8)
+    with pytest.raises(ValueError, match="alphabet"):
+        sizes, hist = np.array([300], np.int64), np.zeros(301, np.int64)
+        native.ans_decode(words, bounds, cdf, offsets, sizes, starts, stops, out, hist)
+    with pytest.raises(ValueError, match="histogram"):
+        sizes, hist = np.array([4], np.int64), np.zeros(2, np.int64)
+        native.ans_decode(words, bounds, cdf[:5], offsets, sizes, starts, stops, out, hist)
+
+
 def test_damaged_streams_raise_value_errors() -> None:
     rng = np.random.default_rng(2)
     symbols = rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4]).astype(np.uint8)

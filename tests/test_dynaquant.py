@@ -333,7 +333,8 @@ def test_partition_kernel_follows_its_rules_at_every_edge(nmids: int) -> None:
                                       (False, False, -1.0), (True, True, -1.0)]:  # fmt: skip
         s = sens if with_sens else None
         codes = np.empty(w.size, np.uint8)
-        nprot = native.partition_f32(w, s if with_sens else w, with_sens, tau_mag, tau_sens, prune, by_sens, mids, codes)
+        given = s if with_sens else w
+        nprot = native.partition_f32(w, given, with_sens, tau_mag, tau_sens, prune, by_sens, mids, codes)
         want, want_prot = _partition_reference(w, s, tau_mag, tau_sens, prune, by_sens, mids)
         bad = np.flatnonzero(codes != want)
         assert bad.size == 0, (with_sens, by_sens, prune, w[bad[:5]], codes[bad[:5]], want[bad[:5]])
@@ -777,6 +778,48 @@ def test_moment_gains_are_checked_when_decoded() -> None:
         for bad in (-1.0, 0.0, float("nan"), float("inf"), "2", True, None):
             with pytest.raises(FormatError, match=f"step 7: parameter 0 has a {name}"):
                 decoded(**{key: bad})
+
+
+def test_a_restore_holds_only_a_few_parameters_moments_waiting_for_the_rest(tmp_path, monkeypatch) -> None:
+    """A restore converts a parameter's moments once all of its stored tensors are in; the tensors
+    decoded first (the large ones) keep a parameter's tensors together, so what waits stays a
+    few parameters' worth however many parameters there are (decoding every large update and
+    scale first held the whole optimizer's until the small step tensors came)."""
+    from hf_dynaquant.store import store as store_mod
+    from hf_dynaquant.training import compressor as compressor_mod
+
+    monkeypatch.setattr(store_mod, "VALUES_IN_FLIGHT", 100_000)  # each 256 x 256 update and scale is large
+    torch.manual_seed(0)
+    layers = 12
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    Compressor(model, tmp_path, QuantConfig(bins=8), optimizer=optimizer).compress(1)
+
+    peak, real = [0], compressor_mod.decode_optimizer_state
+
+    def watched(tree, tensors, fetch, **kwargs):
+        def arriving():
+            waiting: dict[str, int] = {}
+            for key, tensor in tensors:
+                node = key.rpartition("/")[0]
+                waiting[key] = tensor.numel()
+                peak[0] = max(peak[0], sum(waiting.values()))
+                yield key, tensor
+                done = [k for k in waiting if k.rpartition("/")[0] == node]
+                if len(done) == 3:  # step, update, scale: the parameter is converted
+                    for k in done:
+                        del waiting[k]
+
+        return real(tree, arriving(), fetch, **kwargs)
+
+    monkeypatch.setattr(compressor_mod, "decode_optimizer_state", watched)
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(layers)])
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    Compressor(fresh, tmp_path, optimizer=fresh_optimizer).restore(1)
+    weights = 2 * 256 * 256  # one weight's update and scale
+    assert 0 < peak[0] <= 4 * weights < layers * weights
 
 
 def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:

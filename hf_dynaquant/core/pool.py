@@ -34,8 +34,8 @@ __all__ = [
 T = TypeVar("T")
 # Tensor values encoded or decoded at once on a pool (``ordered_map``'s budget, each tensor
 # weighed by :func:`tensor_weight`): a tensor's temporaries take about 12 bytes per value
-# (float32 values, codes, the dtype's copy, the raw bytes), so this keeps them near 400 MB
-# however large the largest tensors are.
+# (float32 values, codes, the dtype's copy, the raw bytes), so this keeps them near 400 MB,
+# or, beside a tensor larger than that, at its own temporaries plus a quarter of that.
 VALUES_IN_FLIGHT = 1 << 25
 # Items in flight when a budget bounds their memory: enough that the pool's other threads keep
 # working while the caller waits on a large tensor at the head of the queue (with one more than
@@ -46,9 +46,10 @@ U = TypeVar("U")
 
 def tensor_weight(numel: int, itemsize: int) -> int:
     """What a tensor of ``numel`` values of ``itemsize`` bytes each weighs against
-    :data:`VALUES_IN_FLIGHT`: its values, each counted ``4 / itemsize`` times. The temporaries of
-    encoding and decoding are float32 whatever the dtype, so counted so they stay the same share
-    of a bfloat16 checkpoint as of a float32 one."""
+    :data:`VALUES_IN_FLIGHT`: its values, each counted ``4 / itemsize`` times (a bfloat16 value
+    twice, a float64 one half). The temporaries of encoding and decoding are mostly float32 and
+    codes whatever the dtype, so counted so they stay about the same share of a bfloat16
+    checkpoint as of a float32 one."""
     return numel * 4 // itemsize
 
 
@@ -135,8 +136,12 @@ def ordered_map(
     counting as three quarters (:func:`_admitted`): what ``fn`` holds while it works grows with
     the item (a tensor's temporaries with its values), and a few of the largest tensors at once
     would otherwise set the peak. ``items`` is consumed in the calling thread."""
-    for _, result in _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True):
-        yield result
+    results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True)
+    try:
+        for _, result in results:
+            yield result
+    finally:  # abandoned: its pending work is cancelled now, not whenever the inner loop is collected
+        results.close()
 
 
 def completed_map(

@@ -368,12 +368,20 @@ class EntryReader:
         """``(name, tensor)`` for every tensor of a section, decoded a few at a time on the
         pool (so a caller that consumes each tensor as it comes holds only those few), in the
         order they are done; an alias (a tied weight) comes right after its target, as the same
-        tensor object. The tensors heavier than a quarter of the budget are decoded first, beside
-        the others: last, they would keep one thread busy while the others idle at the end."""
+        tensor object. The tensors are decoded in stored order, except that those of a tree node
+        (keys sharing their path up to the last ``/``: one optimizer parameter's state) holding a
+        tensor over a quarter of the budget go first, still together. Last, a large tensor kept
+        one thread busy while the others idled at the end (a 124M restore took 0.3 s longer);
+        apart, a node's early tensors would wait for the rest, since its consumer converts a
+        parameter once all of them are in."""
         records = self._section(section)
         targets = [n for n, rec in records.items() if "alias_of" not in rec]
         weight = {n: _weight(records[n]) for n in targets}
-        targets.sort(key=lambda n: weight[n] <= VALUES_IN_FLIGHT // 4)  # (stable)
+        node = {n: n.rpartition("/")[0] or n for n in targets}
+        heaviest: dict[str, int] = {}
+        for n in targets:
+            heaviest[node[n]] = max(heaviest.get(node[n], 0), weight[n])
+        targets.sort(key=lambda n: heaviest[node[n]] <= VALUES_IN_FLIGHT // 4)  # (stable)
         aliases: dict[str, list[str]] = {}
         for name, rec in records.items():
             if "alias_of" in rec:

@@ -132,7 +132,12 @@ PyObject *py_ans_decode(PyObject *self, PyObject *args) {
     const Py_ssize_t n_groups = k.len / 8, lanes = bound.len / 8 - 1;
     int empty = -1;
     model_t *model = NULL;
-    if (hist.len / 8 < cdf.len / 4)
+    const int64_t *sizes = k.buf;
+    int sizes_ok = 1;
+    for (Py_ssize_t g = 0; g < n_groups; g++) sizes_ok &= sizes[g] >= 1 && sizes[g] <= 256;
+    if (!sizes_ok)
+        PyErr_SetString(PyExc_ValueError, "ans_decode: a group's alphabet is not of 1 to 256 symbols");
+    else if (hist.len / 8 < cdf.len / 4)
         PyErr_SetString(PyExc_ValueError, "ans_decode: the histogram has fewer entries than the tables");
     else if (valid_lanes(lanes) && (model = PyMem_RawMalloc(sizeof(model_t))) == NULL)
         PyErr_NoMemory();

@@ -25,11 +25,15 @@
 
 /* A function the compiler must inline (specialised for its constant arguments at each call). */
 #define INLINE static inline __attribute__((always_inline))
-/* A loop the compiler vectorises, built twice on Linux x86-64 (the loader picks AVX2 where the
- * CPU has it, else the baseline SSE2 build); the same results either way. */
-#if defined(__linux__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* A loop the compiler vectorises, built twice on x86-64 Linux with glibc (the loader picks AVX2
+ * where the CPU has it, else the baseline SSE2 build, through an ifunc, which musl lacks); the
+ * same results either way. Elsewhere it is built once, for the baseline. */
+#if defined(__has_attribute)
+#if __has_attribute(target_clones) && defined(__linux__) && defined(__x86_64__) && defined(__GLIBC__)
 #define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
+#endif
+#endif
+#ifndef SIMD_CLONES
 #define SIMD_CLONES
 #endif
 
