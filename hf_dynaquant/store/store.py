@@ -376,7 +376,7 @@ class EntryReader:
         parameter once all of them are in."""
         records = self._section(section)
         targets = [n for n, rec in records.items() if "alias_of" not in rec]
-        weight = {n: _weight(records[n]) for n in targets}
+        weight = {n: _weight(records[n]["dtype"], records[n]["shape"]) for n in targets}
         node = {n: n.rpartition("/")[0] or n for n in targets}
         heaviest: dict[str, int] = {}
         for n in targets:
@@ -677,7 +677,7 @@ class CheckpointStore:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
-                weigh = lambda job: tensor_weight(math.prod(job[2].shape), itemsize(job[2].dtype))  # noqa: E731
+                weigh = lambda job: _weight(job[2].dtype, job[2].shape)  # noqa: E731
                 encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT)
                 freed = ReleaseFreed()
                 for section, name, raw, codec, encoded in encoded_jobs:
@@ -840,15 +840,16 @@ class CheckpointStore:
         return problems
 
 
-def _weight(rec: Mapping[str, Any]) -> int:
-    """A stored tensor's weight against :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT`
-    (:func:`~hf_dynaquant.core.pool.tensor_weight`); an unknown dtype counts as float32, and
-    decoding the tensor names what is wrong with it."""
+def _weight(dtype: str, shape: Iterable[int]) -> int:
+    """A tensor's weight against :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT`
+    (:func:`~hf_dynaquant.core.pool.tensor_weight`), for the encoder's raw tensors and the stored
+    records alike; an unknown dtype (a damaged record) counts as float32, and decoding the tensor
+    names what is wrong with it."""
     try:
-        size = itemsize(rec["dtype"])
+        size = itemsize(dtype)
     except UnsupportedTensorError:
         size = 4
-    return tensor_weight(math.prod(rec["shape"]), size)
+    return tensor_weight(math.prod(shape), size)
 
 
 def _numels(group: Mapping[str, torch.Tensor]) -> dict[str, int]:
