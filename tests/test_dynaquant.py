@@ -268,6 +268,83 @@ def test_moments_from_update_and_scale_kernel_matches_torch(monkeypatch, dtype, 
     assert fast_v[1] == 0 and fast_v[2] == 0 and torch.isnan(fast_v[0]) and torch.isnan(fast_m[4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gains", [(1.0, 1.0), (1.37, 1.05)])
+def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, gains) -> None:
+    """Adam's moments straight from the codes of an update and a scale (the restore's path, which
+    never holds their float32 values) are bit for bit the moments of their decoded values: with
+    pruned and protected codes in both (a NaN and an infinity among the update's protected
+    values, a protected scale under the floor), gains, float32 and bf16 out; compiled, and in
+    torch (whose conversion is the compiled one's to an ulp, test above)."""
+    from types import SimpleNamespace
+
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(7)
+    n, eps = 200_003, 1e-8
+
+    def coded(centres: np.ndarray, protected: np.ndarray) -> SimpleNamespace:
+        codes = rng.integers(0, 2 + centres.size, n).astype(np.uint8)
+        codes[rng.choice(n, protected.size, replace=False)] = PROTECTED
+        codes[np.flatnonzero(codes == PROTECTED)[protected.size :]] = 0  # exactly one code per protected value
+        bits = torch.from_numpy(protected).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        return SimpleNamespace(codes=codes, centres=centres.astype(np.float32), protected=bits, shape=(n,))
+
+    u_special = np.array([np.nan, np.inf, -3.5, 0.0], dtype=np.float32)
+    update = coded(rng.normal(size=7), np.concatenate([u_special, rng.normal(size=500).astype(np.float32)]))
+    scale = coded(math.log(eps) + 0.37 * np.arange(200), np.array([math.log(eps) - 2.0, 0.0, 1.5], np.float32))
+    gain, scale_gain = gains
+    for native in (moments_mod.native, None):
+        monkeypatch.setattr(moments_mod, "native", native)
+        reference = moments_mod.update_scale_to_adam(
+            *(torch.from_numpy(decoded_values(c.codes, c.centres, c.protected)) for c in (update, scale)),
+            eps,
+            dtype,
+            gain=gain,
+            scale_gain=scale_gain,
+            inplace=True,
+        )
+        m, v = moments_mod.codes_to_adam(update, scale, eps, dtype, gain=gain, scale_gain=scale_gain)
+        assert m.dtype == v.dtype == dtype and m.shape == v.shape == (n,)
+        for got, want in zip((m, v), reference):
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(got), nan)  # (torch and the kernel spell a bf16 NaN differently)
+            assert torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_moments_from_codes_refuse_what_does_not_decode(monkeypatch, compiled) -> None:
+    """Codes beyond their centres, or protected values that do not match the codes needing one,
+    are refused (the restore names the parameter), compiled or not."""
+    from types import SimpleNamespace
+
+    from hf_dynaquant.core import moments as moments_mod
+
+    if not compiled:
+        monkeypatch.setattr(moments_mod, "native", None)
+
+    def coded(codes: list[int], centres: int = 3, protected: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(
+            codes=np.array(codes, np.uint8),
+            centres=np.arange(centres, dtype=np.float32),
+            protected=np.zeros(protected, np.uint16),
+            shape=(len(codes),),
+        )
+
+    ok = coded([2, 3, 4, 0])
+    with pytest.raises(ValueError, match="beyond the stored centres"):
+        moments_mod.codes_to_adam(coded([2, 3, 5, 0]), ok, 1e-8)
+    with pytest.raises(ValueError, match="beyond the stored centres"):
+        moments_mod.codes_to_adam(ok, coded([2, 9, 4, 0]), 1e-8)
+    with pytest.raises(ValueError, match="0 protected values stored, 1 codes need one"):
+        moments_mod.codes_to_adam(coded([2, 1, 4, 0]), ok, 1e-8)
+    with pytest.raises(ValueError, match="2 protected values stored, 1 codes need one"):
+        moments_mod.codes_to_adam(ok, coded([2, 1, 4, 0], protected=2), 1e-8)
+    with pytest.raises(ValueError, match="the update holds 4 codes, the scale 3"):
+        moments_mod.codes_to_adam(ok, coded([2, 3, 4]), 1e-8)
+
+
 def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
     from hf_dynaquant.core import quantizer as quantizer_mod
 
@@ -797,14 +874,15 @@ def test_a_restore_holds_only_a_few_parameters_moments_waiting_for_the_rest(tmp_
     optimizer.step()
     Compressor(model, tmp_path, QuantConfig(bins=8), optimizer=optimizer).compress(1)
 
-    peak, real = [0], compressor_mod.decode_optimizer_state
+    peak, as_codes, real = [0], [0], compressor_mod.decode_optimizer_state
 
     def watched(tree, tensors, fetch, **kwargs):
         def arriving():
             waiting: dict[str, int] = {}
             for key, tensor in tensors:
                 node = key.rpartition("/")[0]
-                waiting[key] = tensor.numel()
+                as_codes[0] += isinstance(tensor, QuantState)  # (the moments are made from the codes)
+                waiting[key] = tensor.codes.size if isinstance(tensor, QuantState) else tensor.numel()
                 peak[0] = max(peak[0], sum(waiting.values()))
                 yield key, tensor
                 done = [k for k in waiting if k.rpartition("/")[0] == node]
@@ -820,6 +898,7 @@ def test_a_restore_holds_only_a_few_parameters_moments_waiting_for_the_rest(tmp_
     Compressor(fresh, tmp_path, optimizer=fresh_optimizer).restore(1)
     weights = 2 * 256 * 256  # one weight's update and scale
     assert 0 < peak[0] <= 4 * weights < layers * weights
+    assert as_codes[0] == 2 * 2 * layers  # the update and scale of every weight and bias
 
 
 def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..core.dtypes import RawTensor
+from ..core.quantizer import Coded
 from ..errors import UnknownCodecError
 
 __all__ = ["Encoded", "BlobSource", "MemoryBlobs", "Codec", "register_codec", "get_codec", "codec_names"]
@@ -93,6 +94,12 @@ class Codec(ABC):
     def to_raw(self, state: Any) -> RawTensor:
         """Turn a decoded state into the tensor; identity for byte-exact codecs."""
         return state
+
+    def coded(self, state: Any) -> Coded | None:
+        """A decoded state as plain codes (:class:`~hf_dynaquant.core.quantizer.Coded`: codes,
+        centres, protected values, nothing added), for a consumer that turns codes into values
+        of its own; ``None`` where the state is not that."""
+        return None
 
     def keyframe(self, state: Any) -> Encoded:
         """Re-encode a decoded state self-contained (used to compact a delta chain)."""

@@ -284,6 +284,9 @@ class DynaQuantCodec(Codec):
             rare_rows,
         )
 
+    def coded(self, state: QuantState) -> QuantState | None:
+        return state if state.reference is None and state.codes.dtype == np.uint8 else None
+
     def to_raw(self, state: QuantState) -> RawTensor:
         try:
             values = decoded_values(state.codes, state.centres, state.protected, state.reference)

@@ -67,7 +67,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -97,6 +97,8 @@ __all__ = [
     "quantize",
     "dequantize",
     "decoded_values",
+    "Coded",
+    "code_table",
     "device_decoded",
     "RESIDUALS",
     "NON_FINITE",
@@ -325,7 +327,7 @@ class TensorPlan:
         sens = None
         if self.sensitivity is not None:
             sens = np.ascontiguousarray(flat_f32(self.sensitivity).numpy().reshape(rows, cols)[:, order].T)
-        table = np.concatenate(([0.0, 0.0], self.centres)).astype(np.float32)
+        table = code_table(self.centres)
         if native is not None:
             mids, tau_sens, tau_prune, by_sens = self.rules(self.centres, sens is not None)
 
@@ -702,6 +704,21 @@ def dequantize(codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarra
     return decoded_values(codes, centres, protected_bf16)
 
 
+class Coded(Protocol):
+    """A quantized tensor as :func:`decoded_values` takes it (the codec's state is one)."""
+
+    codes: np.ndarray  # flat
+    centres: np.ndarray  # float32
+    protected: np.ndarray  # uint16 bfloat16 bits, in element order
+    shape: tuple[int, ...]  # the tensor's
+
+
+def code_table(centres: np.ndarray) -> np.ndarray:
+    """Each code's float32 value: 0 for the pruned and protected codes (a protected value is
+    stored apart), then the centres."""
+    return np.concatenate(([0.0, 0.0], centres)).astype(np.float32)
+
+
 def decoded_values(
     codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
 ) -> np.ndarray:
@@ -709,7 +726,7 @@ def decoded_values(
     residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
     the codec's encode and its decode share, so a restore gives exactly what the search judged.
     One pass in the compiled kernel."""
-    table = np.concatenate(([0.0, 0.0], centres)).astype(np.float32)
+    table = code_table(centres)
     if reference is not None and reference.size != codes.size:
         raise ValueError(f"the reference holds {reference.size} values, the codes {codes.size}")
     if native is not None and codes.dtype == np.uint8:
@@ -742,7 +759,7 @@ def device_decoded(
     """The flat float32 values codes decode to, where they live: :func:`decoded_values`
     (pruned 0, protected their bfloat16 values in order, else their centre; plus the reference
     of a residual), bit for bit."""
-    table = torch.from_numpy(np.concatenate(([0.0, 0.0], centres)).astype(np.float32)).to(codes.device)
+    table = torch.from_numpy(code_table(centres)).to(codes.device)
     out = table.index_select(0, codes.int())
     out[codes == PROTECTED] = protected.float()
     return out if reference is None else out + reference

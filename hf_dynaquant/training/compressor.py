@@ -55,6 +55,7 @@ from .optimizer_state import (
     MomentQuant,
     Reductions,
     TensorKey,
+    as_codes,
     decode_optimizer_state,
     encode_optimizer_state,
 )
@@ -169,7 +170,7 @@ def read_optimizer_state(entry: EntryReader, where: str) -> dict[str, Any] | Non
     if OPTIMIZER not in entry.trees:
         return None
     tree = entry.tree(OPTIMIZER, leaf=TensorKey)
-    tensors = entry.iter_section(OPTIMIZER) if OPTIMIZER in entry.sections else iter(())
+    tensors = entry.iter_section(OPTIMIZER, coded=as_codes) if OPTIMIZER in entry.sections else iter(())
     return decode_optimizer_state(tree, tensors, lambda key: entry.tensor(OPTIMIZER, key), where=where)
 
 

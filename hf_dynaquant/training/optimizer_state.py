@@ -40,6 +40,7 @@ from ..core.memory import ReleaseFreed
 from ..core.moments import (
     adam_scale,
     adam_update,
+    codes_to_adam,
     fidelity_from_sums,
     fidelity_sums,
     grid_step,
@@ -52,15 +53,17 @@ from ..core.moments import (
 )
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map, weighed_batches
 from ..core.quantizer import (
+    Coded,
     QuantConfig,
     QuantPlan,
     TensorPlan,
+    decoded_values,
     dequantize,
     plan_quantization,
     quantize,
     refuse_or_warn_non_finite,
 )
-from ..errors import FormatError
+from ..errors import CorruptCheckpointError, FormatError
 from ..store.tree import DeferredTensor, flatten_tree
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "Reductions",
     "encode_optimizer_state",
     "decode_optimizer_state",
+    "as_codes",
     "TensorKey",
 ]
 
@@ -461,11 +465,11 @@ def decode_optimizer_state(
     """The optimizer ``state_dict`` back from a stored tree (any mode but ``"drop"``) whose
     tensors arrive one by one: ``tree`` holds a :class:`TensorKey` for each tensor
     (``EntryReader.tree(name, leaf=TensorKey)``), ``tensors`` yields ``(key, tensor)`` (the tree's
-    section decoded in any order, :meth:`~hf_dynaquant.store.EntryReader.iter_section`), and ``fetch``
-    gives a key that never arrives (raising what is wrong with it). Each parameter's state is
-    converted as soon as its tensors are in, so only a few parameters' stored (float32) forms
-    are held at once, never the whole optimizer's (a bf16 model's restore held 2.2x its
-    checkpoint in them)."""
+    section decoded in any order, :meth:`~hf_dynaquant.store.EntryReader.iter_section`; the keys
+    :func:`as_codes` selects may come as their codes), and ``fetch`` gives a key that never arrives
+    (raising what is wrong with it). Each parameter's state is converted as soon as its tensors
+    are in, so only a few parameters' stored forms are held at once, never the whole optimizer's
+    (a bf16 model's restore held 2.2x its checkpoint in them)."""
     eps_of = _group_eps(tree)
     order = list(tree.get("state", {}))
     stored = dict(tree.get("state", {}))  # parameters not converted yet
@@ -527,6 +531,20 @@ def _gain(entry: Mapping[str, Any], key: str, pid: Any, where: str) -> float:
     return float(gain)
 
 
+def as_codes(key: str) -> bool:
+    """Whether :func:`decode_optimizer_state` takes this stored tensor as its codes, where it has
+    plain ones (``EntryReader.iter_section(..., coded=as_codes)``): Adam's update and scale,
+    whose moments it makes straight from them (:func:`~hf_dynaquant.core.moments.codes_to_adam`)."""
+    return key.rpartition("/")[2] in ("dq_update", "dq_scale")
+
+
+def _values(x: torch.Tensor | Coded) -> torch.Tensor:
+    """A stored tensor's float32 values: as it came, or decoded from its codes."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.from_numpy(decoded_values(x.codes, x.centres, x.protected)).reshape(x.shape)
+
+
 def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str) -> Any:
     """One parameter's optimizer state back from its stored form (freshly decoded: its float32
     update and scale become the moments in place)."""
@@ -540,15 +558,15 @@ def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], whe
     if kind == ADAM:
         if eps_of.get(pid) is None:
             raise FormatError(f"{where}: parameter {pid} has Adam moments but its param group has no eps")
-        m, v = update_scale_to_adam(
-            entry["dq_update"],
-            entry["dq_scale"],
-            eps_of[pid],
-            dtype,
-            gain=gain,
-            scale_gain=_gain(entry, "dq_scale_gain", pid, where),
-            inplace=True,
-        )
+        u, s, eps = entry["dq_update"], entry["dq_scale"], eps_of[pid]
+        gains = {"gain": gain, "scale_gain": _gain(entry, "dq_scale_gain", pid, where)}
+        try:
+            if isinstance(u, torch.Tensor) or isinstance(s, torch.Tensor):
+                m, v = update_scale_to_adam(_values(u), _values(s), eps, dtype, **gains, inplace=True)
+            else:
+                m, v = (t.reshape(u.shape) for t in codes_to_adam(u, s, eps, dtype, **gains))
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: parameter {pid}'s Adam moments: {exc}") from None
         return {"step": entry["step"], "exp_avg": m, "exp_avg_sq": v}
     if kind == SGD:
         return {"momentum_buffer": entry["dq_momentum"].mul(gain).to(dtype)}

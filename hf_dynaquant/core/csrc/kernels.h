@@ -9,7 +9,7 @@
  *                (quantizer.py);
  *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update,
  *                the finiteness, maximum and scale-gain sum of Adam's scale, and Adam's
- *                moments back from a decoded update and scale (moments.py);
+ *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
  *                previous codes (delta.py), and counts of uint8 symbols and of pairs of them
  *                (histogram.py);
@@ -49,6 +49,7 @@ PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_adam_update(PyObject *self, PyObject *args);
 PyObject *py_scale_stats_f32(PyObject *self, PyObject *args);
 PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args);
+PyObject *py_codes_to_adam(PyObject *self, PyObject *args);
 PyObject *py_dequantize_u8(PyObject *self, PyObject *args);
 PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);

@@ -28,6 +28,9 @@ static PyMethodDef methods[] = {
      "scale_stats_f32(s, origin, step) -> (all finite, maximum, scale gain sum)"},
     {"scale_to_adam_f32", py_scale_to_adam_f32, METH_VARARGS,
      "scale_to_adam_f32(u, s, floor, gain, scale_gain): u, s become Adam's m, v in place"},
+    {"codes_to_adam", py_codes_to_adam, METH_VARARGS,
+     "codes_to_adam(u_codes, u_table, u_protected, s_codes, s_table, s_protected, floor, gain, scale_gain, bf16, m, v)"
+     " -> protected values taken (update, scale)"},
     {"dequantize_u8", py_dequantize_u8, METH_VARARGS,
      "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},

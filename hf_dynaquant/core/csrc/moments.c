@@ -102,28 +102,34 @@ static inline float cached_expf(exp_cache *c, float x) {
     return e;
 }
 
-/* Adam's moments back from a decoded update u and scale s, in place (moments.py,
- * update_scale_to_adam): d = exp(s), with a scale gain d = max(d - floor, 0) * scale_gain + floor,
- * then u becomes m = u * d (* gain) and s becomes v = max(d - floor, 0)^2, each operation rounded
- * to float32 as torch's sequence of in-place operations rounds it (NaN stays NaN). One pass,
- * with one expf per distinct scale value, where torch made six passes and an exp per value. */
+/* The denominator d = sqrt(v) + floor of a decoded Adam scale s (moments.py,
+ * update_scale_to_adam): exp(s), with a scale gain max(exp(s) - floor, 0) * scale_gain + floor,
+ * each operation rounded to float32 as torch's sequence of in-place operations rounds it (NaN
+ * stays NaN: NaN < 0 is false). */
+INLINE float adam_denominator(float e, float floor, float scale_gain) {
+    if (scale_gain == 1.0f) return e;
+    float x = e - floor;
+    x = x < 0.0f ? 0.0f : x;
+    return x * scale_gain + floor;
+}
+
+/* Adam's m = u * d (* gain) and v = max(d - floor, 0)^2 from a decoded update u and the
+ * denominator d: the one rule of both kernels below. */
+INLINE void adam_moments(float u, float d, float floor, float gain, float *m, float *v) {
+    float x = u * d;
+    *m = gain != 1.0f ? x * gain : x;
+    float y = d - floor;
+    y = y < 0.0f ? 0.0f : y;
+    *v = y * y;
+}
+
+/* Adam's moments back from a decoded update u and scale s, in place: u becomes m and s becomes
+ * v. One pass, with one expf per distinct scale value, where torch made six passes and an exp
+ * per value. */
 static void scale_to_adam_f32(float *u, float *s, Py_ssize_t n, float floor, float gain, float scale_gain,
                               exp_cache *cache) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float d = cached_expf(cache, s[i]);
-        if (scale_gain != 1.0f) {
-            float x = d - floor;
-            x = x < 0.0f ? 0.0f : x; /* NaN < 0 is false: NaN stays NaN */
-            x = x * scale_gain;
-            d = x + floor;
-        }
-        float m = u[i] * d;
-        if (gain != 1.0f) m = m * gain;
-        float v = d - floor;
-        v = v < 0.0f ? 0.0f : v;
-        u[i] = m;
-        s[i] = v * v;
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        adam_moments(u[i], adam_denominator(cached_expf(cache, s[i]), floor, scale_gain), floor, gain, &u[i], &s[i]);
 }
 
 PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args) {
@@ -144,6 +150,92 @@ PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args) {
     PyBuffer_Release(&u); PyBuffer_Release(&s);
     if (cache == NULL) return NULL;
     Py_RETURN_NONE;
+}
+
+/* bfloat16 bits of a float32, rounded to nearest even, NaN as 0x7FC0 (torch's conversion). */
+static inline uint16_t bf16_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* A quantized tensor's codes (quantizer.py, decoded_values): code 0 is pruned (0), code 1 the
+ * next stored bfloat16 value in order, code c >= 2 table[c] (the table being 0, 0, then the
+ * centres). */
+typedef struct {
+    const uint8_t *codes;
+    const float *table;
+    Py_ssize_t ntable;
+    const uint16_t *prot;
+    Py_ssize_t nprot, used; /* protected values stored, and taken so far */
+} coded;
+
+INLINE float coded_value(coded *c, Py_ssize_t i) {
+    const uint8_t k = c->codes[i];
+    if (k != 1) return c->table[k];
+    uint32_t bits = c->used < c->nprot ? (uint32_t)c->prot[c->used] << 16 : 0;
+    c->used++;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+/* Whether every code names a table entry. */
+static int codes_in_table(const coded *c, Py_ssize_t n) {
+    uint8_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) top = c->codes[i] > top ? c->codes[i] : top;
+    return n == 0 || top < c->ntable;
+}
+
+/* Adam's moments straight from the codes of a quantized update and scale: bit for bit what
+ * decoding both (decoded_values) and then scale_to_adam_f32 give, written as float32 or as
+ * bfloat16 (rounded as torch rounds), without the float32 update and scale ever being held
+ * (a restore's largest temporaries: 8 bytes a value, where the codes take 2). The scale's
+ * denominator is taken once per code; u and s count the protected values they take
+ * (the caller checks them against those stored). */
+static void codes_to_adam(coded *u, coded *s, Py_ssize_t n, float floor, float gain, float scale_gain, int bf16,
+                          void *m_out, void *v_out) {
+    float d[256];
+    for (Py_ssize_t k = 0; k < s->ntable; k++) d[k] = adam_denominator(expf(s->table[k]), floor, scale_gain);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t k = s->codes[i];
+        const float di = k == 1 ? adam_denominator(expf(coded_value(s, i)), floor, scale_gain) : d[k];
+        float mi, vi;
+        adam_moments(coded_value(u, i), di, floor, gain, &mi, &vi);
+        if (bf16) {
+            ((uint16_t *)m_out)[i] = bf16_bits(mi);
+            ((uint16_t *)v_out)[i] = bf16_bits(vi);
+        } else {
+            ((float *)m_out)[i] = mi;
+            ((float *)v_out)[i] = vi;
+        }
+    }
+}
+
+PyObject *py_codes_to_adam(PyObject *self, PyObject *args) {
+    Py_buffer cu, tu, pu, cs, ts, ps, m, v;
+    double floor, gain, scale_gain;
+    int bf16;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*dddpw*w*", &cu, &tu, &pu, &cs, &ts, &ps, &floor, &gain, &scale_gain,
+                          &bf16, &m, &v))
+        return NULL;
+    const Py_ssize_t n = cu.len, width = bf16 ? 2 : 4;
+    coded u = {cu.buf, tu.buf, tu.len / 4, pu.buf, pu.len / 2, 0};
+    coded s = {cs.buf, ts.buf, ts.len / 4, ps.buf, ps.len / 2, 0};
+    int in_table = 0;
+    if (cs.len != n || m.len != width * n || v.len != width * n || u.ntable > 256 || s.ntable > 256)
+        PyErr_SetString(PyExc_ValueError, "codes_to_adam: buffers disagree in length or too large a table");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        in_table = codes_in_table(&u, n) && codes_in_table(&s, n);
+        if (in_table) codes_to_adam(&u, &s, n, (float)floor, (float)gain, (float)scale_gain, bf16, m.buf, v.buf);
+        Py_END_ALLOW_THREADS
+        if (!in_table) PyErr_SetString(PyExc_ValueError, "a code lies beyond the stored centres");
+    }
+    PyBuffer_Release(&cu); PyBuffer_Release(&tu); PyBuffer_Release(&pu); PyBuffer_Release(&cs);
+    PyBuffer_Release(&ts); PyBuffer_Release(&ps); PyBuffer_Release(&m); PyBuffer_Release(&v);
+    return in_table ? Py_BuildValue("nn", u.used, s.used) : NULL;
 }
 
 /* exp(r) for |r| <= 1/2 to about 1e-7 relative (Taylor to degree 7; the term left out is under
