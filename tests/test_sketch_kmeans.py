@@ -55,12 +55,35 @@ def test_merge_equals_sketch_of_union_and_serialises() -> None:
 
 
 def test_kernel_and_torch_paths_agree() -> None:
-    x = torch.from_numpy(data("lognormal")) * torch.sign(torch.randn(200_000))
+    """The compiled sketch (a slot per fine bucket of the float32 bits, the exact rule only where
+    a fine bucket straddles a key or the zero threshold) counts what the torch path computes from
+    logarithms, value by value: across the whole float32 range, at and around the threshold
+    below which magnitudes count as zero, subnormals, signed zeros and infinities, and with only
+    the values of one code counted."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.from_numpy(data("lognormal")) * torch.sign(torch.randn(200_000, generator=g))
     x[:10] = float("inf")
+    x[10:20] = -float("inf")
+    tiny = np.float32(sketch_mod._MIN_INDEXABLE)
+    near = np.nextafter(tiny, np.float32(np.inf)), np.nextafter(tiny, np.float32(0)), tiny
+    edge = [*near, 1e-31, 1e-45, 1e-39, 0.0, -0.0, 3.4e38, 1.0, 2.0, 0.5, 1e-20, 1e20]
+    x[20 : 20 + 2 * len(edge)] = torch.tensor(edge + [-v for v in edge], dtype=torch.float32)
+    bits = torch.randint(0, 0x7F800000, (100_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([x, bits.view(torch.float32), -bits.view(torch.float32)])  # every exponent
     fast = LogSketch(0.01).add(x)
     slow = LogSketch(0.01)
     slow._add_torch(x)
     assert fast.to_dict() == slow.to_dict()
+    codes = torch.randint(0, 4, (x.numel(),), generator=g).to(torch.uint8).numpy()
+    only = LogSketch(0.01).add(x, where=(codes, 2))
+    gathered = LogSketch(0.01)
+    gathered._add_torch(x[torch.from_numpy(codes == 2)])
+    assert only.to_dict() == gathered.to_dict()
+    x[5] = float("nan")
+    codes[5] = 0  # a NaN among the values not counted is not looked at
+    assert LogSketch(0.01).add(x, where=(codes, 2)).to_dict() == only.to_dict()
+    with pytest.raises(ValueError, match="NaN"):
+        LogSketch(0.01).add(x, where=(codes, 0))
 
 
 def test_magnitude_mode_and_bad_input() -> None:

@@ -30,25 +30,31 @@ from .pool import ForkSafePool
 __all__ = ["LogSketch"]
 
 _MIN_INDEXABLE = 1e-30  # smaller magnitudes count as zero (keeps key ranges bounded)
-_EXACT = np.iinfo(np.int32).min  # table entry: "compute the logarithm for this one"
+_EXACT = -1  # table entry: "take the exact path for this one" (the logarithm, tiny, inf and NaN)
 _PART = 1 << 22  # values per kernel call; parts run on the pool
 _POOL = ForkSafePool("dq-sketch")
 
 
 @functools.lru_cache(maxsize=8)
-def _key_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
-    """``(table, kmin, nkeys, tiny_bits)`` for the kernel: the key of every fine bucket (top 20
-    bits of a float32 magnitude) that lies within one sketch bucket, ``_EXACT`` elsewhere."""
+def _slot_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
+    """``(table, kmin, nkeys, tiny_bits)`` for the kernel: for every fine bucket (top 20 bits of a
+    float32 magnitude), the count slot ``key - kmin`` (clamped to ``0..nkeys-1``) where the whole
+    bucket shares one key, ``2 * nkeys`` (the zeros' slot) where it lies below
+    ``_MIN_INDEXABLE``, ``_EXACT`` elsewhere."""
     inv = 1.0 / math.log((1 + alpha) / (1 - alpha))
-    fine = np.arange(1 << 20, dtype=np.uint32) << np.uint32(11)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        lo = np.ceil(np.log(fine.view(np.float32).astype(np.float64)) * inv)
-        hi = np.ceil(np.log((fine | np.uint32(2047)).view(np.float32).astype(np.float64)) * inv)
-    table = np.where((lo == hi) & np.isfinite(lo), lo, _EXACT).astype(np.int32)
     kmin = math.ceil(math.log(_MIN_INDEXABLE) * inv)
     kmax = math.ceil(math.log(float(np.finfo(np.float32).max)) * inv)
+    nkeys = kmax - kmin + 1
     tiny = int(np.float32(_MIN_INDEXABLE).view(np.uint32))
-    return table, kmin, kmax - kmin + 1, tiny
+    fine = np.arange(1 << 20, dtype=np.uint32) << np.uint32(11)
+    last = fine | np.uint32(2047)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lo = np.ceil(np.log(fine.view(np.float32).astype(np.float64)) * inv)
+        hi = np.ceil(np.log(last.view(np.float32).astype(np.float64)) * inv)
+    slots = np.clip(np.where(np.isfinite(lo), lo, kmin) - kmin, 0, nkeys - 1)
+    table = np.where((lo == hi) & np.isfinite(lo) & np.isfinite(hi) & (fine >= tiny), slots, _EXACT)
+    table[last < tiny] = 2 * nkeys
+    return table.astype(np.int32), kmin, nkeys, tiny
 
 
 @dataclass
@@ -140,25 +146,24 @@ class LogSketch:
         return self
 
     def _add_cpu(self, x: np.ndarray, where: tuple[np.ndarray, int] | None = None) -> None:
-        table, kmin, nkeys, tiny = _key_table(self.alpha)
+        table, kmin, nkeys, tiny = _slot_table(self.alpha)
         codes, code = (np.ascontiguousarray(where[0]).reshape(-1), int(where[1])) if where else (None, 0)
 
-        def part(i: int) -> tuple[int, int, np.ndarray, np.ndarray]:
-            pos, neg = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
+        def part(i: int) -> tuple[int, np.ndarray]:
+            counts = np.zeros(2 * nkeys + 2, np.int64)  # positive, negative, zeros, discarded
             selected = codes[i : i + _PART] if codes is not None else b""
-            nans, zeros = native.sketch_f32(
-                x[i : i + _PART], table, _EXACT, self._inv_log_gamma, tiny, kmin, pos, neg, selected, code
-            )
-            return nans, zeros, pos, neg
+            nans = native.sketch_f32(x[i : i + _PART], table, self._inv_log_gamma, tiny, kmin, counts, selected, code)
+            return nans, counts
 
         parts = list(_POOL.map(part, range(0, x.size, _PART)))
         if sum(p[0] for p in parts):
             raise ValueError("cannot sketch NaN values")
-        self.zeros += sum(p[1] for p in parts)
-        for store, counts in ((self.positive, sum(p[2] for p in parts)), (self.negative, sum(p[3] for p in parts))):
-            nz = np.flatnonzero(counts)
+        counts = sum(p[1] for p in parts)
+        self.zeros += int(counts[2 * nkeys])
+        for store, half in ((self.positive, counts[:nkeys]), (self.negative, counts[nkeys : 2 * nkeys])):
+            nz = np.flatnonzero(half)
             if nz.size:
-                store.add_counts(kmin + int(nz[0]), counts[nz[0] : nz[-1] + 1])
+                store.add_counts(kmin + int(nz[0]), half[nz[0] : nz[-1] + 1])
 
     def _add_torch(self, x: torch.Tensor) -> None:
         """Keys computed where the tensor lives (the accelerator path); only counts move."""

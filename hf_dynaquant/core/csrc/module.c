@@ -9,8 +9,7 @@ static PyMethodDef methods[] = {
      "join(out, width, exponent_bits, k, exponents, head, side, side_packed_bits, rest, escapes)"
      " -> escapes used or -1"},
     {"sketch_f32", py_sketch_f32, METH_VARARGS,
-     "sketch_f32(values, lut, exact, inv_log_gamma, tiny_bits, kmin, pos, neg, codes, only)"
-     " -> (nans, zeros)"},
+     "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> nans"},
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
