@@ -81,6 +81,12 @@ OPTIMIZER_MODES = ("compress", "lossless", "drop")
 _POOL = ForkSafePool("dq-moments")  # the fidelity check, moment by moment
 ADAM, SGD = "adam-v1", "sgd-v1"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+# Moment values converted at restore between two hand-backs of freed memory (ReleaseFreed). The
+# decoding threads' temporaries (codes, streams) are freed into their malloc arenas and stay
+# there; at 124M parameters in pure bf16 that held 0.2x the checkpoint above the restored state
+# at the end of a restore (peak 1.08-1.10x), 0.05x with these trims (0.93-0.95x), in the same CPU
+# time.
+_RESTORE_TRIM_EVERY = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -481,8 +487,12 @@ def decode_optimizer_state(
     def take(key: str) -> torch.Tensor:
         return arrived.pop(key) if key in arrived else fetch(key)
 
+    freed = ReleaseFreed(_RESTORE_TRIM_EVERY)
+
     def finish(pid: Any) -> None:
-        state[pid] = _decoded_entry(pid, _filled(stored.pop(pid), take), eps_of, where)
+        entry = state[pid] = _decoded_entry(pid, _filled(stored.pop(pid), take), eps_of, where)
+        if isinstance(entry, Mapping):
+            freed.processed(sum(t.numel() for t in entry.values() if isinstance(t, torch.Tensor)))
 
     for key, tensor in tensors:
         arrived[key] = tensor  # (a tensor outside the per-parameter state waits for the rest of the tree)
