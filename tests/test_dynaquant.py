@@ -293,7 +293,8 @@ def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, g
 
     u_special = np.array([np.nan, np.inf, -3.5, 0.0], dtype=np.float32)
     update = coded(rng.normal(size=7), np.concatenate([u_special, rng.normal(size=500).astype(np.float32)]))
-    scale = coded(math.log(eps) + 0.37 * np.arange(200), np.array([math.log(eps) - 2.0, 0.0, 1.5], np.float32))
+    s_special = np.array([math.log(eps) - 2.0, 0.0, 1.5, np.nan, np.inf, -np.inf], np.float32)
+    scale = coded(math.log(eps) + 0.37 * np.arange(254), s_special)  # (a table of 256 entries)
     gain, scale_gain = gains
     for native in (moments_mod.native, None):
         monkeypatch.setattr(moments_mod, "native", native)
@@ -310,7 +311,8 @@ def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, g
         for got, want in zip((m, v), reference):
             nan = torch.isnan(want)
             assert torch.equal(torch.isnan(got), nan)  # (torch and the kernel spell a bf16 NaN differently)
-            assert torch.equal(got[~nan], want[~nan])
+            as_int = torch.int32 if dtype == torch.float32 else torch.int16
+            assert torch.equal(got[~nan].view(as_int), want[~nan].view(as_int))  # bit for bit: -0.0 too
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -341,8 +343,19 @@ def test_moments_from_codes_refuse_what_does_not_decode(monkeypatch, compiled) -
         moments_mod.codes_to_adam(coded([2, 1, 4, 0]), ok, 1e-8)
     with pytest.raises(ValueError, match="2 protected values stored, 1 codes need one"):
         moments_mod.codes_to_adam(ok, coded([2, 1, 4, 0], protected=2), 1e-8)
-    with pytest.raises(ValueError, match="the update holds 4 codes, the scale 3"):
+    with pytest.raises(ValueError, match=r"the update has shape \(4,\) \(4 codes\), the scale \(3,\) \(3\)"):
         moments_mod.codes_to_adam(ok, coded([2, 3, 4]), 1e-8)
+    reshaped = coded([2, 3, 4, 0])
+    reshaped.shape = (2, 2)
+    with pytest.raises(ValueError, match=r"the scale \(2, 2\)"):
+        moments_mod.codes_to_adam(ok, reshaped, 1e-8)
+    from hf_dynaquant.errors import CorruptCheckpointError
+    from hf_dynaquant.training import optimizer_state
+
+    entry = {"dq_moments": "adam-v1", "dq_dtype": "torch.float32", "step": torch.tensor(1.0)}
+    bad = {**entry, "dq_update": coded([2, 9, 4, 0]), "dq_scale": ok}
+    with pytest.raises(CorruptCheckpointError, match="ckpt: parameter 7's Adam moments: .*beyond the stored centres"):
+        optimizer_state._decoded_entry(7, bad, {7: 1e-8}, "ckpt")
 
 
 def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:

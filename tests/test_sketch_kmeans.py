@@ -84,6 +84,8 @@ def test_kernel_and_torch_paths_agree() -> None:
     assert LogSketch(0.01).add(x, where=(codes, 2)).to_dict() == only.to_dict()
     with pytest.raises(ValueError, match="NaN"):
         LogSketch(0.01).add(x, where=(codes, 0))
+    empty = LogSketch(0.01).add(torch.zeros(0))  # (a rank's empty shard)
+    assert empty.count == 0 and empty.to_dict() == LogSketch(0.01).to_dict()
 
 
 def test_magnitude_mode_and_bad_input() -> None:

@@ -285,7 +285,8 @@ class DynaQuantCodec(Codec):
         )
 
     def coded(self, state: QuantState) -> QuantState | None:
-        return state if state.reference is None and state.codes.dtype == np.uint8 else None
+        plain = state.reference is None and state.codes.dtype == np.uint8 and state.dtype == "F32"
+        return state if plain else None  # (other dtypes round the decoded values: to_raw)
 
     def to_raw(self, state: QuantState) -> RawTensor:
         try:

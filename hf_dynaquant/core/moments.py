@@ -151,14 +151,17 @@ def codes_to_adam(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat ``(m, v)`` in ``dtype`` from a quantized update and scale: :func:`update_scale_to_adam`
     of the values they decode to (:func:`~hf_dynaquant.core.quantizer.decoded_values`), bit for
-    bit, but taken straight from their codes. The compiled kernel never holds the float32 update
+    bit (a NaN's bits aside), but taken straight from their codes. The compiled kernel never holds the float32 update
     and scale (8 bytes a value, where the codes take 2): in a pure-bf16 model's restore they were
     the largest temporaries, 0.4x the checkpoint for GPT-2's embedding alone. Raises
     ``ValueError`` when a code lies beyond its centres or the protected values do not match
     the codes that need one."""
     n = update.codes.size
-    if scale.codes.size != n:
-        raise ValueError(f"the update holds {n} codes, the scale {scale.codes.size}")
+    if scale.codes.size != n or tuple(update.shape) != tuple(scale.shape):
+        raise ValueError(
+            f"the update has shape {tuple(update.shape)} ({n} codes), the scale {tuple(scale.shape)} "
+            f"({scale.codes.size})"
+        )
     fast = native is not None and dtype in _NATIVE_MOMENTS and update.codes.dtype == scale.codes.dtype == np.uint8
     if not fast:
         u, s = (torch.from_numpy(decoded_values(c.codes, c.centres, c.protected)) for c in (update, scale))

@@ -158,7 +158,7 @@ class LogSketch:
         parts = list(_POOL.map(part, range(0, x.size, _PART)))
         if sum(p[0] for p in parts):
             raise ValueError("cannot sketch NaN values")
-        counts = sum(p[1] for p in parts)
+        counts = sum((p[1] for p in parts), np.zeros(2 * nkeys + 2, np.int64))  # (no values: no parts)
         self.zeros += int(counts[2 * nkeys])
         for store, half in ((self.positive, counts[:nkeys]), (self.negative, counts[nkeys : 2 * nkeys])):
             nz = np.flatnonzero(half)

@@ -380,7 +380,8 @@ class EntryReader:
         pool (so a caller that consumes each tensor as it comes holds only those few), in the
         order they are done; an alias (a tied weight) comes right after its target, as the same
         tensor object. The names ``coded`` selects come as :meth:`coded` gives them (their
-        codes, where they have plain ones), for a consumer that decodes them its own way. The tensors are decoded in stored order, except that those of a tree node
+        codes, where they have plain ones), for a consumer that decodes them its own way. The
+        tensors are decoded in stored order, except that those of a tree node
         (keys sharing their path up to the last ``/``: one optimizer parameter's state) holding a
         tensor over a quarter of the budget go first, still together. Last, a large tensor kept
         one thread busy while the others idled at the end (a 124M restore took 0.3 s longer);

@@ -463,7 +463,7 @@ class TensorKey:
 
 def decode_optimizer_state(
     tree: Mapping[str, Any],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | Coded]],
     fetch: Callable[[str], torch.Tensor],
     *,
     where: str = "optimizer state",
@@ -481,10 +481,10 @@ def decode_optimizer_state(
     stored = dict(tree.get("state", {}))  # parameters not converted yet
     waiting = {pid: {k.key for k in _keys_in(entry)} for pid, entry in stored.items()}
     owner = {key: pid for pid, keys in waiting.items() for key in keys}
-    arrived: dict[str, torch.Tensor] = {}
+    arrived: dict[str, torch.Tensor | Coded] = {}
     state: dict[Any, Any] = {}
 
-    def take(key: str) -> torch.Tensor:
+    def take(key: str) -> torch.Tensor | Coded:
         return arrived.pop(key) if key in arrived else fetch(key)
 
     freed = ReleaseFreed(_RESTORE_TRIM_EVERY)
@@ -556,8 +556,9 @@ def _values(x: torch.Tensor | Coded) -> torch.Tensor:
 
 
 def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str) -> Any:
-    """One parameter's optimizer state back from its stored form (freshly decoded: its float32
-    update and scale become the moments in place)."""
+    """One parameter's optimizer state back from its stored form (freshly decoded: Adam's
+    moments are made from the codes of its update and scale, or from their float32 values in
+    place)."""
     kind = entry.get("dq_moments") if isinstance(entry, Mapping) else None
     if kind is None:
         return entry

@@ -152,7 +152,8 @@ PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* bfloat16 bits of a float32, rounded to nearest even, NaN as 0x7FC0 (torch's conversion). */
+/* bfloat16 bits of a float32, rounded to nearest even as torch rounds (a NaN stays a NaN; torch's
+ * vectorised conversion spells it 0xFFFF, its scalar one and this 0x7FC0). */
 static inline uint16_t bf16_bits(float x) {
     uint32_t bits;
     memcpy(&bits, &x, 4);

@@ -30,7 +30,7 @@ INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, do
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint32_t bits = x[i], u = bits & 0x7FFFFFFFu;
         Py_ssize_t slot = lut[u >> 11];
-        if (slot < 0) {
+        if ((size_t)slot > (size_t)(2 * nkeys)) { /* -1, or (a table not made for nkeys) out of bounds */
             slot = codes && codes[i] != only ? discard : exact_slot(u, inv_log_gamma, tiny, kmin, nkeys);
             if (slot < 0) {
                 nans++;
