@@ -45,7 +45,7 @@ import torch
 
 from .dtypes import all_finite
 from .kernels import native
-from .quantizer import Coded, TensorPlan, code_table, decoded_values, flat_f32
+from .quantizer import Coded, TensorPlan, code_table, coded_values, flat_f32
 
 __all__ = [
     "MAX_SCALE_LEVELS",
@@ -164,7 +164,7 @@ def codes_to_adam(
         )
     fast = native is not None and dtype in _NATIVE_MOMENTS and update.codes.dtype == scale.codes.dtype == np.uint8
     if not fast:
-        u, s = (torch.from_numpy(decoded_values(c.codes, c.centres, c.protected)) for c in (update, scale))
+        u, s = (coded_values(c).reshape(-1) for c in (update, scale))
         return update_scale_to_adam(u, s, eps, dtype, gain=gain, scale_gain=scale_gain, inplace=True)
     m, v = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
 

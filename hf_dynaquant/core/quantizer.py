@@ -97,6 +97,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "decoded_values",
+    "coded_values",
     "Coded",
     "code_table",
     "device_decoded",
@@ -751,6 +752,11 @@ def decoded_values(
     if used != protected_bf16.size:
         raise ValueError(f"{protected_bf16.size} protected values stored, {used} codes need one")
     return out
+
+
+def coded_values(c: Coded) -> torch.Tensor:
+    """The float32 values of a quantized tensor's codes (:func:`decoded_values`), in its shape."""
+    return torch.from_numpy(decoded_values(c.codes, c.centres, c.protected)).reshape(c.shape)
 
 
 def device_decoded(

@@ -57,7 +57,7 @@ from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
     TensorPlan,
-    decoded_values,
+    coded_values,
     dequantize,
     plan_quantization,
     quantize,
@@ -552,7 +552,7 @@ def _values(x: torch.Tensor | Coded) -> torch.Tensor:
     """A stored tensor's float32 values: as it came, or decoded from its codes."""
     if isinstance(x, torch.Tensor):
         return x
-    return torch.from_numpy(decoded_values(x.codes, x.centres, x.protected)).reshape(x.shape)
+    return coded_values(x)
 
 
 def _decoded_entry(pid: Any, entry: Any, eps_of: Mapping[Any, float | None], where: str) -> Any:
