@@ -151,7 +151,8 @@ def test_delta_roundtrip_across_changing_levels(prev, cur, seed) -> None:
 def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
     from hf_dynaquant.core import delta as delta_mod
 
-    assert delta_mod.native is not None, "the compiled kernels were not built"
+    native = delta_mod.native
+    assert native is not None, "the compiled kernels were not built"
     rng = np.random.default_rng(3)
     prev = rng.integers(0, 256, 100_000).astype(np.uint8)
     values = rng.integers(0, 256, prev.size).astype(np.uint8)
@@ -166,6 +167,55 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
         assert np.array_equal(cyclic_delta(prev % levels, values % levels, levels), delta)
     assert np.array_equal(cyclic_delta(prev, values, 256), full)
     assert np.array_equal(cyclic_delta(prev, values, 7), unbounded)
+    for levels, delta in deltas.items():  # undone in one pass, as ungroup and apply_delta do
+        keys = prev % levels
+        monkeypatch.setattr(delta_mod, "native", native)
+        fused = delta_mod.undo_regrouped_delta(regroup(delta, keys), keys, levels)
+        monkeypatch.setattr(delta_mod, "native", None)
+        assert np.array_equal(fused, delta_mod.undo_regrouped_delta(regroup(delta, keys), keys, levels))
+        assert np.array_equal(fused, values % levels)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])
+def test_delta_pairs_count_what_the_delta_coding_needs(monkeypatch, levels) -> None:
+    """One pass gives the cyclic delta and its pair counts, as the two separate functions do
+    (compiled and numpy); the pairs give the current codes' histogram, the regrouped groups'
+    sizes and models, and the same rANS payload as counting the symbols again."""
+    from hf_dynaquant.core import delta as delta_mod
+    from hf_dynaquant.core.ans import ans_encode
+    from hf_dynaquant.core.histogram import byte_counts, pair_counts
+
+    assert delta_mod.native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(11)
+    prev = (rng.integers(0, 256, 100_003) % levels).astype(np.uint8)
+    cur = np.where(rng.random(prev.size) < 0.2, rng.integers(0, 256, prev.size) % levels, prev).astype(np.uint8)
+    delta, pairs = delta_mod.delta_pairs(prev, cur, levels)
+    assert np.array_equal(delta, cyclic_delta(prev, cur, levels))
+    assert np.array_equal(pairs, pair_counts(prev, delta))
+    assert np.array_equal(delta_mod.current_counts(pairs, levels), np.bincount(cur, minlength=256))
+    assert np.array_equal(pairs.sum(axis=1)[: int(prev.max()) + 1], byte_counts(prev))
+    grouped = regroup(delta, prev)
+    for lanes in (1, 4):
+        assert ans_encode(grouped, lanes=lanes, histograms=pairs) == ans_encode(grouped, byte_counts(prev), lanes)
+    monkeypatch.setattr(delta_mod, "native", None)  # the numpy reference
+    reference, reference_pairs = delta_mod.delta_pairs(prev, cur, levels)
+    assert np.array_equal(reference, delta) and np.array_equal(reference_pairs, pairs)
+
+
+def test_ans_encode_refuses_histograms_it_cannot_use() -> None:
+    from hf_dynaquant.core.ans import ans_encode
+
+    symbols = np.array([0, 1, 1, 2], dtype=np.uint8)
+    with pytest.raises(ValueError, match="not both"):
+        ans_encode(symbols, np.array([4]), histograms=np.array([[1, 2, 1]]))
+    with pytest.raises(ValueError, match="sum to 3"):
+        ans_encode(symbols, histograms=np.array([[1, 1, 1]]))
+    with pytest.raises(ValueError, match="rows of at most 256"):
+        ans_encode(symbols, histograms=np.array([1, 2, 1]))
+    with pytest.raises(ValueError, match="cyclic"):
+        from hf_dynaquant.core.kernels import native
+
+        native.cyclic_u8(symbols, symbols, 3, np.empty_like(symbols), np.zeros(10, np.int64))
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])

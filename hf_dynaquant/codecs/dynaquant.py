@@ -34,17 +34,20 @@ import torch
 from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from ..core.delta import (
     apply_delta,
+    current_counts,
     cyclic_delta,
+    delta_pairs,
     regroup,
     rle_decode,
     rle_encode,
+    undo_regrouped_delta,
     ungroup,
     varint_decode,
     varint_encode,
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
-from ..core.entropy import ans_bytes, decode_stream, encode_codes, encode_stream, order0_bits
-from ..core.histogram import byte_counts, pair_counts
+from ..core.entropy import ans_bytes, decode_stream, encode_codes, encode_stream, entropy_bits, order0_bits
+from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
@@ -74,11 +77,14 @@ class QuantState:
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
 
 
-def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str) -> tuple[str, bytes, int]:
-    """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic delta."""
+def _delta_payload(
+    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None
+) -> tuple[str, bytes, int]:
+    """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
+    delta; ``pairs``: its :func:`delta_pairs` counts (under "ans"), the regrouped groups' models."""
     if coding == "ans":
         lanes = lanes_for(delta.size)
-        return ans_coding(lanes), ans_encode(regroup(delta, prev), _groups(prev), lanes), int(delta.size)
+        return ans_coding(lanes), ans_encode(regroup(delta, prev), lanes=lanes, histograms=pairs), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -91,6 +97,7 @@ def _groups(prev: np.ndarray) -> np.ndarray:
 
 
 def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:
+    """The current codes from a stored delta on the base's codes ``prev``."""
     coding, (stream_coding, size) = params["delta_coding"], params["delta_stream"]
     try:
         if coding == "ans":
@@ -99,21 +106,18 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
             lanes = ans_lanes(stream_coding)
             if not lanes:
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
-            delta = ungroup(ans_decode(payload, n, _groups(prev), lanes), prev)
+            delta = ans_decode(payload, n, _groups(prev), lanes)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
-            if coding == "entropy":
-                delta = data
-            else:
-                stream = rle_decode(varint_decode(data)).astype(np.uint8)
-                if stream.size != n:
-                    raise ValueError(f"delta decodes to {stream.size} values, expected {n}")
-                delta = ungroup(stream, prev) if coding == "regroup" else stream
+            delta = data if coding == "entropy" else rle_decode(varint_decode(data)).astype(np.uint8)
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     if delta.size != n:
         raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
-    return apply_delta(prev, delta, int(params["delta_levels"]))
+    levels = int(params["delta_levels"])
+    if coding in ("ans", "regroup"):  # stored in groups of the previous code
+        return undo_regrouped_delta(delta, prev, levels)
+    return apply_delta(prev, delta, levels)
 
 
 class _Prefixed:
@@ -189,15 +193,17 @@ class DynaQuantCodec(Codec):
         delta_params: dict[str, Any] = {}
         key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
-            key_bits = order0_bits(state.codes)
             levels = max(base.levels, state.levels)
-            diff = cyclic_delta(base.codes, state.codes, levels)
-            if self.delta_coding == "ans":
-                estimate = ans_bytes(pair_counts(base.codes, diff))
+            pairs: np.ndarray | None = None
+            if self.delta_coding == "ans":  # the pair counts hold every histogram needed
+                diff, pairs = delta_pairs(base.codes, state.codes, levels)
+                key_bits, estimate = entropy_bits(current_counts(pairs, levels)), ans_bytes(pairs)
+            else:
+                diff, key_bits = cyclic_delta(base.codes, state.codes, levels), order0_bits(state.codes)
             delta_params = {"mode": "delta", "delta_levels": levels, "delta_coding": self.delta_coding}
 
             def code_delta() -> bytes:
-                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding)
+                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding, pairs)
                 delta_params["delta_stream"] = [stream_coding, size]
                 return payload
 

@@ -121,18 +121,32 @@ def _lane(start: int, stop: int, j: int, lanes: int) -> slice:
     return slice(start + (j - start) % lanes, stop, lanes)
 
 
-def ans_encode(symbols: np.ndarray, groups: np.ndarray | None = None, lanes: int = 1) -> bytes:
+def ans_encode(
+    symbols: np.ndarray, groups: np.ndarray | None = None, lanes: int = 1, *, histograms: np.ndarray | None = None
+) -> bytes:
     """The rANS payload of uint8 ``symbols``; ``groups``: sizes of consecutive runs that get
-    a model each (default: one group); ``lanes``: interleaved lanes (1, 2, 4 or 8)."""
+    a model each (default: one group); ``lanes``: interleaved lanes (1, 2, 4 or 8).
+
+    ``histograms``, in place of ``groups``: each group's symbol counts, a row per group (the
+    sizes are the rows' sums), where the caller has them already (the delta encoder's pair
+    counts), so the symbols are not counted again. They must be the symbols' own: the payload
+    is coded with them, and :func:`ans_decode` refuses a stream whose symbols do not match."""
     if lanes not in (1, 2, 4, 8):
         raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
+    if histograms is not None and groups is not None:
+        raise ValueError("give the groups' sizes or their histograms, not both")
     sym = np.ascontiguousarray(symbols, dtype=np.uint8).ravel()
-    sizes = _sizes(sym.size, groups)
+    if histograms is not None and (histograms.ndim != 2 or histograms.shape[1] > 256 or histograms.min() < 0):
+        raise ValueError(f"histograms must be rows of at most 256 non-negative counts, not of shape {histograms.shape}")
+    sizes = _sizes(sym.size, groups if histograms is None else histograms.sum(axis=1))
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     table, coded = [], []
     for g in np.flatnonzero(sizes):
         start, stop = int(bounds[g]), int(bounds[g + 1])
-        counts = byte_counts(sym[start:stop])
+        if histograms is None:
+            counts = byte_counts(sym[start:stop])
+        else:  # byte_counts' length: the largest symbol present, plus one
+            counts = histograms[g, : int(np.flatnonzero(histograms[g])[-1]) + 1].astype(np.int64)
         table += [counts.size, *counts.tolist()]
         if np.count_nonzero(counts) > 1:
             coded.append((start, stop, counts))

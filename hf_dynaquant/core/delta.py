@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .histogram import pair_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
 __all__ = [
     "cyclic_delta",
+    "delta_pairs",
+    "current_counts",
     "apply_delta",
     "regroup",
     "ungroup",
+    "undo_regrouped_delta",
     "rle_encode",
     "rle_decode",
     "varint_encode",
@@ -37,6 +41,27 @@ __all__ = [
 def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
     """``(prev - cur) mod levels`` as uint8 (codes must be below ``levels`` <= 256)."""
     return _cyclic(prev, cur, levels)
+
+
+def delta_pairs(prev: np.ndarray, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(delta, pairs)``: :func:`cyclic_delta` and ``pair_counts(prev, delta)`` (256 x 256), in
+    one pass over the codes where the kernel is built. The pairs hold every histogram the delta's
+    coding needs: the regrouped groups' sizes (row sums) and models (rows), and the current
+    codes' histogram (:func:`current_counts`)."""
+    if _native_u8(prev, cur) and 1 <= levels <= 256:
+        delta, pairs = np.empty_like(prev), np.empty(65536, dtype=np.int64)
+        native.cyclic_u8(prev, cur, levels, delta, pairs)
+        return delta, pairs.reshape(256, 256)
+    delta = cyclic_delta(prev, cur, levels)
+    return delta, pair_counts(prev, delta)
+
+
+def current_counts(pairs: np.ndarray, levels: int) -> np.ndarray:
+    """The histogram (int64, 256 long) of the codes a delta was taken from, given its
+    :func:`delta_pairs` counts: the pair (previous code ``p``, delta ``d``) is the code
+    ``(p - d) mod levels``."""
+    codes = (np.arange(256)[:, None] - np.arange(256)[None, :]) % levels
+    return np.bincount(codes.ravel(), weights=pairs.ravel(), minlength=256).astype(np.int64)
 
 
 def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:
@@ -70,6 +95,16 @@ def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
     else:
         out[np.argsort(prev_codes, kind="stable")] = grouped
     return out
+
+
+def undo_regrouped_delta(grouped: np.ndarray, prev: np.ndarray, levels: int) -> np.ndarray:
+    """The current codes from their regrouped delta: ``apply_delta(prev, ungroup(grouped, prev),
+    levels)``, in one pass where the kernel is built (a restore's delta undone)."""
+    if _native_u8(grouped, prev) and 1 <= levels <= 256:
+        out = np.empty_like(prev)
+        native.ungroup_cyclic_u8(grouped, prev, levels, out)
+        return out
+    return apply_delta(prev, ungroup(grouped, prev), levels)
 
 
 def _native_u8(values: np.ndarray, keys: np.ndarray) -> bool:

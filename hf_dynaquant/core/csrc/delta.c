@@ -4,9 +4,21 @@
  * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
  * the keys, then each value to the next free place of its key's group), what the numpy
  * reference does with a stable argsort and a gather or scatter, without the index array. */
+/* Counts of each byte value in four interleaved tables: a run of equal bytes then adds to four
+ * counters in turn instead of waiting on one (the counts of codes come in such runs). */
+static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
+    int64_t part[4][256];
+    Py_ssize_t i = 0;
+    memset(part, 0, sizeof(part));
+    for (; i + 4 <= n; i += 4) { part[0][s[i]]++; part[1][s[i + 1]]++; part[2][s[i + 2]]++; part[3][s[i + 3]]++; }
+    for (; i < n; i++) part[0][s[i]]++;
+    for (int k = 0; k < 256; k++) count[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
+}
+
 static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
-    Py_ssize_t count[256] = {0}, pos = 0;
-    for (Py_ssize_t i = 0; i < n; i++) count[keys[i]]++;
+    int64_t count[256];
+    Py_ssize_t pos = 0;
+    count_bytes(keys, n, count);
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
 }
 
@@ -34,6 +46,34 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The current codes from a regrouped delta (delta.py's undo_regrouped_delta): the ungrouping of
+ * py_regroup_u8 (inverse) and the cyclic difference of py_cyclic_u8 in one pass, out[i] =
+ * (keys[i] - grouped[next place of keys[i]'s group]) mod levels. */
+PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
+    Py_buffer grouped, keys, out;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &grouped, &keys, &levels, &out)) return NULL;
+    int ok = grouped.len == keys.len && out.len == keys.len && levels >= 1 && levels <= 256;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: arrays differ in length or levels outside 1..256");
+    else {
+        const uint8_t *v = grouped.buf, *k = keys.buf;
+        uint8_t *o = out.buf, table[511];
+        Py_ssize_t n = keys.len, start[256];
+        Py_BEGIN_ALLOW_THREADS
+        for (int d = -255; d <= 255; d++) {
+            const int r = d % levels;
+            table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
+        }
+        group_starts(k, n, start);
+        for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)k[i] - (int)v[start[k[i]]++] + 255];
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&grouped); PyBuffer_Release(&keys); PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* Counts of each uint8 symbol (np.bincount of bytes, without converting them to intp first). */
 PyObject *py_byte_counts(PyObject *self, PyObject *args) {
     Py_buffer symbols, counts;
@@ -42,14 +82,8 @@ PyObject *py_byte_counts(PyObject *self, PyObject *args) {
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "byte_counts: counts must hold 256 int64");
     else {
-        const uint8_t *s = symbols.buf;
-        int64_t *c = counts.buf, part[4][256];
-        Py_ssize_t n = symbols.len, i = 0;
         Py_BEGIN_ALLOW_THREADS
-        memset(part, 0, sizeof(part));
-        for (; i + 4 <= n; i += 4) { part[0][s[i]]++; part[1][s[i + 1]]++; part[2][s[i + 2]]++; part[3][s[i + 3]]++; }
-        for (; i < n; i++) part[0][s[i]]++;
-        for (int k = 0; k < 256; k++) c[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
+        count_bytes(symbols.buf, symbols.len, counts.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&symbols); PyBuffer_Release(&counts);
@@ -83,27 +117,81 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
 /* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
  * the same operation on the previous codes and the delta), with a non-negative remainder. The
  * difference of two bytes lies in -255..255: its remainder is looked up in a table made once
- * per call (a division per value cost more than the rest of a delta's coding). */
+ * per call (a division per value cost more than the rest of a delta's coding). With a fifth
+ * argument (65536 int64, not None) it also counts the pairs (a, out) there, as pair_counts
+ * does: the encoder's delta needs both, and one pass reads the codes once (delta_pairs). */
+/* The cyclic difference with its pairs counted (pairs[(a << 8) | d]). With under 16 levels every
+ * delta fits 4 bits: the pairs go to four interleaved tables indexed (a << 4) | d (a run of equal
+ * pairs then adds to four counters in turn, as count_bytes does), summed into pairs at the end. */
+static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
+                         uint8_t *o, int64_t *pairs) {
+    memset(pairs, 0, 65536 * sizeof(int64_t));
+    if (levels > 16) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t d = table[(int)x[i] - (int)y[i] + 255];
+            o[i] = d;
+            pairs[(x[i] << 8) | d]++;
+        }
+        return;
+    }
+    int64_t (*part)[4096] = calloc(4, sizeof(*part));
+    if (part == NULL) { /* no room for the tables: one counter a pair */
+        for (Py_ssize_t i = 0; i < n; i++) { o[i] = table[(int)x[i] - (int)y[i] + 255]; pairs[(x[i] << 8) | o[i]]++; }
+        return;
+    }
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) { /* loads first: a store to o may alias x and y */
+        const uint8_t a0 = x[i], a1 = x[i + 1], a2 = x[i + 2], a3 = x[i + 3];
+        const uint8_t d0 = table[a0 - y[i] + 255], d1 = table[a1 - y[i + 1] + 255];
+        const uint8_t d2 = table[a2 - y[i + 2] + 255], d3 = table[a3 - y[i + 3] + 255];
+        o[i] = d0; o[i + 1] = d1; o[i + 2] = d2; o[i + 3] = d3;
+        part[0][(a0 << 4) | d0]++; part[1][(a1 << 4) | d1]++; part[2][(a2 << 4) | d2]++; part[3][(a3 << 4) | d3]++;
+    }
+    for (; i < n; i++) {
+        o[i] = table[(int)x[i] - (int)y[i] + 255];
+        part[0][(x[i] << 4) | o[i]]++;
+    }
+    for (int a = 0; a < 256; a++)
+        for (int d = 0; d < 16; d++) {
+            const int at = (a << 4) | d;
+            pairs[(a << 8) | d] = part[0][at] + part[1][at] + part[2][at] + part[3][at];
+        }
+    free(part);
+}
+
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
-    Py_buffer a, b, out;
+    Py_buffer a, b, out, pairs = {0};
     int levels;
-    if (!PyArg_ParseTuple(args, "y*y*iw*", &a, &b, &levels, &out)) return NULL;
-    int ok = a.len == b.len && out.len == a.len && levels >= 1 && levels <= 256;
+    PyObject *pairs_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*y*iw*|O", &a, &b, &levels, &out, &pairs_obj)) return NULL;
+    int counted = pairs_obj != Py_None;
+    if (counted && PyObject_GetBuffer(pairs_obj, &pairs, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out);
+        return NULL;
+    }
+    int ok = a.len == b.len && out.len == a.len && levels >= 1 && levels <= 256 &&
+             (!counted || pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t));
     if (!ok)
-        PyErr_SetString(PyExc_ValueError, "cyclic: arrays differ in length or levels outside 1..256");
+        PyErr_SetString(PyExc_ValueError,
+                        "cyclic: arrays differ in length, levels outside 1..256, or pairs is not 65536 int64");
     else {
         const uint8_t *x = a.buf, *y = b.buf;
         uint8_t *o = out.buf, table[511];
+        int64_t *c = counted ? pairs.buf : NULL;
         Py_ssize_t n = a.len;
         Py_BEGIN_ALLOW_THREADS
         for (int d = -255; d <= 255; d++) {
             const int r = d % levels;
             table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
         }
-        for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)x[i] - (int)y[i] + 255];
+        if (c == NULL)
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)x[i] - (int)y[i] + 255];
+        else
+            cyclic_pairs(x, y, n, table, levels, o, c);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out);
+    if (counted) PyBuffer_Release(&pairs);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
