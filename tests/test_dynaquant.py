@@ -36,7 +36,7 @@ from hf_dynaquant.core.quantizer import (
     quantize,
 )
 from hf_dynaquant.core.ranking import GradientEMA
-from hf_dynaquant.errors import CodecError
+from hf_dynaquant.errors import CodecError, CorruptCheckpointError
 from hf_dynaquant.pipeline import compress_state_dict
 from hf_dynaquant.search import SearchSpace
 from hf_dynaquant.training.compressor import Compressor
@@ -212,10 +212,30 @@ def test_ans_encode_refuses_histograms_it_cannot_use() -> None:
         ans_encode(symbols, histograms=np.array([[1, 1, 1]]))
     with pytest.raises(ValueError, match="rows of at most 256"):
         ans_encode(symbols, histograms=np.array([1, 2, 1]))
+    with pytest.raises(ValueError, match="does not count"):  # the symbol 2 lies beyond its table
+        ans_encode(symbols, histograms=np.array([[1, 3]]))
     with pytest.raises(ValueError, match="cyclic"):
         from hf_dynaquant.core.kernels import native
 
         native.cyclic_u8(symbols, symbols, 3, np.empty_like(symbols), np.zeros(10, np.int64))
+
+
+@pytest.mark.parametrize("change", [{"delta_levels": 0}, {"delta_levels": 300}, {"delta_coding": "zip"}])
+def test_delta_of_unknown_coding_or_levels_is_corrupt(change) -> None:
+    rng = np.random.default_rng(12)
+    prev = rng.integers(2, 6, 5000).astype(np.uint8)
+    cur = np.where(rng.random(prev.size) < 0.05, 2, prev).astype(np.uint8)
+    codec = DynaQuantCodec()
+    encoded = codec._encode_state(_codes_state(cur), _codes_state(prev), {})
+    assert encoded.params["mode"] == "delta"
+
+    def blobs(name: str) -> np.ndarray:
+        return np.frombuffer(encoded.blobs[name], np.uint8)
+
+    blobs.where = "entry x, tensor w"  # type: ignore[attr-defined]
+    assert np.array_equal(codec.decode("F32", cur.shape, encoded.params, blobs, _codes_state(prev)).codes, cur)
+    with pytest.raises(CorruptCheckpointError, match="tensor w: delta coding"):
+        codec.decode("F32", cur.shape, {**encoded.params, **change}, blobs, _codes_state(prev))
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])

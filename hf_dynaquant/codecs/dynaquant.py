@@ -83,8 +83,13 @@ def _delta_payload(
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta; ``pairs``: its :func:`delta_pairs` counts (under "ans"), the regrouped groups' models."""
     if coding == "ans":
-        lanes = lanes_for(delta.size)
-        return ans_coding(lanes), ans_encode(regroup(delta, prev), lanes=lanes, histograms=pairs), int(delta.size)
+        lanes, grouped = lanes_for(delta.size), regroup(delta, prev)
+        payload = (
+            ans_encode(grouped, lanes=lanes, histograms=pairs)
+            if pairs is not None
+            else ans_encode(grouped, _groups(prev), lanes)
+        )
+        return ans_coding(lanes), payload, int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -99,6 +104,11 @@ def _groups(prev: np.ndarray) -> np.ndarray:
 def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:
     """The current codes from a stored delta on the base's codes ``prev``."""
     coding, (stream_coding, size) = params["delta_coding"], params["delta_stream"]
+    levels = params["delta_levels"]
+    if coding not in DELTA_CODINGS or not isinstance(levels, int) or not 1 <= levels <= 256:
+        raise CorruptCheckpointError(
+            f"{where}: delta coding {coding!r} at {levels!r} levels is not one this codec writes"
+        )
     try:
         if coding == "ans":
             if int(size) != n:
@@ -114,7 +124,6 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     if delta.size != n:
         raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
-    levels = int(params["delta_levels"])
     if coding in ("ans", "regroup"):  # stored in groups of the previous code
         return undo_regrouped_delta(delta, prev, levels)
     return apply_delta(prev, delta, levels)

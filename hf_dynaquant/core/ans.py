@@ -130,7 +130,8 @@ def ans_encode(
     ``histograms``, in place of ``groups``: each group's symbol counts, a row per group (the
     sizes are the rows' sums), where the caller has them already (the delta encoder's pair
     counts), so the symbols are not counted again. They must be the symbols' own: the payload
-    is coded with them, and :func:`ans_decode` refuses a stream whose symbols do not match."""
+    is coded with them (a symbol beyond a group's histogram is refused here; other mismatches
+    make a stream :func:`ans_decode` refuses)."""
     if lanes not in (1, 2, 4, 8):
         raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
     if histograms is not None and groups is not None:
@@ -147,6 +148,8 @@ def ans_encode(
             counts = byte_counts(sym[start:stop])
         else:  # byte_counts' length: the largest symbol present, plus one
             counts = histograms[g, : int(np.flatnonzero(histograms[g])[-1]) + 1].astype(np.int64)
+            if int(sym[start:stop].max()) >= counts.size:  # (the coder's tables end there)
+                raise ValueError(f"symbols {start}-{stop} hold a symbol their histogram does not count")
         table += [counts.size, *counts.tolist()]
         if np.count_nonzero(counts) > 1:
             coded.append((start, stop, counts))

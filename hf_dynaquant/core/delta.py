@@ -61,7 +61,9 @@ def current_counts(pairs: np.ndarray, levels: int) -> np.ndarray:
     :func:`delta_pairs` counts: the pair (previous code ``p``, delta ``d``) is the code
     ``(p - d) mod levels``."""
     codes = (np.arange(256)[:, None] - np.arange(256)[None, :]) % levels
-    return np.bincount(codes.ravel(), weights=pairs.ravel(), minlength=256).astype(np.int64)
+    counts = np.zeros(256, dtype=np.int64)
+    np.add.at(counts, codes.ravel(), np.asarray(pairs, dtype=np.int64).ravel())
+    return counts
 
 
 def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:

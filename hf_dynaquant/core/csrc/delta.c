@@ -1,9 +1,5 @@
 #include "kernels.h"
 
-/* The regrouping of the delta encoder (delta.py): uint8 values ordered by their uint8 key (the
- * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
- * the keys, then each value to the next free place of its key's group), what the numpy
- * reference does with a stable argsort and a gather or scatter, without the index array. */
 /* Counts of each byte value in four interleaved tables: a run of equal bytes then adds to four
  * counters in turn instead of waiting on one (the counts of codes come in such runs). */
 static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
@@ -15,6 +11,10 @@ static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
     for (int k = 0; k < 256; k++) count[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
 }
 
+/* The regrouping of the delta encoder (delta.py): uint8 values ordered by their uint8 key (the
+ * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
+ * the keys, then each value to the next free place of its key's group), what the numpy
+ * reference does with a stable argsort and a gather or scatter, without the index array. */
 static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
     int64_t count[256];
     Py_ssize_t pos = 0;
@@ -114,29 +114,28 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
- * the same operation on the previous codes and the delta), with a non-negative remainder. The
- * difference of two bytes lies in -255..255: its remainder is looked up in a table made once
- * per call (a division per value cost more than the rest of a delta's coding). With a fifth
- * argument (65536 int64, not None) it also counts the pairs (a, out) there, as pair_counts
- * does: the encoder's delta needs both, and one pass reads the codes once (delta_pairs). */
-/* The cyclic difference with its pairs counted (pairs[(a << 8) | d]). With under 16 levels every
- * delta fits 4 bits: the pairs go to four interleaved tables indexed (a << 4) | d (a run of equal
- * pairs then adds to four counters in turn, as count_bytes does), summed into pairs at the end. */
+/* The cyclic difference with its pairs counted (pairs[(a << 8) | d]). With at most 16 levels
+ * every delta fits 4 bits: the pairs go to four interleaved tables indexed (a << 4) | d (a run of equal
+ * pairs then adds to four counters in turn, as count_bytes does), summed into pairs at the end.
+ * Each loop reads a[i] before it writes o[i], which may be the same byte. */
 static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
                          uint8_t *o, int64_t *pairs) {
     memset(pairs, 0, 65536 * sizeof(int64_t));
     if (levels > 16) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            const uint8_t d = table[(int)x[i] - (int)y[i] + 255];
+            const uint8_t a = x[i], d = table[a - y[i] + 255];
             o[i] = d;
-            pairs[(x[i] << 8) | d]++;
+            pairs[(a << 8) | d]++;
         }
         return;
     }
     int64_t (*part)[4096] = calloc(4, sizeof(*part));
     if (part == NULL) { /* no room for the tables: one counter a pair */
-        for (Py_ssize_t i = 0; i < n; i++) { o[i] = table[(int)x[i] - (int)y[i] + 255]; pairs[(x[i] << 8) | o[i]]++; }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t a = x[i], d = table[a - y[i] + 255];
+            o[i] = d;
+            pairs[(a << 8) | d]++;
+        }
         return;
     }
     Py_ssize_t i = 0;
@@ -148,8 +147,9 @@ static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const
         part[0][(a0 << 4) | d0]++; part[1][(a1 << 4) | d1]++; part[2][(a2 << 4) | d2]++; part[3][(a3 << 4) | d3]++;
     }
     for (; i < n; i++) {
-        o[i] = table[(int)x[i] - (int)y[i] + 255];
-        part[0][(x[i] << 4) | o[i]]++;
+        const uint8_t a = x[i], d = table[a - y[i] + 255];
+        o[i] = d;
+        part[0][(a << 4) | d]++;
     }
     for (int a = 0; a < 256; a++)
         for (int d = 0; d < 16; d++) {
@@ -159,6 +159,12 @@ static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const
     free(part);
 }
 
+/* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
+ * the same operation on the previous codes and the delta), with a non-negative remainder. The
+ * difference of two bytes lies in -255..255: its remainder is looked up in a table made once
+ * per call (a division per value cost more than the rest of a delta's coding). With a fifth
+ * argument (65536 int64, not None) it also counts the pairs (a, out) there, as pair_counts
+ * does: the encoder's delta needs both, and one pass reads the codes once (delta_pairs). */
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_buffer a, b, out, pairs = {0};
     int levels;
