@@ -340,17 +340,24 @@ def test_moments_from_update_and_scale_kernel_matches_torch(monkeypatch, dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gains", [(1.0, 1.0), (1.37, 1.05)])
-def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, gains) -> None:
+@pytest.mark.parametrize("parts", [1, 3])
+def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, gains, parts) -> None:
     """Adam's moments straight from the codes of an update and a scale (the restore's path, which
     never holds their float32 values) are bit for bit the moments of their decoded values: with
     pruned and protected codes in both (a NaN and an infinity among the update's protected
     values, a protected scale under the floor), gains, float32 and bf16 out; compiled, and in
-    torch (whose conversion is the compiled one's to an ulp, test above)."""
+    torch (whose conversion is the compiled one's to an ulp, test above); the compiled one whole
+    and cut into three parts converted on three threads at once, whose protected values each
+    begin where the part before stopped."""
     from types import SimpleNamespace
 
     from hf_dynaquant.core import moments as moments_mod
+    from hf_dynaquant.core.pool import ForkSafePool
 
     assert moments_mod.native is not None, "the compiled kernels were not built"
+    if parts > 1:
+        monkeypatch.setattr(moments_mod, "_POOL", ForkSafePool("test-adam", parts))
+        monkeypatch.setattr(moments_mod, "_SPLIT_FROM", 1000)
     rng = np.random.default_rng(7)
     n, eps = 200_003, 1e-8
 
@@ -419,6 +426,22 @@ def test_moments_from_codes_refuse_what_does_not_decode(monkeypatch, compiled) -
     reshaped.shape = (2, 2)
     with pytest.raises(ValueError, match=r"the scale \(2, 2\)"):
         moments_mod.codes_to_adam(ok, reshaped, 1e-8)
+    if compiled:  # cut into parts on several threads: the same refusals, wherever in the tensor
+        from hf_dynaquant.core.pool import ForkSafePool
+
+        monkeypatch.setattr(moments_mod, "_POOL", ForkSafePool("test-adam", 3))
+        monkeypatch.setattr(moments_mod, "_SPLIT_FROM", 6)
+        many = coded([2, 3, 4, 0] * 3)
+        with pytest.raises(ValueError, match="beyond the stored centres"):
+            moments_mod.codes_to_adam(coded([2, 3, 4, 0, 2, 3, 4, 0, 2, 3, 5, 0]), many, 1e-8)  # the last part
+        with pytest.raises(ValueError, match="beyond the stored centres"):
+            moments_mod.codes_to_adam(many, coded([2, 3, 4, 0, 2, 9, 4, 0, 2, 3, 4, 0]), 1e-8)  # the middle one
+        cut = [2, 1, 1, 0, 1, 3, 4, 1, 2, 3, 1, 0]  # protected codes in every part: 2, 2 and 1
+        for stored in (4, 6):  # one short of them, or one over
+            with pytest.raises(ValueError, match=f"update: {stored} protected values stored, 5 codes need one"):
+                moments_mod.codes_to_adam(coded(cut, protected=stored), many, 1e-8)
+        m, v = moments_mod.codes_to_adam(coded(cut, protected=5), many, 1e-8)
+        assert m.shape == v.shape == (12,)
     from hf_dynaquant.errors import CorruptCheckpointError
     from hf_dynaquant.training import optimizer_state
 
@@ -982,6 +1005,93 @@ def test_a_restore_holds_only_a_few_parameters_moments_waiting_for_the_rest(tmp_
     weights = 2 * 256 * 256  # one weight's update and scale
     assert 0 < peak[0] <= 4 * weights < layers * weights
     assert as_codes[0] == 2 * 2 * layers  # the update and scale of every weight and bias
+
+
+class _TiedNet(torch.nn.Module):
+    """An embedding tied to its output layer, a quantized linear layer and a bias (stored losslessly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 64)
+        self.body = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 300, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_a_restore_dequantizes_weights_straight_into_the_parameters(tmp_path, monkeypatch) -> None:
+    """A quantized float32 weight is dequantized into the model's own parameter (the same object,
+    no decoded copy, and never through load_state_dict), a tied one once; what the store decodes
+    is what the parameters hold. A module with a load hook, a custom ``_load_from_state_dict``
+    or a bf16 parameter goes through ``load_state_dict`` as before; codes that do not decode are
+    refused naming the tensor."""
+    import dataclasses
+
+    from hf_dynaquant.codecs import dynaquant as dynaquant_mod
+    from hf_dynaquant.training.compressor import _filled_in_place
+
+    torch.manual_seed(0)
+    model = _TiedNet()
+    Compressor(model, tmp_path, QuantConfig(bins=8, min_numel=1000)).compress(1)
+    with CheckpointStore(tmp_path).open("step-1") as entry:
+        want = entry.load_section("model")
+    restored = _TiedNet()
+    params = {name: p for name, p in restored.named_parameters()}
+    calls, writes, real_load = [], [], torch.nn.Module.load_state_dict
+
+    def watched(self, state_dict, *args, **kwargs):
+        calls.append(sorted(state_dict))
+        return real_load(self, state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", watched)
+    from hf_dynaquant.training import compressor as compressor_mod
+
+    real_into = compressor_mod.decoded_values
+    monkeypatch.setattr(
+        compressor_mod, "decoded_values", lambda *a, **k: writes.append(k["out"].size) or real_into(*a, **k)
+    )
+    Compressor(restored, tmp_path).restore(1)
+    assert all(p is params[name] for name, p in restored.named_parameters())  # the same parameter objects
+    assert restored.head.weight is restored.emb.weight
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, want.get(name, want["emb.weight"])), name
+    assert sorted(writes) == [64 * 64, 300 * 64]  # the tied weight written once
+    assert all(name.endswith("bias") for names in calls for name in names)  # only the lossless bias copied
+
+    # what plain load_state_dict would not merely copy into is loaded by it
+    hooked = _TiedNet()
+    hooked.body.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert not _filled_in_place(hooked, "body.weight", hooked.body.weight)
+    assert _filled_in_place(hooked, "emb.weight", hooked.emb.weight)
+    hooked.to(torch.bfloat16)
+    assert not _filled_in_place(hooked, "emb.weight", hooked.emb.weight)
+    hooked.float()
+
+    class CustomLinear(torch.nn.Linear):
+        def _load_from_state_dict(self, *args) -> None:
+            super()._load_from_state_dict(*args)
+
+    custom = _TiedNet()
+    custom.body.__class__ = CustomLinear
+    assert not _filled_in_place(custom, "body.weight", custom.body.weight)
+    calls.clear()
+    writes.clear()
+    Compressor(hooked, tmp_path).restore(1)
+    assert sorted(writes) == [300 * 64] and ["body.weight"] in [[n for n in c if n == "body.weight"] for c in calls]
+    for name, tensor in hooked.state_dict().items():
+        assert torch.equal(tensor, want.get(name, want["emb.weight"])), name
+
+    # codes beyond their centres: refused, naming the tensor
+    real_coded = dynaquant_mod.DynaQuantCodec.coded
+
+    def broken(self, state):
+        codes = real_coded(self, state)
+        if codes is not None and codes.shape == (64, 64):
+            codes = dataclasses.replace(codes, codes=np.full_like(codes.codes, 250))
+        return codes
+
+    monkeypatch.setattr(dynaquant_mod.DynaQuantCodec, "coded", broken)
+    with pytest.raises(CorruptCheckpointError, match="tensor 'body.weight': a code lies beyond the stored centres"):
+        Compressor(_TiedNet(), tmp_path).restore(1)
 
 
 def test_a_restore_hands_freed_memory_back_while_it_converts_the_moments(tmp_path, monkeypatch) -> None:

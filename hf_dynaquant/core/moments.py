@@ -44,7 +44,9 @@ import numpy as np
 import torch
 
 from .dtypes import all_finite
+from .histogram import byte_counts
 from .kernels import native
+from .pool import ForkSafePool
 from .quantizer import Coded, TensorPlan, code_table, coded_values, flat_f32
 
 __all__ = [
@@ -167,21 +169,66 @@ def codes_to_adam(
         u, s = (coded_values(c).reshape(-1) for c in (update, scale))
         return update_scale_to_adam(u, s, eps, dtype, gain=gain, scale_gain=scale_gain, inplace=True)
     m, v = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    m_out, v_out = (t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in (m, v))
+    bounds = _part_bounds(n)
+    parts = [_CodedParts(c, bounds) for c in (update, scale)]
+    floor, bf16 = scale_floor(eps), dtype == torch.bfloat16
 
-    def out(t: torch.Tensor) -> np.ndarray:
-        return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    def convert(k: int) -> tuple[int, int]:
+        a, b = bounds[k], bounds[k + 1]
+        return native.codes_to_adam(
+            *parts[0].arrays(k), *parts[1].arrays(k), floor, gain, scale_gain, bf16, m_out[a:b], v_out[a:b]
+        )
 
-    def arrays(c: Coded) -> tuple[np.ndarray, ...]:
-        protected = np.ascontiguousarray(c.protected, dtype=np.uint16)
-        return np.ascontiguousarray(c.codes).reshape(-1), code_table(c.centres), protected
-
-    used = native.codes_to_adam(
-        *arrays(update), *arrays(scale), scale_floor(eps), gain, scale_gain, dtype == torch.bfloat16, out(m), out(v)
-    )
-    for what, c, k in (("update", update, used[0]), ("scale", scale, used[1])):
+    # the parts but the first on the pool, the first in this thread; every part waited for
+    others = [_POOL.submit(convert, k) for k in range(1, len(bounds) - 1)]
+    try:
+        used = [convert(0)]
+    finally:
+        for job in others:
+            job.exception()
+    used += [job.result() for job in others]  # (a code beyond its centres, in any part)
+    for i, (what, c) in enumerate(zip(("update", "scale"), (update, scale))):
+        k = sum(u[i] for u in used)  # the codes 1 of every part, each counted by the kernel
         if k != c.protected.size:
             raise ValueError(f"{what}: {c.protected.size} protected values stored, {k} codes need one")
     return m, v
+
+
+# Values from which codes_to_adam splits a tensor into parts converted on several threads: below
+# it, a thread's hand-off costs more than the part saves.
+_SPLIT_FROM = 1 << 21
+_POOL = ForkSafePool("dq-adam")
+
+
+def _part_bounds(n: int) -> list[int]:
+    """The bounds of the parts :func:`codes_to_adam` converts at once: one per worker of its
+    pool for a tensor of :data:`_SPLIT_FROM` values or more, else the whole."""
+    k = _POOL.max_workers if n >= _SPLIT_FROM else 1
+    return [n * i // k for i in range(k + 1)]
+
+
+class _CodedParts:
+    """A coded tensor cut at ``bounds``: each part's codes, the centres' table and the protected
+    values its codes take (the ``j``-th code 1 takes the ``j``-th protected value, so a part's
+    begin after those of the parts before it; the last part is handed every one left, so that
+    codes needing more or fewer than are stored show in the kernel's count)."""
+
+    def __init__(self, c: Coded, bounds: list[int]) -> None:
+        self.codes = np.ascontiguousarray(c.codes).reshape(-1)
+        self.table = code_table(c.centres)
+        self.protected = np.ascontiguousarray(c.protected, dtype=np.uint16)
+        self.bounds = bounds
+        self.before = [0] * (len(bounds) - 1) + [self.protected.size]  # protected values before each part
+        if self.protected.size:
+            for k in range(1, len(bounds) - 1):
+                part = self.codes[bounds[k - 1] : bounds[k]]
+                self.before[k] = min(self.before[k - 1] + int(byte_counts(part, 2)[1]), self.protected.size)
+
+    def arrays(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(codes, table, protected)`` of part ``k``, for the kernel."""
+        a, b = self.bounds[k], self.bounds[k + 1]
+        return self.codes[a:b], self.table, self.protected[self.before[k] : self.before[k + 1]]
 
 
 def grid_step(top: float, eps: float, step: float) -> float:

@@ -721,17 +721,26 @@ def code_table(centres: np.ndarray) -> np.ndarray:
 
 
 def decoded_values(
-    codes: np.ndarray, centres: np.ndarray, protected_bf16: np.ndarray, reference: np.ndarray | None = None
+    codes: np.ndarray,
+    centres: np.ndarray,
+    protected_bf16: np.ndarray,
+    reference: np.ndarray | None = None,
+    *,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The flat float32 values a tensor decodes to: :func:`dequantize`, plus the reference of a
     residual (a pruned residual keeps the reference value). The one rule the search's evaluation,
     the codec's encode and its decode share, so a restore gives exactly what the search judged.
-    One pass in the compiled kernel."""
+    One pass in the compiled kernel. ``out``: a flat float32 array of the codes' size to write
+    them into (a restore's model parameter), returned; when the codes do not decode (the
+    ``ValueError``), what it holds is undefined."""
     table = code_table(centres)
     if reference is not None and reference.size != codes.size:
         raise ValueError(f"the reference holds {reference.size} values, the codes {codes.size}")
+    if out is not None and (out.dtype != np.float32 or out.shape != (codes.size,)):
+        raise ValueError(f"the output holds {out.size} {out.dtype} values, the codes decode to {codes.size} float32")
     if native is not None and codes.dtype == np.uint8:
-        out = np.empty(codes.size, dtype=np.float32)
+        out = np.empty(codes.size, dtype=np.float32) if out is None else out
         ref = np.ascontiguousarray(reference, dtype=np.float32) if reference is not None else out[:0]
         used = native.dequantize_u8(
             np.ascontiguousarray(codes).reshape(-1),
@@ -742,13 +751,17 @@ def decoded_values(
             out,
         )
     else:
-        out = table[codes]
+        values = table[codes]
         prot = codes == PROTECTED
         used = int(prot.sum())
         if used == protected_bf16.size:
-            out[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
+            values[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
         if reference is not None:
-            out += reference
+            values += reference
+        if out is None:
+            out = values
+        else:
+            out[...] = values.reshape(-1)
     if used != protected_bf16.size:
         raise ValueError(f"{protected_bf16.size} protected values stored, {used} codes need one")
     return out

@@ -43,9 +43,23 @@ from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
 from ..core.memory import has_room
-from ..core.quantizer import QuantConfig, QuantPlan, is_quantizable, layer_types, plan_quantization
+from ..core.quantizer import (
+    QuantConfig,
+    QuantPlan,
+    coded_values,
+    decoded_values,
+    is_quantizable,
+    layer_types,
+    plan_quantization,
+)
 from ..core.ranking import GradientEMA
-from ..errors import CheckpointError, InvalidSettingError, MissingOptimizerStateError, UnsupportedSetupError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidSettingError,
+    MissingOptimizerStateError,
+    UnsupportedSetupError,
+)
 from ..pipeline import MODEL, for_section, plan_key, write_planned
 from ..search import ConfigurationSearch, Reference, SearchResult
 from ..search.peers import PEER_CUBES, PeerSearch
@@ -119,11 +133,16 @@ _LOAD_CHUNK = 64 << 20
 
 def load_weights(model: torch.nn.Module, entry: EntryReader, where: str, *, progress: bool = False) -> None:
     """Load a stored checkpoint's weights into ``model``, streaming: tensors are decoded a few
-    at a time and copied into the model in chunks of :data:`_LOAD_CHUNK` bytes, so a restore
-    holds no second copy of the weights. Raises :class:`~hf_dynaquant.errors.CheckpointError`
-    naming ``where`` when the stored weights do not fit the model (a tied weight the entry
-    stores once may be missing under its other names)."""
-    expected = set(model.state_dict(keep_vars=True))
+    at a time, so a restore holds no second copy of the weights. A quantized float32 tensor
+    whose parameter plain ``load_state_dict`` would copy into (:func:`_filled_in_place`) comes
+    from the pool as its codes and is dequantized straight into the parameter, in this thread
+    (a 124M model's weights otherwise took a fresh 0.5 GB, paged in, then a copy); the others are
+    copied into the model in chunks of :data:`_LOAD_CHUNK` bytes. Raises
+    :class:`~hf_dynaquant.errors.CheckpointError` naming ``where`` when the stored weights do not
+    fit the model (a tied weight the entry stores once may be missing under its other names)."""
+    targets = model.state_dict(keep_vars=True)
+    expected = set(targets)
+    in_place = {name: t for name, t in targets.items() if _filled_in_place(model, name, t)}
     loaded: set[str] = set()
     chunk: dict[str, torch.Tensor] = {}
     size = 0
@@ -135,10 +154,24 @@ def load_weights(model: torch.nn.Module, entry: EntryReader, where: str, *, prog
             raise CheckpointError(f"{where}: the stored weights do not fit the model: {exc}") from exc
         chunk.clear()
 
-    for name, tensor in entry.iter_section(MODEL, progress=progress):
+    filled: dict[int, Any] = {}  # id of a parameter written in place -> the codes written into it
+    for name, tensor in entry.iter_section(MODEL, progress=progress, coded=in_place.__contains__):
         loaded.add(name)
         if name not in expected:
             continue
+        if not isinstance(tensor, torch.Tensor):  # codes (a tied weight's alias comes as its target's)
+            target = in_place.get(name)
+            if target is not None and tuple(target.shape) == tuple(tensor.shape):
+                if filled.get(id(target)) is not tensor:  # (tied: the same codes into the same parameter once)
+                    try:
+                        decoded_values(
+                            tensor.codes, tensor.centres, tensor.protected, out=target.detach().view(-1).numpy()
+                        )
+                    except ValueError as exc:
+                        raise CorruptCheckpointError(f"{where}: tensor {name!r}: {exc}") from None
+                    filled[id(target)] = tensor
+                continue
+            tensor = coded_values(tensor)  # (load_state_dict names a shape that does not fit)
         chunk[name] = tensor
         size += tensor.numel() * tensor.element_size()
         if size >= _LOAD_CHUNK:
@@ -151,6 +184,36 @@ def load_weights(model: torch.nn.Module, entry: EntryReader, where: str, *, prog
         raise CheckpointError(
             f"{where}: the stored weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+
+
+def _filled_in_place(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``load_weights`` may write a stored tensor straight into the model's tensor
+    ``name`` (of ``model.state_dict(keep_vars=True)``): a plain contiguous float32 tensor in host
+    memory (not a DTensor or another subclass), loaded by ``torch.nn.Module``'s own
+    ``_load_from_state_dict`` with no state-dict or load hook on its module or any module above
+    it, so that ``load_state_dict`` would do nothing but copy the values in."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
+        return False
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        return False
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    path = name.split(".")[:-1]
+    module = model
+    for depth in range(len(path) + 1):
+        if depth:
+            module = getattr(module, path[depth - 1], None)
+            if not isinstance(module, torch.nn.Module):
+                return False
+        hooks = (
+            module._load_state_dict_pre_hooks,
+            module._load_state_dict_post_hooks,
+            module._state_dict_hooks,
+            getattr(module, "_state_dict_pre_hooks", {}),
+        )
+        if any(hooks):
+            return False
+    return type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

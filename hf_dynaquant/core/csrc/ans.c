@@ -21,10 +21,21 @@
 #define STATE_LOW ((uint64_t)1 << 32)
 #define MAX_LANES 8
 
+#define SLOT_BITS 11 /* the quantile's top 11 bits, where one symbol holds them all, give it outright */
+
+/* A slot of quantiles (q >> (PRECISION - SLOT_BITS) equal) that one symbol covers whole: its
+ * symbol with its frequency (freq_sym: frequency | symbol << 24) and its cumulative start, so
+ * that decoding a symbol there takes one load, not the guess and then the table; freq_sym 0
+ * marks a slot two symbols share, decoded the long way. */
+typedef struct {
+    uint32_t freq_sym, start;
+} slot_t;
+
 typedef struct {
     const uint32_t *cdf;          /* k + 1 entries */
     int k;                        /* symbols of the alphabet */
     uint8_t first[1 << LOOKUP_BITS]; /* the symbol of the quantile (q >> shift) << shift */
+    slot_t slot[1 << SLOT_BITS];
     int64_t counts[MAX_LANES][256]; /* the decoder's histogram of the group, lane by lane */
 } model_t;
 
@@ -36,6 +47,14 @@ static void model_init(model_t *m, const uint32_t *cdf, int k) {
         const uint32_t q = i << (PRECISION - LOOKUP_BITS);
         while (s + 1 < k && cdf[s + 1] <= q) s++;
         m->first[i] = (uint8_t)s;
+    }
+    s = 0;
+    for (uint32_t i = 0; i < (1u << SLOT_BITS); i++) {
+        const uint32_t lo = i << (PRECISION - SLOT_BITS), hi = lo + (1u << (PRECISION - SLOT_BITS)) - 1;
+        while (s + 1 < k && cdf[s + 1] <= lo) s++;
+        const int whole = s + 1 >= k || cdf[s + 1] > hi; /* (the last symbol's end is 2^24) */
+        m->slot[i].freq_sym = whole ? (cdf[s + 1] - cdf[s]) | (uint32_t)s << 24 : 0;
+        m->slot[i].start = cdf[s];
     }
 }
 
@@ -55,10 +74,18 @@ static int valid_lanes(Py_ssize_t lanes) {
  * first (the guesses), cdf and k (model_t's fields, passed as values so that nothing is
  * reloaded after each byte written). */
 INLINE uint8_t decode_symbol(uint64_t *st, int64_t *top, int64_t low, const uint32_t *restrict words,
-                             const uint8_t *restrict first, const uint32_t *restrict cdf, int k) {
+                             const slot_t *restrict slot, const uint8_t *restrict first,
+                             const uint32_t *restrict cdf, int k) {
     const uint32_t q = (uint32_t)(*st & QMASK);
-    const int s = model_symbol(first, cdf, k, q);
-    *st = (*st >> PRECISION) * (uint64_t)(cdf[s + 1] - cdf[s]) + (q - cdf[s]);
+    const slot_t e = slot[q >> (PRECISION - SLOT_BITS)];
+    int s;
+    uint32_t freq, start;
+    if (e.freq_sym) {
+        s = (int)(e.freq_sym >> 24), freq = e.freq_sym & QMASK, start = e.start;
+    } else {
+        s = model_symbol(first, cdf, k, q), freq = cdf[s + 1] - cdf[s], start = cdf[s];
+    }
+    *st = (*st >> PRECISION) * (uint64_t)freq + (q - start);
     if (*st < STATE_LOW && *top > low) *st = (*st << 32) | words[--*top];
     return (uint8_t)s;
 }
@@ -89,6 +116,7 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
     for (Py_ssize_t g = 0; g < n_groups; g++) {
         model_init(model, cdf + cdf_off[g], (int)k[g]);
         const uint8_t *first = model->first;
+        const slot_t *sl = model->slot;
         const uint32_t *c = model->cdf;
         const int kg = model->k;
         const int64_t a = start[g], b = stop[g];
@@ -97,14 +125,14 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
         for (; row < b && (row < a || row + L > b); row += L) /* rows the group begins or ends in */
             for (int j = 0; j < L; j++)
                 if (row + j >= a && row + j < b)
-                    cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
+                    cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
         for (; row + L <= b; row += L) /* whole rows: the lanes unrolled, their states in registers */
 #pragma GCC unroll 8
             for (int j = 0; j < L; j++)
-                cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
+                cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
         for (; row < b; row += L) /* the last row */
             for (int j = 0; j < L; j++)
-                if (row + j < b) cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, first, c, kg)]++;
+                if (row + j < b) cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
         for (int s = 0; s < kg; s++) {
             int64_t total = 0;
             for (int j = 0; j < L; j++) total += cnt[j][s];
