@@ -174,6 +174,14 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
         monkeypatch.setattr(delta_mod, "native", None)
         assert np.array_equal(fused, delta_mod.undo_regrouped_delta(regroup(delta, keys), keys, levels))
         assert np.array_equal(fused, values % levels)
+        monkeypatch.setattr(delta_mod, "native", native)  # over the base's codes, given up
+        given_up = keys.copy()
+        assert delta_mod.undo_regrouped_delta(regroup(delta, keys), given_up, levels, in_place=True) is given_up
+        assert np.array_equal(given_up, values % levels)
+        kept = keys.copy()
+        kept.flags.writeable = False  # (a read-only base keeps its codes)
+        assert np.array_equal(delta_mod.undo_regrouped_delta(regroup(delta, keys), kept, levels, in_place=True), fused)
+        assert np.array_equal(kept, keys)
 
 
 @pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])

@@ -84,7 +84,9 @@ class Codec(ABC):
         reference: np.ndarray | None = None,
     ) -> Any:
         """Decode a tensor's state from its blobs (and the base state when it used one; the
-        reference values when :meth:`reference_kind` names one)."""
+        reference values when :meth:`reference_kind` names one). The base is the caller's to
+        give up: a decode may reuse its writable arrays for the new state (the store decodes
+        each base for this one decode, and a restore then pages in no fresh copy of the codes)."""
 
     def reference_kind(self, params: dict[str, Any]) -> str | None:
         """The reference a stored tensor's decode adds its values to: ``None``, ``"previous"``

@@ -124,8 +124,8 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         raise CorruptCheckpointError(f"{where}: {exc}") from None
     if delta.size != n:
         raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
-    if coding in ("ans", "regroup"):  # stored in groups of the previous code
-        return undo_regrouped_delta(delta, prev, levels)
+    if coding in ("ans", "regroup"):  # stored in groups of the previous code (given up by the caller)
+        return undo_regrouped_delta(delta, prev, levels, in_place=True)
     return apply_delta(prev, delta, levels)
 
 

@@ -99,11 +99,13 @@ def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def undo_regrouped_delta(grouped: np.ndarray, prev: np.ndarray, levels: int) -> np.ndarray:
+def undo_regrouped_delta(grouped: np.ndarray, prev: np.ndarray, levels: int, *, in_place: bool = False) -> np.ndarray:
     """The current codes from their regrouped delta: ``apply_delta(prev, ungroup(grouped, prev),
-    levels)``, in one pass where the kernel is built (a restore's delta undone)."""
+    levels)``, in one pass where the kernel is built (a restore's delta undone). ``in_place``:
+    written over ``prev`` where it is writable (each code is read before its place is written),
+    for a caller that gives ``prev`` up."""
     if _native_u8(grouped, prev) and 1 <= levels <= 256:
-        out = np.empty_like(prev)
+        out = prev if in_place and prev.flags.writeable else np.empty_like(prev)
         native.ungroup_cyclic_u8(grouped, prev, levels, out)
         return out
     return apply_delta(prev, ungroup(grouped, prev), levels)

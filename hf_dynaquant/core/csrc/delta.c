@@ -48,7 +48,8 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
 
 /* The current codes from a regrouped delta (delta.py's undo_regrouped_delta): the ungrouping of
  * py_regroup_u8 (inverse) and the cyclic difference of py_cyclic_u8 in one pass, out[i] =
- * (keys[i] - grouped[next place of keys[i]'s group]) mod levels. */
+ * (keys[i] - grouped[next place of keys[i]'s group]) mod levels. out may be keys itself (a
+ * restore's base codes, given up): keys[i] is read before out[i] is written, and never after. */
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
     Py_buffer grouped, keys, out;
     int levels;
