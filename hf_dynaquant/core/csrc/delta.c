@@ -22,6 +22,22 @@ static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
 }
 
+/* The next places of the groups of keys k[0..3], taken (start advanced past them): every place
+ * is read before any is written, a key met earlier among the four counting one more, so a run
+ * of one key, the common case, waits on one update of its group's place per four values, not
+ * per value. */
+INLINE void next_places(const uint8_t *k, Py_ssize_t start[256], Py_ssize_t c[4]) {
+    const uint8_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+    c[0] = start[k0];
+    c[1] = start[k1] + (k1 == k0);
+    c[2] = start[k2] + (k2 == k0) + (k2 == k1);
+    c[3] = start[k3] + (k3 == k0) + (k3 == k1) + (k3 == k2);
+    start[k0] = c[0] + 1;
+    start[k1] = c[1] + 1;
+    start[k2] = c[2] + 1;
+    start[k3] = c[3] + 1;
+}
+
 PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
     Py_buffer values, keys, out;
     int inverse;
@@ -34,11 +50,21 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
         uint8_t *o = out.buf;
         Py_ssize_t n = keys.len, start[256];
         Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t i = 0, c[4];
         group_starts(k, n, start);
-        if (inverse)
-            for (Py_ssize_t i = 0; i < n; i++) o[i] = v[start[k[i]]++];
-        else
-            for (Py_ssize_t i = 0; i < n; i++) o[start[k[i]]++] = v[i];
+        if (inverse) {
+            for (; i + 4 <= n; i += 4) {
+                next_places(k + i, start, c);
+                for (int j = 0; j < 4; j++) o[i + j] = v[c[j]];
+            }
+            for (; i < n; i++) o[i] = v[start[k[i]]++];
+        } else {
+            for (; i + 4 <= n; i += 4) {
+                next_places(k + i, start, c);
+                for (int j = 0; j < 4; j++) o[c[j]] = v[i + j];
+            }
+            for (; i < n; i++) o[start[k[i]]++] = v[i];
+        }
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&values); PyBuffer_Release(&keys); PyBuffer_Release(&out);
@@ -67,22 +93,14 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
             table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
         }
         group_starts(k, n, start);
-        /* four at a time: each place read before any is written (a key met earlier in the four
-         * counts one more), so consecutive equal keys, the common case, wait on one update of
-         * their group's place per four codes, not per code */
-        Py_ssize_t i = 0;
+        Py_ssize_t i = 0, c[4];
         for (; i + 4 <= n; i += 4) {
-            const uint8_t k0 = k[i], k1 = k[i + 1], k2 = k[i + 2], k3 = k[i + 3];
-            const Py_ssize_t c0 = start[k0], c1 = start[k1] + (k1 == k0), c2 = start[k2] + (k2 == k0) + (k2 == k1),
-                             c3 = start[k3] + (k3 == k0) + (k3 == k1) + (k3 == k2);
-            start[k0] = c0 + 1;
-            start[k1] = c1 + 1;
-            start[k2] = c2 + 1;
-            start[k3] = c3 + 1;
-            o[i] = table[(int)k0 - (int)v[c0] + 255];
-            o[i + 1] = table[(int)k1 - (int)v[c1] + 255];
-            o[i + 2] = table[(int)k2 - (int)v[c2] + 255];
-            o[i + 3] = table[(int)k3 - (int)v[c3] + 255];
+            const uint8_t k0 = k[i], k1 = k[i + 1], k2 = k[i + 2], k3 = k[i + 3]; /* (before out overwrites them) */
+            next_places(k + i, start, c);
+            o[i] = table[(int)k0 - (int)v[c[0]] + 255];
+            o[i + 1] = table[(int)k1 - (int)v[c[1]] + 255];
+            o[i + 2] = table[(int)k2 - (int)v[c[2]] + 255];
+            o[i + 3] = table[(int)k3 - (int)v[c[3]] + 255];
         }
         for (; i < n; i++) o[i] = table[(int)k[i] - (int)v[start[k[i]]++] + 255];
         Py_END_ALLOW_THREADS
