@@ -167,6 +167,20 @@ def test_the_compiled_decoder_refuses_tables_it_cannot_hold() -> None:
         native.ans_decode(words, bounds, cdf[:5], offsets, sizes, starts, stops, out, hist)
 
 
+def test_the_compiled_decoder_reads_a_lone_symbol_alphabet() -> None:
+    """A group of one symbol (which ``ans_encode`` never codes, but the kernel accepts) has all
+    2^24 of the frequency: it decodes to that symbol without a word, not through the slot table,
+    whose packed frequency holds 24 bits."""
+    assert native is not None, "the compiled kernels were not built"
+    words, bounds = np.zeros(0, np.uint32), np.array([0, 0], np.int64)
+    cdf = np.array([0, 1 << 24], np.uint32)
+    offsets = starts = np.zeros(1, np.int64)
+    sizes, stops = np.array([1], np.int64), np.array([5], np.int64)
+    out, hist = np.full(5, 7, np.uint8), np.zeros(2, np.int64)
+    assert native.ans_decode(words, bounds, cdf, offsets, sizes, starts, stops, out, hist)
+    assert out.tolist() == [0] * 5 and hist.tolist() == [5, 0]
+
+
 def test_damaged_streams_raise_value_errors() -> None:
     rng = np.random.default_rng(2)
     symbols = rng.choice(4, 5000, p=[0.1, 0.2, 0.3, 0.4]).astype(np.uint8)

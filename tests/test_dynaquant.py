@@ -182,6 +182,12 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
         kept.flags.writeable = False  # (a read-only base keeps its codes)
         assert np.array_equal(delta_mod.undo_regrouped_delta(regroup(delta, keys), kept, levels, in_place=True), fused)
         assert np.array_equal(kept, keys)
+        for n in range(6):  # shorter than the kernels' four at a time
+            short_keys, short_delta = keys[:n].copy(), delta[:n]
+            grouped_short = regroup(short_delta, short_keys)
+            assert np.array_equal(ungroup(grouped_short, short_keys), short_delta)
+            undone = delta_mod.undo_regrouped_delta(grouped_short, short_keys, levels, in_place=True)
+            assert np.array_equal(undone, values[:n] % levels)
 
 
 @pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])
@@ -1078,15 +1084,37 @@ def test_a_restore_dequantizes_weights_straight_into_the_parameters(tmp_path, mo
         def _load_from_state_dict(self, *args) -> None:
             super()._load_from_state_dict(*args)
 
+    class CustomParent(_TiedNet):  # (a parent's override sees its children's entries too)
+        def _load_from_state_dict(self, *args) -> None:
+            super()._load_from_state_dict(*args)
+
     custom = _TiedNet()
     custom.body.__class__ = CustomLinear
     assert not _filled_in_place(custom, "body.weight", custom.body.weight)
-    calls.clear()
+    parented = CustomParent()
+    assert not any(_filled_in_place(parented, n, t) for n, t in parented.state_dict(keep_vars=True).items())
+    own = _TiedNet()
+    own.load_state_dict = lambda *a, **k: torch.nn.Module.load_state_dict(own, *a, **k)  # (on the instance)
+    assert not _filled_in_place(own, "emb.weight", own.emb.weight)
+    with torch.inference_mode():
+        inference = _TiedNet()
+    assert not _filled_in_place(inference, "emb.weight", inference.emb.weight)
+    for other, written in ((hooked, [300 * 64]), (custom, [300 * 64]), (parented, [])):
+        calls.clear()
+        writes.clear()
+        Compressor(other, tmp_path).restore(1)
+        assert sorted(writes) == written and any("body.weight" in c for c in calls)
+        for name, tensor in other.state_dict().items():
+            assert torch.equal(tensor, want.get(name, want["emb.weight"])), name
+    in_bf16 = _TiedNet().to(torch.bfloat16)
     writes.clear()
-    Compressor(hooked, tmp_path).restore(1)
-    assert sorted(writes) == [300 * 64] and ["body.weight"] in [[n for n in c if n == "body.weight"] for c in calls]
-    for name, tensor in hooked.state_dict().items():
-        assert torch.equal(tensor, want.get(name, want["emb.weight"])), name
+    Compressor(in_bf16, tmp_path).restore(1)
+    assert writes == []  # (decoded, then rounded to bf16 by load_state_dict)
+    for name, tensor in in_bf16.state_dict().items():
+        assert torch.equal(tensor, want.get(name, want["emb.weight"]).to(torch.bfloat16)), name
+    version = restored.body.weight._version
+    Compressor(restored, tmp_path).restore(1)
+    assert restored.body.weight._version > version  # (written in place, marked as copy_ marks it)
 
     # codes beyond their centres: refused, naming the tensor
     real_coded = dynaquant_mod.DynaQuantCodec.coded

@@ -47,7 +47,7 @@ from .dtypes import all_finite
 from .histogram import byte_counts
 from .kernels import native
 from .pool import ForkSafePool
-from .quantizer import Coded, TensorPlan, code_table, coded_values, flat_f32
+from .quantizer import PROTECTED, Coded, TensorPlan, code_table, coded_values, flat_f32
 
 __all__ = [
     "MAX_SCALE_LEVELS",
@@ -211,8 +211,8 @@ def _part_bounds(n: int) -> list[int]:
 class _CodedParts:
     """A coded tensor cut at ``bounds``: each part's codes, the centres' table and the protected
     values its codes take (the ``j``-th code 1 takes the ``j``-th protected value, so a part's
-    begin after those of the parts before it; the last part is handed every one left, so that
-    codes needing more or fewer than are stored show in the kernel's count)."""
+    values begin after those of the parts before it; the last part is handed every one left, so
+    that codes needing more or fewer than are stored show in the kernel's count)."""
 
     def __init__(self, c: Coded, bounds: list[int]) -> None:
         self.codes = np.ascontiguousarray(c.codes).reshape(-1)
@@ -223,7 +223,7 @@ class _CodedParts:
         if self.protected.size:
             for k in range(1, len(bounds) - 1):
                 part = self.codes[bounds[k - 1] : bounds[k]]
-                self.before[k] = min(self.before[k - 1] + int(byte_counts(part, 2)[1]), self.protected.size)
+                self.before[k] = min(self.before[k - 1] + int(byte_counts(part, 2)[PROTECTED]), self.protected.size)
 
     def arrays(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(codes, table, protected)`` of part ``k``, for the kernel."""

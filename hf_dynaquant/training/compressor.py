@@ -169,9 +169,12 @@ def load_weights(model: torch.nn.Module, entry: EntryReader, where: str, *, prog
                         )
                     except ValueError as exc:
                         raise CorruptCheckpointError(f"{where}: tensor {name!r}: {exc}") from None
+                    torch.autograd.graph.increment_version(target)  # modified in place, as copy_ marks it
                     filled[id(target)] = tensor
                 continue
-            tensor = coded_values(tensor)  # (load_state_dict names a shape that does not fit)
+            # a shape that does not fit (load_state_dict names it), or a tied weight's other name
+            # that load_state_dict loads (its target's codes came)
+            tensor = coded_values(tensor)
         chunk[name] = tensor
         size += tensor.numel() * tensor.element_size()
         if size >= _LOAD_CHUNK:
@@ -190,13 +193,17 @@ def _filled_in_place(model: torch.nn.Module, name: str, tensor: torch.Tensor) ->
     """Whether ``load_weights`` may write a stored tensor straight into the model's tensor
     ``name`` (of ``model.state_dict(keep_vars=True)``): a plain contiguous float32 tensor in host
     memory (not a DTensor or another subclass), loaded by ``torch.nn.Module``'s own
-    ``_load_from_state_dict`` with no state-dict or load hook on its module or any module above
-    it, so that ``load_state_dict`` would do nothing but copy the values in."""
+    ``_load_from_state_dict`` on its module and every module above it (a parent's runs on the
+    entries of its children too), with no state-dict or load hook on any of them, so that
+    ``load_state_dict`` would do nothing but copy the values in (not an inference tensor, which it
+    refuses to write into). Written in place, a tensor whose codes turn out not to decode is left
+    half written (the restore fails; tensors loaded before it stay loaded, as with
+    ``load_state_dict``)."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
         return False
-    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.is_inference():
         return False
-    if type(model).load_state_dict is not torch.nn.Module.load_state_dict:
+    if type(model).load_state_dict is not torch.nn.Module.load_state_dict or "load_state_dict" in vars(model):
         return False
     path = name.split(".")[:-1]
     module = model
@@ -211,9 +218,9 @@ def _filled_in_place(model: torch.nn.Module, name: str, tensor: torch.Tensor) ->
             module._state_dict_hooks,
             getattr(module, "_state_dict_pre_hooks", {}),
         )
-        if any(hooks):
+        if any(hooks) or type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
             return False
-    return type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict
+    return True
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

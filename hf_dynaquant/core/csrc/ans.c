@@ -52,8 +52,10 @@ static void model_init(model_t *m, const uint32_t *cdf, int k) {
     for (uint32_t i = 0; i < (1u << SLOT_BITS); i++) {
         const uint32_t lo = i << (PRECISION - SLOT_BITS), hi = lo + (1u << (PRECISION - SLOT_BITS)) - 1;
         while (s + 1 < k && cdf[s + 1] <= lo) s++;
-        const int whole = s + 1 >= k || cdf[s + 1] > hi; /* (the last symbol's end is 2^24) */
-        m->slot[i].freq_sym = whole ? (cdf[s + 1] - cdf[s]) | (uint32_t)s << 24 : 0;
+        /* (the last symbol's end is 2^24; a lone symbol's frequency, 2^24, takes the long way) */
+        const uint32_t freq = cdf[s + 1] - cdf[s];
+        const int whole = (s + 1 >= k || cdf[s + 1] > hi) && freq < (1u << PRECISION);
+        m->slot[i].freq_sym = whole ? freq | (uint32_t)s << 24 : 0;
         m->slot[i].start = cdf[s];
     }
 }
@@ -71,8 +73,8 @@ static int valid_lanes(Py_ssize_t lanes) {
 }
 
 /* One symbol of a lane: its state st, whose words are words[low..*top), with the model of
- * first (the guesses), cdf and k (model_t's fields, passed as values so that nothing is
- * reloaded after each byte written). */
+ * slot (the whole slots), first (the guesses), cdf and k (model_t's fields, passed as values so
+ * that nothing is reloaded after each byte written). */
 INLINE uint8_t decode_symbol(uint64_t *st, int64_t *top, int64_t low, const uint32_t *restrict words,
                              const slot_t *restrict slot, const uint8_t *restrict first,
                              const uint32_t *restrict cdf, int k) {
@@ -132,7 +134,8 @@ INLINE int decode(const int L, const uint32_t *restrict words, const int64_t *bo
                 cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
         for (; row < b; row += L) /* the last row */
             for (int j = 0; j < L; j++)
-                if (row + j < b) cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
+                if (row + j < b)
+                    cnt[j][out[row + j] = decode_symbol(&st[j], &top[j], bound[j], words, sl, first, c, kg)]++;
         for (int s = 0; s < kg; s++) {
             int64_t total = 0;
             for (int j = 0; j < L; j++) total += cnt[j][s];
