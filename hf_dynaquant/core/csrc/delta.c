@@ -22,6 +22,16 @@ static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
 }
 
+/* table[d + 255] = d mod levels (non-negative) for every difference d of two bytes, -255..255:
+ * the cyclic delta's remainders looked up, not divided (a division per value cost more than the
+ * rest of a delta's coding). */
+static void cyclic_table(int levels, uint8_t table[511]) {
+    for (int d = -255; d <= 255; d++) {
+        const int r = d % levels;
+        table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
+    }
+}
+
 /* The next places of the groups of keys k[0..3], taken (start advanced past them): every place
  * is read before any is written, a key met earlier among the four counting one more, so a run
  * of one key, the common case, waits on one update of its group's place per four values, not
@@ -88,10 +98,7 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
         uint8_t *o = out.buf, table[511];
         Py_ssize_t n = keys.len, start[256];
         Py_BEGIN_ALLOW_THREADS
-        for (int d = -255; d <= 255; d++) {
-            const int r = d % levels;
-            table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
-        }
+        cyclic_table(levels, table);
         group_starts(k, n, start);
         Py_ssize_t i = 0, c[4];
         for (; i + 4 <= n; i += 4) {
@@ -157,16 +164,8 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
 static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
                          uint8_t *o, int64_t *pairs) {
     memset(pairs, 0, 65536 * sizeof(int64_t));
-    if (levels > 16) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint8_t a = x[i], d = table[a - y[i] + 255];
-            o[i] = d;
-            pairs[(a << 8) | d]++;
-        }
-        return;
-    }
-    int64_t (*part)[4096] = calloc(4, sizeof(*part));
-    if (part == NULL) { /* no room for the tables: one counter a pair */
+    int64_t (*part)[4096] = levels > 16 ? NULL : calloc(4, sizeof(*part));
+    if (part == NULL) { /* over 16 levels, or no room for the tables: one counter a pair */
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint8_t a = x[i], d = table[a - y[i] + 255];
             o[i] = d;
@@ -197,8 +196,7 @@ static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const
 
 /* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
  * the same operation on the previous codes and the delta), with a non-negative remainder. The
- * difference of two bytes lies in -255..255: its remainder is looked up in a table made once
- * per call (a division per value cost more than the rest of a delta's coding). With a fifth
+ * difference of two bytes lies in -255..255: its remainder is looked up (cyclic_table). With a fifth
  * argument (65536 int64, not None) it also counts the pairs (a, out) there, as pair_counts
  * does: the encoder's delta needs both, and one pass reads the codes once (delta_pairs). */
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
@@ -222,10 +220,7 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
         int64_t *c = counted ? pairs.buf : NULL;
         Py_ssize_t n = a.len;
         Py_BEGIN_ALLOW_THREADS
-        for (int d = -255; d <= 255; d++) {
-            const int r = d % levels;
-            table[d + 255] = (uint8_t)(r < 0 ? r + levels : r);
-        }
+        cyclic_table(levels, table);
         if (c == NULL)
             for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)x[i] - (int)y[i] + 255];
         else
