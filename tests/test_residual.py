@@ -15,6 +15,7 @@ from hf_dynaquant.core.quantizer import PRUNED, decoded_values, dequantize, plan
 from hf_dynaquant.errors import ChecksumMismatchError, MissingBaseError, UnsupportedSetupError
 from hf_dynaquant.search import ConfigurationSearch, Reference, SearchSpace, mean_loss
 from hf_dynaquant.training.compressor import read_checkpoint
+from hf_dynaquant.training.manager import CheckpointManager
 
 FIXED = QuantConfig(bins=4, prune=0.0, protect=0.0)
 
@@ -98,7 +99,7 @@ def test_restore_equals_compressor_reference_and_chain_is_checked(tmp_path):
     comp, _, _ = _chain(tmp_path, "previous", steps=4)
     store = comp.store
     state, _, _ = read_checkpoint(store, "step-4")
-    for name, ref in comp._previous.items():  # what the next residual will be coded against
+    for name, ref in comp._previous_values(state).items():  # what the next residual will be coded against
         assert torch.equal(state[name].float(), ref)
     assert store.verify(deep=True) == []
     with store.open("step-4") as entry:
@@ -460,6 +461,67 @@ def test_delta_costs_go_along_the_chain_and_come_back_on_a_resume(tmp_path):
     resumed = Compressor(model, comp.store, QuantConfig(min_numel=1024), search_space=space, **settings)
     resumed.continue_chain("step-4")
     assert resumed.search.delta_bits == pytest.approx(expected)
+
+
+def _float_bytes(obj, seen=None) -> int:
+    """Bytes of the float arrays and tensors reachable from ``obj`` through containers and plain
+    objects (each storage once; modules, optimizers and functions are not followed)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, type)) or callable(obj):
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        key = ("storage", obj.untyped_storage().data_ptr())
+        if not obj.is_floating_point() or key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, np.ndarray):
+        base = obj if obj.base is None else obj.base
+        if obj.dtype.kind != "f" or ("array", id(base)) in seen:
+            return 0
+        seen.add(("array", id(base)))
+        return base.nbytes
+    if isinstance(obj, dict):
+        return sum(_float_bytes(k, seen) + _float_bytes(v, seen) for k, v in obj.items())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(_float_bytes(v, seen) for v in obj)
+    fields = getattr(obj, "__dict__", None)
+    return _float_bytes(fields, seen) if fields is not None else 0
+
+
+def test_between_checkpoints_only_the_codes_are_kept(tmp_path):
+    """From one background checkpoint to the next a compressor holds the last checkpoint's codes
+    (the next delta's base and "previous" residual, with the reference such codes decode against)
+    and no other copy of the weights' size: no plan (sensitivities, references), no decoded copy,
+    and the snapshot's tensors are dropped
+    once written. At 124M parameters these had kept 1.3x the checkpoint between saves, so a GPU
+    run's host memory peaked at 4.1x (benchmarks/RESULTS.md, session 21)."""
+    model, x, y, gen, batches = _task()
+    space = SearchSpace(residuals=("previous",), prune_by=("magnitude",))
+    comp = Compressor(model, tmp_path / "s", QuantConfig(min_numel=1024), search_space=space, threshold=0.01,
+                      metric=mean_loss(batches), pretrained=None, keyframe_every=100)
+    manager = CheckpointManager(comp)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    for step in (1, 2, 3):
+        _fine_tune(model, x, y, gen, steps=3)
+        pending = manager.take(step, writer=True)
+        folder = tmp_path / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        manager.write(pending, folder, small_files=(), remove_plain_files=False)
+        manager.wait()
+        snap = pending.snapshot
+        assert snap.state == {} and snap.optimizer is None and snap.gradient_ema == {}  # released once written
+        held = {k: v for k, v in vars(comp).items() if k not in ("model", "optimizer", "ema", "store", "search")}
+        # a residual on the previous checkpoint decodes as its reference plus its codes' centres:
+        # the kept codes carry that one float32 copy, nothing else of the weights' size
+        assert _float_bytes(held) < 1.05 * weights
+        assert comp.last_search.plan is None and all(c.plan is None for c in comp.last_search.candidates)
+    assert comp.last_search.config.residual == "previous"
+    # what the next checkpoint's "previous" residual is coded against is still the last one as restored
+    restored, _, _ = read_checkpoint(comp.store, "checkpoint-3")
+    previous = comp._previous_values(restored)
+    assert previous and all(torch.equal(restored[n].float(), v) for n, v in previous.items())
 
 
 def test_a_residual_on_the_previous_checkpoint_may_go_bolder():

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "cached_on_device", "has_room", "on_accelerator"]
+__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "cached_on_device", "has_room", "on_accelerator", "release_freed"]
 
 RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
@@ -63,8 +63,15 @@ class ReleaseFreed:
         self._since += values
         if self._since >= self.every:
             self._since = 0
-            if _TRIM is not None:
-                _TRIM(0)
+            release_freed()
+
+
+def release_freed() -> None:
+    """Hand the memory freed so far back to the operating system now (``malloc_trim(0)``; see the
+    module docstring): at the end of a checkpoint's search and of its write, so that what they
+    freed is not held between checkpoints (at 124M, 0.9x the checkpoint otherwise)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def has_room(device: torch.device, nbytes: int) -> bool:

@@ -148,6 +148,11 @@ class SearchResult:
     # the search's delta costs after this choice (ConfigurationSearch.delta_bits): a resumed run goes on from them
     delta_bits: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the candidates are a record: their plans (sensitivities, references: up to the weights'
+        # size in float32 each) served the search alone and are not kept past it
+        self.candidates = [replace(c, plan=None) if c.plan is not None else c for c in self.candidates]
+
     @property
     def evaluations(self) -> int:
         return len(self.candidates)

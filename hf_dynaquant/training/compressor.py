@@ -42,7 +42,7 @@ from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
-from ..core.memory import has_room
+from ..core.memory import has_room, release_freed
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -332,9 +332,10 @@ class Compressor:
         self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
         self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.pretrained = self._pretrained_weights(settings.pretrained)
-        # the last checkpoint's decoded quantizable weights (float32), for "previous" residuals;
-        # None: not known in this process (read back from the store when needed)
-        self._previous: dict[str, torch.Tensor] | None = None
+        # the last checkpoint's quantizable weights, for "previous" residuals: their codes (the
+        # QuantStates of _states, decoded to float32 when a search asks) or exact values; None: not
+        # known in this process (read back from the store when needed)
+        self._previous: dict[str, QuantState | torch.Tensor] | None = None
 
     def _pretrained_weights(self, setting: Any) -> Any:
         """The :class:`~hf_dynaquant.pretrained.weights.PretrainedWeights` of a ``pretrained=`` setting
@@ -547,22 +548,35 @@ class Compressor:
         return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
 
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The last entry's decoded values of ``weights``' tensors (read back from the store when
-        this process did not write it)."""
+        """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
+        process kept when it wrote the entry (:meth:`_keep_previous`), else read back from the store."""
         if self._previous is None:
             assert self.last_entry is not None
             with self._writable().open(self.last_entry) as entry:
                 stored = set(entry.names(MODEL)) if MODEL in entry.sections else set()
                 floats = [n for n, t in weights.items() if n in stored and t.is_floating_point()]
                 self._previous = {n: entry.tensor(MODEL, n).float() for n in floats}
+        codec, decoded = DynaQuantCodec(), {}
+
+        def value(kept: QuantState | torch.Tensor) -> torch.Tensor:
+            if not isinstance(kept, QuantState):
+                return kept
+            if id(kept) not in decoded:  # a tied weight's codes are decoded once
+                decoded[id(kept)] = from_raw(codec.to_raw(kept)).float()
+            return decoded[id(kept)]
+
+        self._previous = {n: value(v) for n, v in self._previous.items()}
         return self._previous
 
     def _keep_previous(self, snap: Snapshot, states: Mapping[tuple[str, str], Any]) -> None:
-        """Keep the decoded values of the checkpoint just written, for the next ``"previous"``
-        residuals: a quantized tensor's from its codes, any other its exact values (stored losslessly)."""
+        """Keep what the next ``"previous"`` residuals need of the checkpoint just written: a
+        quantized tensor's codes (the ones kept for the next delta anyway: decoded only when a
+        search asks, so that 4 bytes a weight are not held between checkpoints), any other
+        tensor's exact values (stored losslessly)."""
         if not self._residual_wanted("previous"):
             return
-        codec, out, first = DynaQuantCodec(), {}, {}
+        out: dict[str, QuantState | torch.Tensor] = {}
+        first: dict[Any, str] = {}
         for name in snap.params:
             t = snap.state[name]
             if not is_quantizable(t, self.config):
@@ -573,7 +587,7 @@ class Compressor:
                 continue
             first[key] = name
             state = states.get((MODEL, name))
-            out[name] = from_raw(codec.to_raw(state)).float() if isinstance(state, QuantState) else t.float()
+            out[name] = state if isinstance(state, QuantState) else t.float()
         self._previous = out
 
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
@@ -614,6 +628,7 @@ class Compressor:
                 base_codes=self._base_codes(),
             )
         self.last_search = result
+        release_freed()  # the search's candidates and the model copy it evaluated
         return result
 
     def write(
@@ -650,6 +665,9 @@ class Compressor:
             result = searched if searched is not None else self.search_snapshot(snap)
             search = meta["search"] = result.to_dict()
             plan, chosen = result.plan, result.config
+            # kept for the caller without its plan, whose sensitivities and references (up to 1x
+            # the weights in float32) are this write's alone
+            self.last_search = replace(result, plan=None)
         plans = dict(for_section(plan).tensors) if plan is not None else {}
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor

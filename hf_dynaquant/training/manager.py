@@ -179,7 +179,10 @@ class CheckpointManager:
 
         def job() -> CheckpointReport:
             progress = self.progress if self.progress is not None else snap.nbytes() > PROGRESS_BYTES
-            report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
+            try:
+                report = self.compressor.write(snap, ref=name, progress=progress, searched=searched)
+            finally:
+                snap.release()
             if searched is None and report.search is not None:
                 self.chosen.append((snap.step, report.search.get("config")))
             if after is not None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import check_storable
+from ..core.memory import release_freed
 from ..core.ranking import sensitivity
 from ..store.tree import flatten_tree
 
@@ -103,6 +104,14 @@ class Snapshot:
         self.staged = None
         if self.search_device is not None and isinstance(self.model, ModelSkeleton):
             self.device_state = on_device
+
+    def release(self) -> None:
+        """Drop the snapshot's tensors once its checkpoint is written and hand the memory they
+        and the write freed back to the operating system (:func:`~hf_dynaquant.core.memory.release_freed`):
+        the tensors of a model are mostly too small for malloc to give back on its own, so
+        without this the resident set keeps about a checkpoint's size between checkpoints."""
+        self.state, self.optimizer, self.gradient_ema, self.device_state = {}, None, {}, None
+        release_freed()
 
     def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
         """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
