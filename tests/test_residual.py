@@ -524,6 +524,35 @@ def test_between_checkpoints_only_the_codes_are_kept(tmp_path):
     assert previous and all(torch.equal(restored[n].float(), v) for n, v in previous.items())
 
 
+
+def test_a_foreground_save_stored_losslessly_is_the_next_residuals_reference_as_it_was(tmp_path):
+    """A foreground save takes the live CPU tensors as its snapshot (no copy). When nothing
+    passes the search, its weights are stored losslessly, and the next "previous" residual must
+    be coded against those values as stored, not against the live tensors training has moved
+    since: that residual would be zero (it passes any threshold) and restore the older weights."""
+    model, x, y, gen, batches = _task()
+    space = SearchSpace(residuals=("previous",), prune_by=("magnitude",))
+    comp = Compressor(model, tmp_path / "s", QuantConfig(min_numel=1024), search_space=space, threshold=1e-12,
+                      metric=mean_loss(batches), pretrained=None, keyframe_every=100)
+    manager = CheckpointManager(comp, background=False)
+    before = None
+    for step in (1, 2, 3):
+        _fine_tune(model, x, y, gen, steps=3)
+        exact = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        folder = tmp_path / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        manager.write(manager.take(step, writer=True), folder, small_files=(), remove_plain_files=False)
+        restored, _, _ = read_checkpoint(comp.store, f"checkpoint-{step}")
+        if step == 1:
+            assert comp.last_search.config is None  # nothing passed: stored losslessly
+        else:  # a residual coded against the moved live weights would restore the step before
+            assert comp.last_search.config.residual == "previous"
+            for name in ("0.weight", "2.weight"):
+                error = float((restored[name] - exact[name]).norm())
+                assert error < 0.5 * float((exact[name] - before[name]).norm()), (step, name)
+        before = exact
+
+
 def test_a_residual_on_the_previous_checkpoint_may_go_bolder():
     """Unlike the weights, the update since the previous checkpoint shrinks as the learning rate
     decays: going on from a passing residual on the previous checkpoint, the search also judges

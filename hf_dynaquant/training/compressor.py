@@ -472,6 +472,7 @@ class Compressor:
                 search_device = device
         return Snapshot(
             step=step,
+            copied=copy,
             state=state,
             params=params,
             types=layer_types(self.model),
@@ -573,7 +574,8 @@ class Compressor:
         quantized tensor's codes (the ones kept for the next delta anyway: decoded only when a
         search asks, so that 4 bytes a weight are not held between checkpoints), any other
         tensor's exact values (stored losslessly)."""
-        if not self._residual_wanted("previous"):
+        if not self._residual_wanted("previous") or is_distributed():  # (several processes: not used, see references)
+            self._previous = None
             return
         out: dict[str, QuantState | torch.Tensor] = {}
         first: dict[Any, str] = {}
@@ -587,7 +589,11 @@ class Compressor:
                 continue
             first[key] = name
             state = states.get((MODEL, name))
-            out[name] = state if isinstance(state, QuantState) else t.float()
+            if isinstance(state, QuantState):
+                out[name] = state
+            else:  # a snapshot that holds the live tensors (a foreground save's) is copied: training moves them
+                exact = t.float()
+                out[name] = exact.clone() if exact is t and not snap.copied else exact
         self._previous = out
 
     def plan_snapshot(self, snap: Snapshot) -> QuantPlan:
@@ -627,7 +633,9 @@ class Compressor:
                 references=self.references(snap),
                 base_codes=self._base_codes(),
             )
-        self.last_search = result
+        # kept for the caller without the plan, whose sensitivities and references (up to the
+        # weights' size in float32 each) are the write's alone
+        self.last_search = replace(result, plan=None)
         release_freed()  # the search's candidates and the model copy it evaluated
         return result
 
@@ -665,9 +673,6 @@ class Compressor:
             result = searched if searched is not None else self.search_snapshot(snap)
             search = meta["search"] = result.to_dict()
             plan, chosen = result.plan, result.config
-            # kept for the caller without its plan, whose sensitivities and references (up to 1x
-            # the weights in float32) are this write's alone
-            self.last_search = replace(result, plan=None)
         plans = dict(for_section(plan).tensors) if plan is not None else {}
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor

@@ -81,6 +81,9 @@ class Snapshot:
     staged: torch.cuda.Event | None = None
     stream: torch.cuda.Stream | None = None  # the background's own stream on the model's CUDA device
     search_device: torch.device | None = None  # where a skeleton is evaluated (None: the CPU)
+    # whether ``state`` holds copies; False: a foreground save's snapshot, whose CPU tensors are
+    # the live model's own (Compressor.snapshot with copy=False)
+    copied: bool = True
     # the staged weights, kept after settle() for a search on the device (released by it)
     device_state: dict[str, torch.Tensor] | None = None
 
