@@ -190,6 +190,37 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
             assert np.array_equal(undone, values[:n] % levels)
 
 
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 100_003])
+def test_delta_undone_with_the_base_histogram_given(n) -> None:
+    """A restore counted its base's codes for the delta's rANS models; handed to the undo, they
+    give the same codes, in place; counts that are not the keys' histogram (even adding up to
+    their number) are refused, never read past the delta."""
+    from hf_dynaquant.core.delta import undo_regrouped_delta
+    from hf_dynaquant.core.histogram import byte_counts
+
+    rng = np.random.default_rng(n)
+    levels = 9
+    keys = rng.integers(0, levels, n).astype(np.uint8)
+    current = rng.integers(0, levels, n).astype(np.uint8)
+    grouped = regroup(cyclic_delta(keys, current, levels), keys)
+    counts = byte_counts(keys)  # (as long as the largest code present: shorter than 256)
+    given_up = keys.copy()
+    assert undo_regrouped_delta(grouped, given_up, levels, in_place=True, groups=counts) is given_up
+    assert np.array_equal(given_up, current)
+    for moved in range(1, 60):  # the same total, spread otherwise: into another group, or past the last
+        wrong = np.zeros(256, dtype=np.int64)
+        wrong[: counts.size] = counts
+        src, dst = rng.integers(0, 256, 2)
+        if src == dst or wrong[src] < moved:
+            continue
+        wrong[src] -= moved
+        wrong[dst] += moved
+        with pytest.raises(ValueError, match="not the histogram"):
+            undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
+    with pytest.raises(ValueError, match="adding up"):
+        undo_regrouped_delta(grouped, keys.copy(), levels, groups=np.append(counts, 1))
+
+
 @pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])
 def test_delta_pairs_count_what_the_delta_coding_needs(monkeypatch, levels) -> None:
     """One pass gives the cyclic delta and its pair counts, as the two separate functions do

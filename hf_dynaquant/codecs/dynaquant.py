@@ -109,6 +109,7 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         raise CorruptCheckpointError(
             f"{where}: delta coding {coding!r} at {levels!r} levels is not one this codec writes"
         )
+    groups = None  # the base's histogram, under "ans": the delta's models, and its groups when undone
     try:
         if coding == "ans":
             if int(size) != n:
@@ -116,7 +117,8 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
             lanes = ans_lanes(stream_coding)
             if not lanes:
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
-            delta = ans_decode(payload, n, _groups(prev), lanes)
+            groups = _groups(prev)
+            delta = ans_decode(payload, n, groups, lanes)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             delta = data if coding == "entropy" else rle_decode(varint_decode(data)).astype(np.uint8)
@@ -125,7 +127,7 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
     if delta.size != n:
         raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
     if coding in ("ans", "regroup"):  # stored in groups of the previous code (given up by the caller)
-        return undo_regrouped_delta(delta, prev, levels, in_place=True)
+        return undo_regrouped_delta(delta, prev, levels, in_place=True, groups=groups)
     return apply_delta(prev, delta, levels)
 
 
@@ -285,7 +287,9 @@ class DynaQuantCodec(Codec):
             else np.zeros(0, dtype=np.uint16)
         )
         centres = np.asarray(params["centres"], dtype=np.float32)
-        if codes.size and int(codes.max()) >= FIRST_CENTRE + centres.size:
+        # an undone delta's codes are remainders below its levels: checked when those exceed the centres
+        bounded = params["mode"] == "delta" and params["delta_levels"] <= FIRST_CENTRE + centres.size
+        if codes.size and not bounded and int(codes.max()) >= FIRST_CENTRE + centres.size:
             raise CorruptCheckpointError(f"{where}: a code exceeds the {centres.size} stored centres")
         return QuantState(
             codes,

@@ -99,14 +99,30 @@ def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def undo_regrouped_delta(grouped: np.ndarray, prev: np.ndarray, levels: int, *, in_place: bool = False) -> np.ndarray:
+def undo_regrouped_delta(
+    grouped: np.ndarray,
+    prev: np.ndarray,
+    levels: int,
+    *,
+    in_place: bool = False,
+    groups: np.ndarray | None = None,
+) -> np.ndarray:
     """The current codes from their regrouped delta: ``apply_delta(prev, ungroup(grouped, prev),
     levels)``, in one pass where the kernel is built (a restore's delta undone). ``in_place``:
     written over ``prev`` where it is writable (each code is read before its place is written),
-    for a caller that gives ``prev`` up."""
+    for a caller that gives ``prev`` up. ``groups``: ``byte_counts(prev)`` when the caller has
+    it (the delta's rANS models are made of it), so that the kernel does not count it again;
+    counts that are not ``prev``'s histogram raise ``ValueError``."""
     if _native_u8(grouped, prev) and 1 <= levels <= 256:
         out = prev if in_place and prev.flags.writeable else np.empty_like(prev)
-        native.ungroup_cyclic_u8(grouped, prev, levels, out)
+        if groups is None:
+            native.ungroup_cyclic_u8(grouped, prev, levels, out)
+        else:
+            counts = np.zeros(256, dtype=np.int64)
+            counts[: min(groups.size, 256)] = groups[:256]
+            if groups.size > 256 and groups[256:].any():
+                raise ValueError("groups: counts of codes above 255")
+            native.ungroup_cyclic_u8(grouped, prev, levels, out, counts)
         return out
     return apply_delta(prev, ungroup(grouped, prev), levels)
 

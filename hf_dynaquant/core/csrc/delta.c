@@ -85,34 +85,63 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
 /* The current codes from a regrouped delta (delta.py's undo_regrouped_delta): the ungrouping of
  * py_regroup_u8 (inverse) and the cyclic difference of py_cyclic_u8 in one pass, out[i] =
  * (keys[i] - grouped[next place of keys[i]'s group]) mod levels. out may be keys itself (a
- * restore's base codes, given up): keys[i] is read before out[i] is written, and never after. */
+ * restore's base codes, given up): keys[i] is read before out[i] is written, and never after.
+ * counts (optional, 256 int64): the histogram of keys, when the caller has it (a restore counted
+ * it for the delta's rANS models), so that it is not counted again; it must be exactly that
+ * histogram (the places it gives are trusted), which is checked only to add up to n. */
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
-    Py_buffer grouped, keys, out;
+    Py_buffer grouped, keys, out, counts = {0};
     int levels;
-    if (!PyArg_ParseTuple(args, "y*y*iw*", &grouped, &keys, &levels, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*iw*|y*", &grouped, &keys, &levels, &out, &counts)) return NULL;
     int ok = grouped.len == keys.len && out.len == keys.len && levels >= 1 && levels <= 256;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: arrays differ in length or levels outside 1..256");
-    else {
+    else if (counts.buf != NULL) {
+        const int64_t *c = counts.buf;
+        int64_t sum = 0;
+        ok = counts.len == 256 * (Py_ssize_t)sizeof(int64_t);
+        for (int j = 0; ok && j < 256; j++) { ok = c[j] >= 0; sum += c[j]; }
+        ok = ok && sum == keys.len;
+        if (!ok) PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: counts must be 256 int64 adding up to the keys");
+    }
+    if (ok) {
         const uint8_t *v = grouped.buf, *k = keys.buf;
         uint8_t *o = out.buf, table[511];
-        Py_ssize_t n = keys.len, start[256];
+        Py_ssize_t n = keys.len, start[256], end[256];
+        const int64_t *given = counts.buf;
+        int wrong = 0; /* given counts that are not the keys' histogram (a place outside the groups) */
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
-        group_starts(k, n, start);
+        if (given != NULL) {
+            Py_ssize_t pos = 0;
+            for (int j = 0; j < 256; j++) { start[j] = pos; pos += given[j]; end[j] = pos; }
+        } else
+            group_starts(k, n, start);
         Py_ssize_t i = 0, c[4];
         for (; i + 4 <= n; i += 4) {
             const uint8_t k0 = k[i], k1 = k[i + 1], k2 = k[i + 2], k3 = k[i + 3]; /* (before out overwrites them) */
             next_places(k + i, start, c);
+            if (given != NULL && ((size_t)c[0] >= (size_t)n || (size_t)c[1] >= (size_t)n
+                                  || (size_t)c[2] >= (size_t)n || (size_t)c[3] >= (size_t)n)) { wrong = 1; break; }
             o[i] = table[(int)k0 - (int)v[c[0]] + 255];
             o[i + 1] = table[(int)k1 - (int)v[c[1]] + 255];
             o[i + 2] = table[(int)k2 - (int)v[c[2]] + 255];
             o[i + 3] = table[(int)k3 - (int)v[c[3]] + 255];
         }
-        for (; i < n; i++) o[i] = table[(int)k[i] - (int)v[start[k[i]]++] + 255];
+        for (; i < n && !wrong; i++) {
+            const Py_ssize_t at = start[k[i]]++;
+            if ((size_t)at >= (size_t)n) { wrong = 1; break; }
+            o[i] = table[(int)k[i] - (int)v[at] + 255];
+        }
+        for (int j = 0; given != NULL && j < 256 && !wrong; j++) wrong = start[j] != end[j];
         Py_END_ALLOW_THREADS
+        if (wrong) {
+            ok = 0;
+            PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: the counts are not the histogram of the keys");
+        }
     }
     PyBuffer_Release(&grouped); PyBuffer_Release(&keys); PyBuffer_Release(&out);
+    if (counts.buf != NULL) PyBuffer_Release(&counts);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

@@ -19,7 +19,7 @@ static PyMethodDef methods[] = {
     {"regroup_u8", py_regroup_u8, METH_VARARGS,
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
     {"ungroup_cyclic_u8", py_ungroup_cyclic_u8, METH_VARARGS,
-     "ungroup_cyclic_u8(grouped, keys, levels, out): (keys - grouped ungrouped by keys) mod levels"},
+     "ungroup_cyclic_u8(grouped, keys, levels, out[, counts]): (keys - grouped ungrouped by keys) mod levels"},
     {"cyclic_u8", py_cyclic_u8, METH_VARARGS,
      "cyclic_u8(a, b, levels, out[, pairs]): (a - b) mod levels, and the pairs (a, out) counted in pairs[65536]"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
