@@ -219,6 +219,10 @@ def test_delta_undone_with_the_base_histogram_given(n) -> None:
             undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
     with pytest.raises(ValueError, match="adding up"):
         undo_regrouped_delta(grouped, keys.copy(), levels, groups=np.append(counts, 1))
+    huge = np.zeros(256, dtype=np.int64)  # (sums past 2^63 that wrap to n: refused, not overflowed)
+    huge[:4], huge[4] = 1 << 62, n
+    with pytest.raises(ValueError, match="adding up"):
+        undo_regrouped_delta(grouped, keys.copy(), levels, groups=huge)
 
 
 @pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])

@@ -127,7 +127,10 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
     if delta.size != n:
         raise CorruptCheckpointError(f"{where}: delta holds {delta.size} values, expected {n}")
     if coding in ("ans", "regroup"):  # stored in groups of the previous code (given up by the caller)
-        return undo_regrouped_delta(delta, prev, levels, in_place=True, groups=groups)
+        try:
+            return undo_regrouped_delta(delta, prev, levels, in_place=True, groups=groups)
+        except ValueError as exc:  # (the base given up is then partly overwritten)
+            raise CorruptCheckpointError(f"{where}: {exc}") from None
     return apply_delta(prev, delta, levels)
 
 

@@ -112,7 +112,8 @@ def undo_regrouped_delta(
     written over ``prev`` where it is writable (each code is read before its place is written),
     for a caller that gives ``prev`` up. ``groups``: ``byte_counts(prev)`` when the caller has
     it (the delta's rANS models are made of it), so that the kernel does not count it again;
-    counts that are not ``prev``'s histogram raise ``ValueError``."""
+    counts that are not ``prev``'s histogram raise ``ValueError`` (in place, ``prev`` is then
+    partly overwritten)."""
     if _native_u8(grouped, prev) and 1 <= levels <= 256:
         out = prev if in_place and prev.flags.writeable else np.empty_like(prev)
         if groups is None:

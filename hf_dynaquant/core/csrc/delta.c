@@ -96,11 +96,14 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
     int ok = grouped.len == keys.len && out.len == keys.len && levels >= 1 && levels <= 256;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: arrays differ in length or levels outside 1..256");
-    else if (counts.buf != NULL) {
+    else if (counts.obj != NULL) {
         const int64_t *c = counts.buf;
         int64_t sum = 0;
         ok = counts.len == 256 * (Py_ssize_t)sizeof(int64_t);
-        for (int j = 0; ok && j < 256; j++) { ok = c[j] >= 0; sum += c[j]; }
+        for (int j = 0; ok && j < 256; j++) {
+            if (c[j] < 0 || c[j] > keys.len) ok = 0; /* (each at most n: the sums cannot overflow) */
+            else sum += c[j];
+        }
         ok = ok && sum == keys.len;
         if (!ok) PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: counts must be 256 int64 adding up to the keys");
     }
@@ -108,7 +111,7 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
         const uint8_t *v = grouped.buf, *k = keys.buf;
         uint8_t *o = out.buf, table[511];
         Py_ssize_t n = keys.len, start[256], end[256];
-        const int64_t *given = counts.buf;
+        const int64_t *given = counts.obj != NULL ? counts.buf : NULL;
         int wrong = 0; /* given counts that are not the keys' histogram (a place outside the groups) */
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
@@ -141,7 +144,7 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
         }
     }
     PyBuffer_Release(&grouped); PyBuffer_Release(&keys); PyBuffer_Release(&out);
-    if (counts.buf != NULL) PyBuffer_Release(&counts);
+    PyBuffer_Release(&counts); /* (nothing when none was given) */
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
