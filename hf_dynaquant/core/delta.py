@@ -120,9 +120,7 @@ def undo_regrouped_delta(
             native.ungroup_cyclic_u8(grouped, prev, levels, out)
         else:
             counts = np.zeros(256, dtype=np.int64)
-            counts[: min(groups.size, 256)] = groups[:256]
-            if groups.size > 256 and groups[256:].any():
-                raise ValueError("groups: counts of codes above 255")
+            counts[: groups.size] = groups  # (byte_counts ends at the largest code present)
             native.ungroup_cyclic_u8(grouped, prev, levels, out, counts)
         return out
     return apply_delta(prev, ungroup(grouped, prev), levels)

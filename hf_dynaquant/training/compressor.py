@@ -633,10 +633,15 @@ class Compressor:
                 references=self.references(snap),
                 base_codes=self._base_codes(),
             )
-        # kept for the caller without the plan, whose sensitivities and references (up to the
-        # weights' size in float32 each) are the write's alone
+        return self._searched(result)
+
+    def _searched(self, result: SearchResult) -> SearchResult:
+        """A finished search's result, returned; kept as :attr:`last_search` without its plan,
+        whose sensitivities and references (up to the weights' size in float32 each) are the
+        write's alone, and the memory the search freed (candidates, the model copy it evaluated)
+        handed back."""
         self.last_search = replace(result, plan=None)
-        release_freed()  # the search's candidates and the model copy it evaluated
+        release_freed()
         return result
 
     def write(

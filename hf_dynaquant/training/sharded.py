@@ -62,7 +62,6 @@ from torch.optim import Optimizer
 from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
 from ..core.dtypes import all_finite
 from ..core.kmeans import KMEANS_ALPHA, approximate_kmeans
-from ..core.memory import release_freed
 from ..core.quantizer import (
     EMBEDDING,
     FIRST_CENTRE,
@@ -421,10 +420,9 @@ class ShardedCompressor(Compressor):
             )
 
         lockstep = Lockstep(plan=plan, all_sum=all_sum, ranks=rank_world()[1])
-        result = self.search.search(snap.model, weights, types=types, sensitivity=sens, lockstep=lockstep, where=where)
-        self.last_search = replace(result, plan=None)  # (the plan is the write's alone, as in Compressor)
-        release_freed()
-        return result
+        return self._searched(
+            self.search.search(snap.model, weights, types=types, sensitivity=sens, lockstep=lockstep, where=where)
+        )
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, snap: Snapshot, *, ref: str | None = None, **options: Any) -> CheckpointReport:

@@ -87,8 +87,9 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
  * (keys[i] - grouped[next place of keys[i]'s group]) mod levels. out may be keys itself (a
  * restore's base codes, given up): keys[i] is read before out[i] is written, and never after.
  * counts (optional, 256 int64): the histogram of keys, when the caller has it (a restore counted
- * it for the delta's rANS models), so that it is not counted again; it must be exactly that
- * histogram (the places it gives are trusted), which is checked only to add up to n. */
+ * it for the delta's rANS models), so that it is not counted again. Counts that are not that
+ * histogram are refused (ValueError): each place is checked before it is read, and each group
+ * must end where its count says. */
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
     Py_buffer grouped, keys, out, counts = {0};
     int levels;
