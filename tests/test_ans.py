@@ -249,6 +249,33 @@ def test_keyframes_take_zstd_when_repeats_make_it_smaller() -> None:
     assert np.array_equal(decode_stream(coding, payload, periodic.size, "t"), periodic)
 
 
+def test_long_streams_skip_zstds_trial_only_where_a_sample_shows_rans_clearly_smaller(monkeypatch) -> None:
+    """A stream long enough to sample (16 blocks of 64 KiB) codes as the whole trial would: rANS
+    for coarse near-independent codes without coding them with zstd first, zstd where the
+    sample shows repeats (periodic codes, or long runs), and zstd for many near-uniform levels."""
+    import hf_dynaquant.core.entropy as entropy
+
+    rng = np.random.default_rng(11)
+    n = 16 * (1 << 16) + 12_345
+    streams = {
+        "coarse": (2 + rng.binomial(2, 0.3, n)).astype(np.uint8),
+        "periodic": np.resize(np.arange(2, 6, dtype=np.uint8), n),
+        "runs": np.repeat((2 + rng.binomial(2, 0.3, n // 500 + 1)).astype(np.uint8), 500)[:n],
+        "many levels": (2 + rng.binomial(15, 0.5, n)).astype(np.uint8),
+    }
+    sampled = {name: encode_codes(codes) for name, codes in streams.items()}
+    zstd_calls = []
+    compress = entropy.encode_stream
+    monkeypatch.setattr(entropy, "encode_stream", lambda data, level=1: zstd_calls.append(1) or compress(data, level))
+    assert encode_codes(streams["coarse"]) == sampled["coarse"] and not zstd_calls  # no whole trial
+    monkeypatch.setattr(entropy, "_SAMPLE_BLOCKS", 10**9)  # the whole trial, always
+    for name, codes in streams.items():
+        assert encode_codes(codes) == sampled[name], name
+        coding, payload = sampled[name]
+        assert np.array_equal(decode_stream(coding, payload, n, name), codes)
+    assert [sampled[k][0] for k in streams] == [ans_coding(LANES), ZSTD, ZSTD, ZSTD]
+
+
 def test_codec_stores_keyframes_and_deltas_as_rans(tmp_path) -> None:
     """Default codings end to end, a damaged delta named by tensor, and the size gain over the
     paper's RLE + zstd on a realistic delta (a weight moves one bin with small probability)."""

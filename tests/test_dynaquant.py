@@ -308,6 +308,31 @@ def test_fidelity_kernel_matches_float64_reference(monkeypatch) -> None:
     np.testing.assert_allclose(sums, moments_mod.fidelity_sums(a, b), rtol=1e-9)
 
 
+def test_fidelity_of_codes_is_the_fidelity_of_their_values(monkeypatch) -> None:
+    """The fidelity sums read through the codes' table are those of the dequantized values bit
+    for bit (pruned and centre codes, a length off the kernel's four partial sums); protected
+    values take the decoded path; a protected code without its value, or a code beyond the
+    centres, is refused."""
+    from hf_dynaquant.core import moments as moments_mod
+    from hf_dynaquant.core.quantizer import QuantConfig, dequantize, plan_quantization, quantize
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    a = torch.randn(1_000_003, generator=torch.Generator().manual_seed(3))
+    for protect in (0.0, 0.01):
+        plan = plan_quantization({"x": a.view(-1, 1)}, QuantConfig(bins=6, prune=0.2, protect=protect, min_numel=1))
+        tp = plan.tensors["x"]
+        codes, kept = quantize(a, tp)
+        assert bool(kept.size) == bool(protect)
+        expected = moments_mod.fidelity_sums(a, torch.from_numpy(dequantize(codes, tp.centres, kept)))
+        assert np.array_equal(moments_mod.quantized_fidelity_sums(a, codes, tp.centres, kept), expected)
+    codes, _ = quantize(a, plan_quantization({"x": a.view(-1, 1)}, QuantConfig(bins=6, protect=0.0, min_numel=1)).tensors["x"])
+    for bad in (1, 2 + 6):
+        spoilt = codes.copy()
+        spoilt[-1] = bad
+        with pytest.raises(ValueError, match="protected or beyond"):
+            moments_mod.quantized_fidelity_sums(a, spoilt, np.zeros(6, np.float32), np.zeros(0, np.uint16))
+
+
 def _special_moments(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Adam moments with every special case: zeros, a negative and NaN v, NaN and inf m."""
     g = torch.Generator().manual_seed(5)
@@ -332,6 +357,52 @@ def test_adam_update_kernel_matches_torch(monkeypatch, dtype) -> None:
     reference = moments_mod.adam_update(m, v, 1e-8)
     assert fast.dtype == torch.float32 and fast.shape == m.shape
     torch.testing.assert_close(fast, reference, rtol=2.5e-7, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_scale_kernel_is_the_correctly_rounded_log(monkeypatch, dtype) -> None:
+    """The compiled scale ``log(sqrt(v) + eps)`` is within an ulp of the correctly rounded log of
+    ``sqrt(v) + eps`` (IEEE float32 sqrt and add), NaN and inf where torch has them, and agrees with
+    torch's path (whose vectorised sqrt may be an ulp off) to float32 precision."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    assert moments_mod.native is not None, "the compiled kernels were not built"
+    _, v = _special_moments(dtype)
+    g = torch.Generator().manual_seed(9)
+    spread = (torch.randn(200_003, generator=g) * 1e-3).square() * torch.exp(torch.randn(200_003, generator=g) * 6)
+    v = torch.cat([v, spread.to(dtype), torch.tensor([float("inf"), 1.0, 0.25, 3e38], dtype=dtype)])
+    fast = moments_mod.adam_scale(v.view(-1, 1), 1e-8)
+    assert fast.dtype == torch.float32 and fast.shape == (v.numel(), 1)
+    fast = fast.reshape(-1)
+    y = np.sqrt(np.maximum(v.float().numpy(), np.float32(0))) + np.float32(1e-8)  # float32, correctly rounded
+    exact = torch.from_numpy(np.log(y.astype(np.float64)).astype(np.float32))
+    assert torch.equal(fast.isnan(), exact.isnan()) and torch.equal(fast.isinf(), exact.isinf())
+    ok = ~exact.isnan() & ~exact.isinf()
+    ulps = (fast[ok].view(torch.int32).long() - exact[ok].view(torch.int32).long()).abs()
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 1e-3
+    monkeypatch.setattr(moments_mod, "native", None)
+    reference = moments_mod.adam_scale(v, 1e-8)
+    torch.testing.assert_close(fast, reference, rtol=2.5e-7, atol=2.5e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", [1.0, 0.25, 3.0])
+def test_adam_scale_stats_are_the_scales_stats(dtype, step) -> None:
+    """The statistics of Adam's scale made straight from ``v`` (no scale tensor) are those of
+    the scale: finiteness and maximum exactly, the gain sum but for the order of its additions;
+    a NaN or infinite ``v`` makes them not finite."""
+    from hf_dynaquant.core.moments import adam_scale, adam_scale_stats, scale_stats
+
+    _, v = _special_moments(dtype)
+    v = torch.cat([v[3:], v[3:].flip(0)] * 3)  # finite, over several of the kernel's blocks
+    for values in (v, v[:0], v[:5]):
+        fused, separate = adam_scale_stats(values, 1e-8, step), scale_stats(adam_scale(values, 1e-8), 1e-8, step)
+        assert fused[:2] == separate[:2] and fused[0]
+        np.testing.assert_allclose(fused[2], separate[2], rtol=1e-12)
+    for bad in (float("nan"), float("inf")):
+        spoilt = v.clone()
+        spoilt[12_345] = bad
+        assert not adam_scale_stats(spoilt, 1e-8, step)[0] and not scale_stats(adam_scale(spoilt, 1e-8), 1e-8, step)[0]
 
 
 @pytest.mark.parametrize("step", [1.0, 0.25, 3.0])

@@ -64,6 +64,7 @@ feedback or rare rows (pre-trained snapshots) are partitioned on the host only.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -382,6 +383,11 @@ class TensorPlan:
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         return mids, tau_sens, tau_prune, self.prune_by == "sensitivity" and has_sens
 
+    def keeps_every_value(self, has_sens: bool) -> bool:
+        """Whether the partition gives every finite value a centre: nothing pruned or protected."""
+        _, tau_sens, tau_prune, _ = self.rules(np.zeros(0, np.float32), has_sens)
+        return self.protect_magnitude == math.inf and (not has_sens or tau_sens == math.inf) and tau_prune < 0
+
     def _partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
         """``(codes, protected count)``: protected, pruned, else the nearest centre."""
         mids, tau_sens, tau_prune, by_sens = self.rules(centres, sens is not None)
@@ -502,7 +508,7 @@ def plan_quantization(
             cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
         return cache[key]
 
-    names, kinds, mag_sketches, first_name = [], {}, {}, {}
+    names, kinds, first_name = [], {}, {}
     for n in tensors:
         t = tensors[n]
         if not is_quantizable(t, config):
@@ -520,7 +526,6 @@ def plan_quantization(
             continue
         names.append(n)
         kinds[n] = kind
-        mag_sketches[n] = sketch_of(n, "magnitude", lambda n=n, t=t: _residual(t, refs.get(n)), True)
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     sens = {n: flat_f32(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     sens_checked: list[tuple[tuple, bool]] = []
@@ -541,6 +546,10 @@ def plan_quantization(
             stacklevel=2,
         )
 
+    def magnitudes(n: str) -> LogSketch:
+        """The sketch of the magnitudes of ``n`` (of its residual), made only when a threshold needs it."""
+        return sketch_of(n, "magnitude", lambda: _residual(tensors[n], refs.get(n)), True)
+
     def merged(sketches: list[LogSketch]) -> LogSketch:
         out = LogSketch(config.alpha)
         for sk in sketches:
@@ -550,7 +559,7 @@ def plan_quantization(
     # protection thresholds, global: half by magnitude, half by sensitivity
     share = config.protect / 2 if use_sens else config.protect
     no_protection = not names or config.protect <= 0
-    tau_mag = float("inf") if no_protection else merged(list(mag_sketches.values())).quantile(1 - share)
+    tau_mag = float("inf") if no_protection else merged([magnitudes(n) for n in names]).quantile(1 - share)
     tau_sens = None
     if use_sens and not no_protection:
         tau_sens = merged([sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in names]).quantile(1 - share)
@@ -566,7 +575,7 @@ def plan_quantization(
             sketches = [sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in members]
             prune_tau[kind] = merged(sketches).quantile(config.prune)
         else:
-            prune_tau[kind] = merged([mag_sketches[n] for n in members]).quantile(config.prune)
+            prune_tau[kind] = merged([magnitudes(n) for n in members]).quantile(config.prune)
 
     grams = {
         n: g
@@ -619,8 +628,11 @@ def plan_quantization(
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
     def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
-        """That sketch, made on the host."""
+        """That sketch, made on the host (of every value, without partitioning them, when the
+        plan neither prunes nor protects)."""
         w = plan.target(tensors[n])
+        if rare is None and plan.keeps_every_value(n in sens):
+            return LogSketch(KMEANS_ALPHA).add(w)
         codes, _ = plan._partition(w, sens[n].numpy() if n in sens else None, np.zeros(0, np.float32))
         if rare is not None:
             w, codes = plan.row_values(w, rare), plan.row_values(codes, rare)

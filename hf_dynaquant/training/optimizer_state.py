@@ -39,16 +39,15 @@ from ..core.dtypes import all_finite
 from ..core.memory import ReleaseFreed
 from ..core.moments import (
     adam_scale,
+    adam_scale_stats,
     adam_update,
     codes_to_adam,
     fidelity_from_sums,
-    fidelity_sums,
     grid_step,
     norm_gain,
+    quantized_fidelity_sums,
     scale_gain,
-    scale_gain_sums,
     scale_plan,
-    scale_stats,
     update_scale_to_adam,
 )
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map, weighed_batches
@@ -58,7 +57,6 @@ from ..core.quantizer import (
     QuantPlan,
     TensorPlan,
     coded_values,
-    dequantize,
     plan_quantization,
     quantize,
     refuse_or_warn_non_finite,
@@ -161,7 +159,9 @@ class OptimizerEncoding:
 
 
 class PlanFn(Protocol):
-    """Plans tensors from this process's part of each (``shapes``: the full ``(numel, 1)``)."""
+    """Plans tensors from this process's part of each (``shapes``: the full ``(numel, 1)``;
+    ``sketch_cache``: kept across the bin counts tried for the same tensors, whose sketches do
+    not depend on the bins)."""
 
     def __call__(
         self,
@@ -170,14 +170,20 @@ class PlanFn(Protocol):
         *,
         shapes: Mapping[str, Any],
         types: Mapping[str, str],
+        sketch_cache: dict,
     ) -> QuantPlan: ...
 
 
 def _plan_here(
-    tensors: Mapping[str, torch.Tensor], config: QuantConfig, *, shapes: Mapping[str, Any], types: Mapping[str, str]
+    tensors: Mapping[str, torch.Tensor],
+    config: QuantConfig,
+    *,
+    shapes: Mapping[str, Any],
+    types: Mapping[str, str],
+    sketch_cache: dict,
 ) -> QuantPlan:
     """One process holds every value: the plan of the tensors themselves."""
-    return plan_quantization(tensors, config, types=types)
+    return plan_quantization(tensors, config, types=types, sketch_cache=sketch_cache)
 
 
 def _float64(values: np.ndarray) -> np.ndarray:
@@ -244,6 +250,11 @@ class _Moment:
         """Adam's scale ``log(sqrt(v) + eps)``, float32 on the CPU."""
         return adam_scale(self.entry["exp_avg_sq"], self.eps)
 
+    def scale_stats(self, step: float) -> tuple[bool, float, np.ndarray]:
+        """:func:`~hf_dynaquant.core.moments.scale_stats` of :meth:`scale` on the grid of ``step``,
+        without making the scale where the compiled kernel can."""
+        return adam_scale_stats(self.entry["exp_avg_sq"], self.eps, step)
+
     def scale_step(self, settings: MomentQuant) -> float:
         """The step of this Adam state's scale grid (finer for a bf16 ``v``)."""
         return settings.scale_step_for(self.entry["exp_avg_sq"].dtype)
@@ -284,7 +295,7 @@ def _decide(
         target, top, gain_sums = moment.target(), -math.inf, np.zeros(2)
         finite = all_finite(target)
         if moment.kind == ADAM:
-            scale_finite, top, gain_sums = scale_stats(moment.scale(), moment.eps, moment.scale_step(settings))
+            scale_finite, top, gain_sums = moment.scale_stats(moment.scale_step(settings))
             finite = finite and scale_finite
         return target, finite, top, gain_sums
 
@@ -299,6 +310,7 @@ def _decide(
     bad = [pid for pid, n in zip(group, red.total(np.array(local_bad, dtype=np.float64))) if n > 0]
     pending = [pid for pid in group if pid not in bad]
     chosen: dict[Any, _Choice] = {}
+    sketches: dict = {}  # each target's sketches, made once for all the bin counts tried
     for bins in settings.bins:
         if not pending:
             break
@@ -308,14 +320,13 @@ def _decide(
         # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
         parts = {str(pid): (targets[pid] if red.counts(pid) else targets[pid][:0]).reshape(-1, 1) for pid in pending}
         shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
-        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts})
+        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts}, sketch_cache=sketches)
 
         def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
             """The fidelity sums of one target quantized under ``plan`` (zeros for a copy another process counts)."""
             tp = plan.tensors[str(pid)]
             codes, kept = quantize(targets[pid], tp)
-            decoded = torch.from_numpy(dequantize(codes, tp.centres, kept))
-            return fidelity_sums(targets[pid], decoded) if red.counts(pid) else np.zeros(4)
+            return quantized_fidelity_sums(targets[pid], codes, tp.centres, kept) if red.counts(pid) else np.zeros(4)
 
         # tensor by tensor on the pool (the kernels release the GIL), a few at a time
         sums = np.array(list(ordered_map(_POOL, sums_of, pending))).reshape(-1, 4)
@@ -335,7 +346,7 @@ def _decide(
         configured = candidates[pid].scale_step(settings)
         step = grid_step(tops[pid], candidates[pid].eps, configured)
         if step != configured and red.counts(pid):
-            local_gain_sums[pid] = scale_gain_sums(candidates[pid].scale(), candidates[pid].eps, step)
+            local_gain_sums[pid] = candidates[pid].scale_stats(step)[2]
     gain_sums = red.total(np.concatenate([local_gain_sums[pid] for pid in adam])).reshape(-1, 2)
     for pid, row in zip(adam, gain_sums):
         chosen[pid] = replace(chosen[pid], scale_gain=scale_gain(row))

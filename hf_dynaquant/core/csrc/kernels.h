@@ -7,8 +7,8 @@
  *   partition.c  DynaQuant's partition and code assignment of float32 weights, a block of
  *                error feedback over it (feedback.py), and codes back to float32 values
  *                (quantizer.py);
- *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update,
- *                the finiteness, maximum and scale-gain sum of Adam's scale, and Adam's
+ *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update
+ *                and scale, the finiteness, maximum and scale-gain sum of the scale, and Adam's
  *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
  *                previous codes (delta.py), and counts of uint8 symbols and of pairs of them
@@ -46,8 +46,11 @@ PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
+PyObject *py_fidelity_codes_f32(PyObject *self, PyObject *args);
 PyObject *py_adam_update(PyObject *self, PyObject *args);
 PyObject *py_scale_stats_f32(PyObject *self, PyObject *args);
+PyObject *py_adam_scale(PyObject *self, PyObject *args);
+PyObject *py_adam_scale_stats(PyObject *self, PyObject *args);
 PyObject *py_scale_to_adam_f32(PyObject *self, PyObject *args);
 PyObject *py_codes_to_adam(PyObject *self, PyObject *args);
 PyObject *py_dequantize_u8(PyObject *self, PyObject *args);

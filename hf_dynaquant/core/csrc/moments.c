@@ -39,6 +39,55 @@ PyObject *py_fidelity_f32(PyObject *self, PyObject *args) {
     return ok ? Py_BuildValue("dddd", out[0], out[1], out[2], out[3]) : NULL;
 }
 
+/* fidelity_f32(a, b) for b the float32 values of uint8 codes through a table of k values
+ * (the quantizer's dequantization of codes that hold no protected value), without making b:
+ * the same sums bit for bit, in one pass. Returns 0, or -1 if a code is the protected code
+ * (1, whose value is stored apart) or at or beyond k (nothing is summed then). */
+static int fidelity_codes_f32(const float *a, const uint8_t *codes, const float *table, Py_ssize_t k, Py_ssize_t n,
+                              double out[4]) {
+    float t[256] = {0};
+    uint8_t bad[256];
+    for (int c = 0; c < 256; c++) bad[c] = c == 1 || c >= k;
+    memcpy(t, table, (size_t)(k < 256 ? k : 256) * sizeof(float));
+    int any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) any |= bad[codes[i]];
+    if (any) return -1;
+    double ab[4] = {0}, aa[4] = {0}, bb[4] = {0}, dd[4] = {0};
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (int j = 0; j < 4; j++) {
+            const double x = a[i + j], y = t[codes[i + j]], d = x - y;
+            ab[j] += x * y; aa[j] += x * x; bb[j] += y * y; dd[j] += d * d;
+        }
+    }
+    for (; i < n; i++) {
+        const double x = a[i], y = t[codes[i]], d = x - y;
+        ab[0] += x * y; aa[0] += x * x; bb[0] += y * y; dd[0] += d * d;
+    }
+    out[0] = (ab[0] + ab[1]) + (ab[2] + ab[3]);
+    out[1] = (aa[0] + aa[1]) + (aa[2] + aa[3]);
+    out[2] = (bb[0] + bb[1]) + (bb[2] + bb[3]);
+    out[3] = (dd[0] + dd[1]) + (dd[2] + dd[3]);
+    return 0;
+}
+
+PyObject *py_fidelity_codes_f32(PyObject *self, PyObject *args) {
+    Py_buffer a, codes, table;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &a, &codes, &table)) return NULL;
+    double out[4];
+    int status = 0, ok = a.len == codes.len * 4 && table.len % 4 == 0;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "fidelity_codes: the values and the codes differ in length");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        status = fidelity_codes_f32(a.buf, codes.buf, table.buf, table.len / 4, codes.len, out);
+        Py_END_ALLOW_THREADS
+        if (status) PyErr_SetString(PyExc_ValueError, "fidelity_codes: a code is protected or beyond the table");
+    }
+    PyBuffer_Release(&a); PyBuffer_Release(&codes); PyBuffer_Release(&table);
+    return ok && !status ? Py_BuildValue("dddd", out[0], out[1], out[2], out[3]) : NULL;
+}
+
 /* A float32 value from float32 (bf16 = 0) or bfloat16 bits (bf16 = 1; exact). */
 static inline float load(const void *p, Py_ssize_t i, int bf16) {
     if (!bf16) return ((const float *)p)[i];
@@ -294,5 +343,109 @@ PyObject *py_scale_stats_f32(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&s);
+    return ok ? Py_BuildValue("Odd", st.finite ? Py_True : Py_False, st.top, st.gain) : NULL;
+}
+
+/* log(y) of a positive, finite, normal float32 y in float64, as plain arithmetic the compiler
+ * vectorises: y = 2^e * m with m in [sqrt(2)/2, sqrt(2)), and log(m) = 2 atanh(t) for
+ * t = (m - 1) / (m + 1), |t| <= 0.172, by its series to t^11 (the first term left out is
+ * under 1e-10 of the result). Rounded to float32 it is the correctly rounded log but for values
+ * within about 1e-10 of a rounding boundary, which may take the neighbour: within an ulp. */
+static inline double log_normal(float y) {
+    uint32_t b;
+    memcpy(&b, &y, 4);
+    const uint32_t upper = (b & 0x7fffffu) >= 0x3504f3u; /* mantissa >= sqrt(2): halve it */
+    const int32_t e = (int32_t)(b >> 23) - 127 + (int32_t)upper;
+    const uint32_t mb = (b & 0x7fffffu) | (0x3f800000u - (upper << 23));
+    float mf;
+    memcpy(&mf, &mb, 4);
+    const double m = mf, t = (m - 1.0) / (m + 1.0), z = t * t;
+    const double series = 1.0 + z * (1.0 / 3 + z * (1.0 / 5 + z * (1.0 / 7 + z * (1.0 / 9 + z * (1.0 / 11)))));
+    return (double)e * 0.6931471805599453 + 2.0 * t * series;
+}
+
+/* Adam's scale s = log(sqrt(v) + floor) in float32 (moments.py, adam_scale), v < 0 counting as
+ * 0 and NaN staying NaN, from float32 or bfloat16 v in one pass (torch's five took 6x longer).
+ * IEEE sqrtf and add, then log_normal where y = sqrt(v) + floor is normal and finite (always,
+ * as floor >= 1e-12, but for NaN and infinite v) and the C library's logf in a second pass
+ * over the others. Returns whether every s is finite. */
+/* The normal values' pass of adam_scale_f32: whether any y is not a normal finite float. */
+INLINE int adam_scale_pass(const void *v, int v_bf16, Py_ssize_t n, float floor, float *s) {
+    int special = 0;
+#pragma omp simd reduction(| : special)
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float vi = load(v, i, v_bf16), y = sqrtf(vi < 0.0f ? 0.0f : vi) + floor;
+        special |= !((y >= 1.17549435e-38f) & (y <= 3.40282347e+38f)); /* NaN fails both; & keeps it branch-free */
+        s[i] = (float)log_normal(y);
+    }
+    return special;
+}
+
+SIMD_CLONES static int adam_scale_f32(const void *v, int v_bf16, Py_ssize_t n, float floor, float *s) {
+    if (!(v_bf16 ? adam_scale_pass(v, 1, n, floor, s) : adam_scale_pass(v, 0, n, floor, s))) return 1;
+    int finite = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float vi = load(v, i, v_bf16), y = sqrtf(vi < 0.0f ? 0.0f : vi) + floor;
+        if (!(y >= 1.17549435e-38f && y <= 3.40282347e+38f)) {
+            s[i] = logf(y);
+            finite &= isfinite(s[i]) != 0;
+        }
+    }
+    return finite;
+}
+
+PyObject *py_adam_scale(PyObject *self, PyObject *args) {
+    Py_buffer v, s;
+    int v_bf16;
+    double floor;
+    if (!PyArg_ParseTuple(args, "y*pdw*", &v, &v_bf16, &floor, &s)) return NULL;
+    const Py_ssize_t n = s.len / 4;
+    int ok = v.len == n * (v_bf16 ? 2 : 4);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "adam_scale: v and the output differ in length");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        adam_scale_f32(v.buf, v_bf16, n, (float)floor, s.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&v); PyBuffer_Release(&s);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* scale_stats_f32 of adam_scale_f32(v) without the scale: block by block through a buffer on
+ * the stack (the scale of a large tensor is 4 bytes a value of new memory, and a pass). The
+ * same finiteness and maximum; the gain sum the same but for the order of its additions. */
+#define SCALE_BLOCK 4096
+static scale_stats adam_scale_stats(const void *v, int v_bf16, Py_ssize_t n, float floor, double origin, double step) {
+    scale_stats all = {1, -INFINITY, 0.0};
+    float block[SCALE_BLOCK];
+    const Py_ssize_t width = v_bf16 ? 2 : 4;
+    for (Py_ssize_t at = 0; at < n; at += SCALE_BLOCK) {
+        const Py_ssize_t k = n - at < SCALE_BLOCK ? n - at : SCALE_BLOCK;
+        const int finite = adam_scale_f32((const char *)v + at * width, v_bf16, k, floor, block);
+        const scale_stats part = scale_stats_f32(block, k, origin, step);
+        all.finite &= finite && part.finite;
+        all.top = part.top > all.top ? part.top : all.top;
+        all.gain += part.gain;
+    }
+    return all;
+}
+
+PyObject *py_adam_scale_stats(PyObject *self, PyObject *args) {
+    Py_buffer v;
+    int v_bf16;
+    double floor, origin, step;
+    if (!PyArg_ParseTuple(args, "y*pddd", &v, &v_bf16, &floor, &origin, &step)) return NULL;
+    scale_stats st;
+    int ok = step > 0 && v.len % (v_bf16 ? 2 : 4) == 0;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "adam_scale_stats: the grid step must be positive, v whole values");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        st = adam_scale_stats(v.buf, v_bf16, v.len / (v_bf16 ? 2 : 4), (float)floor, origin, step);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&v);
     return ok ? Py_BuildValue("Odd", st.finite ? Py_True : Py_False, st.top, st.gain) : NULL;
 }
