@@ -80,7 +80,7 @@ from .feedback import columnwise, feedback_round, inverse_factor
 from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .memory import cached_on_device, on_accelerator
-from .pool import ForkSafePool, ordered_map
+from .pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from .rounding import device_stochastic_codes, device_uniform, stochastic_codes, tensor_seed, uniform
 from .sketch import LogSketch
 
@@ -509,6 +509,8 @@ def plan_quantization(
         return cache[key]
 
     names, kinds, first_name = [], {}, {}
+    numel: dict[str, int] = {}
+    on_host: dict[str, bool] = {}
     for n in tensors:
         t = tensors[n]
         if not is_quantizable(t, config):
@@ -526,6 +528,7 @@ def plan_quantization(
             continue
         names.append(n)
         kinds[n] = kind
+        numel[n], on_host[n] = t.numel(), t.device.type == "cpu"
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     sens = {n: flat_f32(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     sens_checked: list[tuple[tuple, bool]] = []
@@ -559,13 +562,21 @@ def plan_quantization(
     # protection thresholds, global: half by magnitude, half by sensitivity
     share = config.protect / 2 if use_sens else config.protect
     no_protection = not names or config.protect <= 0
+    prune_by = config.prune_by if use_sens else "magnitude"
+    by_magnitude = [  # the tensors whose magnitude sketch a threshold needs
+        n
+        for n in names
+        if not no_protection or (config.prune > 0 and kinds[n] != EMBEDDING and prune_by == "magnitude")
+    ]
+    if all(on_host[n] for n in by_magnitude):  # made a few at a time (an accelerator's, in this thread, below)
+        for _ in ordered_map(_PLAN_POOL, magnitudes, by_magnitude, weight=numel.__getitem__, budget=VALUES_IN_FLIGHT):
+            pass
     tau_mag = float("inf") if no_protection else merged([magnitudes(n) for n in names]).quantile(1 - share)
     tau_sens = None
     if use_sens and not no_protection:
         tau_sens = merged([sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in names]).quantile(1 - share)
 
     # pruning thresholds, one per layer type
-    prune_by = config.prune_by if use_sens else "magnitude"
     prune_tau: dict[str, float | None] = {}
     for kind in sorted(set(kinds.values())):
         members = [n for n in names if kinds[n] == kind]

@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json.zst"  # one zstd frame of the canonical JSON
 LEGACY_MANIFEST = "manifest.json"  # the plain canonical JSON (stores written before manifests were compressed)
 _MAX_MANIFEST_BYTES = 1 << 30
+_SMALL_MANIFEST = 1 << 16  # canonical bytes up to which a manifest is packed at zstd level 19
 ENTRY_FORMAT = "hf_dynaquant.entry"
 STORE_FORMAT = "hf_dynaquant.store"
 
@@ -54,8 +55,11 @@ def content_id(manifest_bytes: bytes) -> str:
 
 
 def pack_manifest(data: bytes) -> bytes:
-    """The on-disk bytes of canonical manifest bytes (zstd, level 19: manifests are small)."""
-    return zstandard.ZstdCompressor(level=19).compress(data)
+    """The on-disk bytes of canonical manifest bytes: zstd, level 19 up to
+    :data:`_SMALL_MANIFEST` bytes (a toy model's manifest weighs in its checkpoint), level 15
+    above. Level 19 takes about 1 us a byte: 0.3 s of a save's end at GPT-2's 124M parameters
+    (a 320 KB manifest), where level 15 takes 0.03 s for 2 KB more of a 100 MB entry."""
+    return zstandard.ZstdCompressor(level=19 if len(data) <= _SMALL_MANIFEST else 15).compress(data)
 
 
 def manifest_file(entry_dir: Path) -> Path | None:
