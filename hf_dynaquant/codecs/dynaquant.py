@@ -46,7 +46,15 @@ from ..core.delta import (
     varint_encode,
 )
 from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
-from ..core.entropy import ans_bytes, decode_stream, encode_codes, encode_stream, entropy_bits, order0_bits
+from ..core.entropy import (
+    ans_bytes,
+    codes_size_floor,
+    decode_stream,
+    encode_codes,
+    encode_stream,
+    entropy_bits,
+    order0_bits,
+)
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..errors import CodecError, CorruptCheckpointError
@@ -57,6 +65,7 @@ __all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS", "DEFAULT_DELTA_CODIN
 
 DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
 _SURE_DELTA = 0.5  # a delta under this share of the codes' order-0 entropy needs no keyframe to compare
+_SLACK = 64  # bytes by which an rANS payload may exceed its estimate (ans_bytes) or a stream its entropy
 DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
 ROWS_ANS = "ans-rows"  # keyframe codes coded by rANS, the common and the rare rows each with a model
@@ -197,12 +206,14 @@ class DynaQuantCodec(Codec):
             params["residual"] = state.residual
         # A delta is kept when it is smaller than the keyframe. Under "ans" the delta's size is
         # known to a few bytes before coding it (ans_bytes of its groups' histograms), so it is
-        # coded only when it is sure to win (under half the codes' order-0 entropy, which no
-        # keyframe comes near) or may win against the keyframe as coded; Adam's update, which
+        # coded alone when it is sure to win (under half the codes' order-0 entropy, which no
+        # keyframe comes near, or under the size a long keyframe's coding cannot go below), else
+        # only when it may win against the keyframe as coded; Adam's update, which
         # changes a lot between checkpoints, usually may not (coding its delta only to discard
         # it took a third of a delta save). The paper's codings code the delta, then the
         # keyframe unless the delta is sure to win, and keep the smaller.
         delta: bytes | None = None
+        sure = False  # whether the delta is smaller than the keyframe would be, without coding that
         estimate: float | None = None  # the delta's size under "ans", before coding it
         delta_params: dict[str, Any] = {}
         key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
@@ -221,9 +232,10 @@ class DynaQuantCodec(Codec):
                 delta_params["delta_stream"] = [stream_coding, size]
                 return payload
 
-            if estimate is None or estimate * 8 < _SURE_DELTA * key_bits:
+            sure = estimate is not None and self._surely_smaller(estimate, key_bits, state)
+            if estimate is None or sure:
                 delta = code_delta()
-        if delta is not None and len(delta) * 8 < _SURE_DELTA * key_bits:
+        if delta is not None and (sure or len(delta) * 8 < _SURE_DELTA * key_bits):
             blobs, params = {"delta": delta}, {**params, **delta_params}
         else:
             # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
@@ -250,6 +262,17 @@ class DynaQuantCodec(Codec):
             params["protected"].update(prot.params)
         uses_base = params["mode"] == "delta" or state.residual == "previous"
         return Encoded(blobs, params, uses_base=uses_base, state=state)
+
+    @staticmethod
+    def _surely_smaller(estimate: float, key_bits: float, state: QuantState) -> bool:
+        """Whether a delta of ``estimate`` bytes (rANS, to a few bytes) is smaller than the
+        keyframe of ``state`` (order-0 entropy ``key_bits``) would be: under :data:`_SURE_DELTA`
+        of that entropy, or, for a long stream coded as :func:`encode_codes` codes it, under the
+        size that coding does not go below (:func:`codes_size_floor`) by :data:`_SLACK` bytes."""
+        if estimate * 8 < _SURE_DELTA * key_bits:
+            return True
+        floor = codes_size_floor(state.codes, key_bits) if state.rare_rows is None else None
+        return floor is not None and estimate + _SLACK < floor
 
     def decode(
         self,

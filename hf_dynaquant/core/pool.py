@@ -40,7 +40,7 @@ VALUES_IN_FLIGHT = 1 << 25
 # Items in flight when a budget bounds their memory: enough that the pool's other threads keep
 # working while the caller waits on a large tensor at the head of the queue (with one more than
 # the threads, a 124M model's save and restore kept 1.35 of 2 cores busy; with this, 1.5).
-_AHEAD_WITH_BUDGET = 64
+_AHEAD_WITH_BUDGET = 256
 U = TypeVar("U")
 
 
@@ -125,6 +125,7 @@ def ordered_map(
     *,
     weight: Callable[[U], int] | None = None,
     budget: int | None = None,
+    held: Callable[[T], int] | None = None,
 ) -> Iterator[T]:
     """``fn(item)`` for each item, in order, computed on ``pool`` with at most ``ahead`` items
     in flight (default: one more than the pool's threads, so none idles while the caller takes
@@ -135,8 +136,12 @@ def ordered_map(
     also weigh at most ``budget`` together, an item heavier than three quarters of the budget
     counting as three quarters (:func:`_admitted`): what ``fn`` holds while it works grows with
     the item (a tensor's temporaries with its values), and a few of the largest tensors at once
-    would otherwise set the peak. ``items`` is consumed in the calling thread."""
-    results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True)
+    would otherwise set the peak. ``held`` (with a budget) weighs what a result holds once
+    ``fn`` is done: an item done behind one still working at the head then counts for that
+    alone (and is itself let go), so lighter items go on beside a large one instead of the pool
+    idling; without it a done item keeps its weight until taken. ``items`` is consumed in the
+    calling thread."""
+    results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True, held=held)
     try:
         for _, result in results:
             yield result
@@ -174,28 +179,46 @@ def _bounded_map(
     budget: int | None,
     *,
     in_order: bool,
-) -> Iterator[tuple[U, T]]:
+    held: Callable[[T], int] | None = None,
+) -> Iterator[tuple[U | None, T]]:
     """The loop of :func:`ordered_map` (``in_order``) and :func:`completed_map`: submit the
     items while the bounds allow, and take results (the oldest, or any that are done) to make
-    room."""
+    room. In order with ``held``, an item done but not yet taken weighs ``held(result)`` and is
+    no longer referenced here (``None`` is yielded in its place)."""
     ahead = (pool.max_workers + 1 if budget is None else _AHEAD_WITH_BUDGET) if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
-    pending: dict[Future[T], tuple[U, int]] = {}  # in submission order
+    pending: dict[Future[T], list[Any]] = {}  # in submission order: [item, weight now, whether settled]
     load = 0
+    settles = in_order and held is not None and budget is not None
 
-    def take(block: bool) -> Iterator[tuple[U, T]]:
-        """Results to make room: the oldest (in order, waiting for it), else those done (waiting
-        for one if ``block``)."""
+    def settle() -> None:
+        """Weigh the items done (not yet taken) by what their results hold."""
+        nonlocal load
+        for future, entry in pending.items():
+            if not entry[2] and future.done():
+                now = entry[1] if future.exception() is not None else min(entry[1], held(future.result()))
+                load -= entry[1] - now
+                entry[0], entry[1], entry[2] = None, now, True
+
+    def take(block: bool) -> Iterator[tuple[U | None, T]]:
+        """Results to make room: the oldest (in order, waiting for it, or for any item to be
+        done when that makes room too), else those done (waiting for one if ``block``)."""
         nonlocal load
         if in_order:
-            done = [next(iter(pending))] if block else []
+            head = next(iter(pending))
+            if block and settles and not head.done():
+                wait([f for f, entry in pending.items() if not entry[2]], return_when=FIRST_COMPLETED)
+                settle()
+                if not head.done():
+                    return
+            done = [head] if block else []
         else:
             done = [f for f in pending if f.done()]
             if block and not done:
                 done = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
         for future in done:
-            item, w = pending.pop(future)
+            item, w, _ = pending.pop(future)
             load -= w
             yield item, future.result()
 
@@ -204,7 +227,7 @@ def _bounded_map(
             w = _admitted(weight(item), budget) if weight is not None and budget is not None else 0
             while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
                 yield from take(block=True)
-            pending[pool.submit(fn, item)] = (item, w)
+            pending[pool.submit(fn, item)] = [item, w, False]
             load += w
             if not in_order:
                 yield from take(block=False)

@@ -710,10 +710,13 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
     residual when the plan has a reference)."""
     flat = plan.target(w)
+    protected: int | None = None  # how many, where the partition counted them
     if plan.feedback is not None:
         codes, flat = plan.feedback_codes(flat)
     else:
-        codes, _ = plan.codes(flat)
+        codes, protected = plan.codes(flat)
+    if protected == 0:  # (optimizer moments are never protected: no pass over the codes for them)
+        return codes, np.zeros(0, dtype=np.uint16)
     kept = torch.from_numpy(flat[codes == PROTECTED]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return codes, kept
 

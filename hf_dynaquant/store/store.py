@@ -146,7 +146,7 @@ class _EntryWriter:
         self.payload.add(key, "U8", (view.nbytes,), view)
         return {"file": 0, "key": key, "nbytes": view.nbytes, "sha256": hashlib.sha256(view).hexdigest()}
 
-    def add_encoded(self, section: str, name: str, raw: RawTensor, codec: Codec, enc: Encoded) -> None:
+    def add_encoded(self, section: str, name: str, raw: RawTensor | _RawSize, codec: Codec, enc: Encoded) -> None:
         blobs = {b: self._blob(f"{section}/{name}/{b}", data) for b, data in enc.blobs.items()}
         self.uses_base |= enc.uses_base
         self.sections.setdefault(section, {})[name] = {
@@ -682,16 +682,23 @@ class CheckpointStore:
                         base_state = _base_state(base_reader, section, name, raw)
                     yield section, name, raw, codec_for(section, name), base_state
 
-        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> tuple[str, str, RawTensor, Codec, Encoded]:
+        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> tuple[str, str, _RawSize, Codec, Encoded]:
             section, name, raw, codec, base_state = job
-            return section, name, raw, codec, codec.encode(raw, base_state)
+            encoded = codec.encode(raw, base_state)
+            if keep_states is None or not codec.stable_state:
+                encoded.state = None  # not kept: let go now
+            # the result keeps the raw tensor's dtype and size, not its bits (a made optimizer
+            # update, say): a result waiting its turn then holds only its blobs and a kept state
+            return section, name, _RawSize(raw.dtype, raw.shape, raw.nbytes), codec, encoded
 
         try:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
                 weigh = lambda job: _weight(job[2].dtype, job[2].shape)  # noqa: E731
-                encoded_jobs = ordered_map(_TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT)
+                encoded_jobs = ordered_map(
+                    _TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT, held=_held_weight
+                )
                 freed = ReleaseFreed()
                 for section, name, raw, codec, encoded in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
@@ -851,6 +858,22 @@ class CheckpointStore:
                 "gone); gc or the next write removes it"
             )
         return problems
+
+
+@dataclass(frozen=True)
+class _RawSize:
+    """What an entry's record says of an encoded tensor: its dtype, shape and raw size."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _held_weight(result: tuple[str, str, _RawSize, Codec, Encoded]) -> int:
+    """What an encoded tensor waiting to be written holds, against
+    :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT` (as float32 values): its blobs. (A state
+    it still holds, a quantized tensor's codes, is what the next delta keeps of it anyway.)"""
+    return sum(len(blob) for blob in result[4].blobs.values()) // 4
 
 
 def _weight(dtype: str, shape: Iterable[int]) -> int:
