@@ -386,15 +386,32 @@ def test_adam_scale_kernel_is_the_correctly_rounded_log(monkeypatch, dtype) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_update_and_scale_in_parts_are_the_same_bits(monkeypatch, dtype) -> None:
+    """A large moment's update and scale, made in parts on several threads, are bit for bit
+    those made in one pass."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    m, v = _special_moments(dtype)
+    whole = moments_mod.adam_update(m, v, 1e-8), moments_mod.adam_scale(v, 1e-8)
+    monkeypatch.setattr(moments_mod, "_SPLIT_FROM", 1000)
+    assert len(moments_mod._part_bounds(m.numel())) > 2
+    parts = moments_mod.adam_update(m, v, 1e-8), moments_mod.adam_scale(v, 1e-8)
+    for a, b in zip(whole, parts):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step", [1.0, 0.25, 3.0])
 def test_adam_scale_stats_are_the_scales_stats(dtype, step) -> None:
     """The statistics of Adam's scale made straight from ``v`` (no scale tensor) are those of
     the scale: finiteness and maximum exactly, the gain sum but for the order of its additions;
     a NaN or infinite ``v`` makes them not finite."""
+    from hf_dynaquant.core import moments as moments_mod
     from hf_dynaquant.core.moments import adam_scale, adam_scale_stats, scale_stats
 
     _, v = _special_moments(dtype)
-    v = torch.cat([v[3:], v[3:].flip(0)] * 3)  # finite, over several of the kernel's blocks
+    v = torch.cat([v[3:], v[3:].flip(0)] * 24)  # finite, over several of the kernel's blocks and two parts
+    assert v.numel() > moments_mod._STATS_PART
     for values in (v, v[:0], v[:5]):
         fused, separate = adam_scale_stats(values, 1e-8, step), scale_stats(adam_scale(values, 1e-8), 1e-8, step)
         assert fused[:2] == separate[:2] and fused[0]

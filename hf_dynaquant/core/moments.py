@@ -39,6 +39,8 @@ its own norm gain, for the same reason).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -95,11 +97,16 @@ def adam_update(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
         return m.detach().to("cpu", torch.float32, copy=True).div_(_denominator(v, eps))
     m, v = (t.detach().to("cpu").contiguous() for t in (m, v))
     out = torch.empty(m.shape, dtype=torch.float32)
+    m_bits, v_bits, u = _moment_bits(m).reshape(-1), _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
+    bounds = _part_bounds(u.size)
 
-    native.adam_update(
-        _moment_bits(m), m.dtype == torch.bfloat16, _moment_bits(v), v.dtype == torch.bfloat16, scale_floor(eps),
-        out.numpy(),
-    )
+    def part(k: int) -> None:
+        a, b = bounds[k], bounds[k + 1]
+        native.adam_update(
+            m_bits[a:b], m.dtype == torch.bfloat16, v_bits[a:b], v.dtype == torch.bfloat16, scale_floor(eps), u[a:b]
+        )
+
+    _in_parts(len(bounds) - 1, part)
     return out
 
 
@@ -116,7 +123,14 @@ def adam_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
         return _denominator(v, eps).log_()
     v = v.detach().to("cpu").contiguous()
     out = torch.empty(v.shape, dtype=torch.float32)
-    native.adam_scale(_moment_bits(v), v.dtype == torch.bfloat16, scale_floor(eps), out.numpy())
+    v_bits, s = _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
+    bounds = _part_bounds(s.size)
+
+    def part(k: int) -> None:
+        a, b = bounds[k], bounds[k + 1]
+        native.adam_scale(v_bits[a:b], v.dtype == torch.bfloat16, scale_floor(eps), s[a:b])
+
+    _in_parts(len(bounds) - 1, part)
     return out
 
 
@@ -192,14 +206,7 @@ def codes_to_adam(
             *parts[0].arrays(k), *parts[1].arrays(k), floor, gain, scale_gain, bf16, m_out[a:b], v_out[a:b]
         )
 
-    # the parts but the first on the pool, the first in this thread; every part waited for
-    others = [_POOL.submit(convert, k) for k in range(1, len(bounds) - 1)]
-    try:
-        used = [convert(0)]
-    finally:
-        for job in others:
-            job.exception()
-    used += [job.result() for job in others]  # (a code beyond its centres, in any part)
+    used = _in_parts(len(bounds) - 1, convert)  # (a code beyond its centres, in any part)
     for i, (what, c) in enumerate(zip(("update", "scale"), (update, scale))):
         k = sum(u[i] for u in used)  # the codes 1 of every part, each counted by the kernel
         if k != c.protected.size:
@@ -209,15 +216,31 @@ def codes_to_adam(
 
 # Values from which codes_to_adam splits a tensor into parts converted on several threads: below
 # it, a thread's hand-off costs more than the part saves.
+T = TypeVar("T")
 _SPLIT_FROM = 1 << 21
+_STATS_PART = 1 << 22  # values of each part of adam_scale_stats (a fixed size: sums that do not depend on the cores)
 _POOL = ForkSafePool("dq-adam")
 
 
 def _part_bounds(n: int) -> list[int]:
-    """The bounds of the parts :func:`codes_to_adam` converts at once: one per worker of its
-    pool for a tensor of :data:`_SPLIT_FROM` values or more, else the whole."""
+    """The bounds of the parts a pass over a tensor's values makes at once (:func:`codes_to_adam`,
+    :func:`adam_update`, :func:`adam_scale`): one per worker of its pool for a tensor of
+    :data:`_SPLIT_FROM` values or more, else the whole."""
     k = _POOL.max_workers if n >= _SPLIT_FROM else 1
     return [n * i // k for i in range(k + 1)]
+
+
+def _in_parts(parts: int, run: Callable[[int], T]) -> list[T]:
+    """``run(k)`` for ``k < parts``: the first in this thread, the others on the pool (a save's
+    or a restore's largest tensor would otherwise keep one core busy while the other idles);
+    every part waited for, the results in order, the first failure raised."""
+    others = [_POOL.submit(run, k) for k in range(1, parts)]
+    try:
+        first = run(0)
+    finally:
+        for job in others:
+            job.exception()
+    return [first] + [job.result() for job in others]
 
 
 class _CodedParts:
@@ -287,9 +310,23 @@ def adam_scale_stats(v: torch.Tensor, eps: float, step: float) -> tuple[bool, fl
     if step <= 0:
         raise ValueError(f"the scale grid step must be positive, got {step}")
     v = v.detach().to("cpu").contiguous()
-    finite, top, total = native.adam_scale_stats(
-        _moment_bits(v), v.dtype == torch.bfloat16, scale_floor(eps), math.log(scale_floor(eps)), float(step)
-    )
+    v_bits = _moment_bits(v).reshape(-1)
+
+    def part(k: int) -> tuple[bool, float, float]:
+        return native.adam_scale_stats(
+            v_bits[k * _STATS_PART : (k + 1) * _STATS_PART],
+            v.dtype == torch.bfloat16,
+            scale_floor(eps),
+            math.log(scale_floor(eps)),
+            float(step),
+        )
+
+    # in parts of a fixed size, on several threads, summed in order: the same sums on any machine
+    parts = _in_parts(max(1, -(-v_bits.size // _STATS_PART)), part)
+    total = 0.0
+    for _, _, gain in parts:
+        total += gain
+    finite, top = all(p[0] for p in parts), max(p[1] for p in parts)
     return bool(finite), float(top), np.array([total, float(v.numel())], dtype=np.float64)
 
 
