@@ -325,7 +325,8 @@ def test_fidelity_of_codes_is_the_fidelity_of_their_values(monkeypatch) -> None:
         assert bool(kept.size) == bool(protect)
         expected = moments_mod.fidelity_sums(a, torch.from_numpy(dequantize(codes, tp.centres, kept)))
         assert np.array_equal(moments_mod.quantized_fidelity_sums(a, codes, tp.centres, kept), expected)
-    codes, _ = quantize(a, plan_quantization({"x": a.view(-1, 1)}, QuantConfig(bins=6, protect=0.0, min_numel=1)).tensors["x"])
+    unprotected = QuantConfig(bins=6, protect=0.0, min_numel=1)
+    codes, _ = quantize(a, plan_quantization({"x": a.view(-1, 1)}, unprotected).tensors["x"])
     for bad in (1, 2 + 6):
         spoilt = codes.copy()
         spoilt[-1] = bad

@@ -178,31 +178,34 @@ def test_items_done_behind_a_slow_head_weigh_what_their_results_hold() -> None:
 
     from hf_dynaquant.core.pool import ForkSafePool, ordered_map
 
+    def run(pool: ForkSafePool, held, timeout: float) -> tuple[list[bool], int]:
+        finished, lock, done, running, peak = [0], threading.Lock(), threading.Event(), [0], [0]
+
+        def work(item: tuple[int, int]) -> bool:
+            with lock:
+                running[0] += min(item[1], 6)
+                peak[0] = max(peak[0], running[0])
+            if item[0] == 0:  # the head: done once six light items behind it are (or at the timeout)
+                ok = done.wait(timeout=timeout)
+            else:
+                with lock:
+                    finished[0] += 1
+                    if finished[0] == 6:
+                        done.set()
+                ok = True
+            with lock:
+                running[0] -= min(item[1], 6)
+            return ok
+
+        items = [(0, 7)] + [(i, 2) for i in range(1, 11)]
+        return list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8, held=held)), peak[0]
+
     pool = ForkSafePool("test-held", max_workers=2)
     try:
-        for held, expect in ((lambda result: 0, True), (None, False)):
-            finished, lock, done, running, peak = [0], threading.Lock(), threading.Event(), [0], [0]
-
-            def work(item: tuple[int, int]) -> bool:
-                with lock:
-                    running[0] += min(item[1], 6)
-                    peak[0] = max(peak[0], running[0])
-                if item[0] == 0:  # the head: done once six light items behind it are (or at the timeout)
-                    ok = done.wait(timeout=10 if expect else 1)
-                else:
-                    with lock:
-                        finished[0] += 1
-                        if finished[0] == 6:
-                            done.set()
-                    ok = True
-                with lock:
-                    running[0] -= min(item[1], 6)
-                return ok
-
-            items = [(0, 7)] + [(i, 2) for i in range(1, 11)]
-            results = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8, held=held))
+        for held, timeout, expect in ((lambda result: 0, 10.0, True), (None, 1.0, False)):
+            results, peak = run(pool, held, timeout)
             assert results[0] is expect and all(results[1:]) and len(results) == 11
-            assert peak[0] <= 8
+            assert peak <= 8
     finally:
         pool.shutdown()
 
