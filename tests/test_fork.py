@@ -200,7 +200,7 @@ def test_items_done_behind_a_slow_head_weigh_what_their_results_hold() -> None:
         items = [(0, 7)] + [(i, 2) for i in range(1, 11)]
         return list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8, held=held)), peak[0]
 
-    pool = ForkSafePool("test-held", max_workers=2)
+    pool = ForkSafePool("test-held", max_workers=3)  # three threads: the budget, not the threads, bounds them
     try:
         for held, timeout, expect in ((lambda result: 0, 10.0, True), (None, 1.0, False)):
             results, peak = run(pool, held, timeout)

@@ -268,7 +268,8 @@ class DynaQuantCodec(Codec):
         """Whether a delta of ``estimate`` bytes (rANS, to a few bytes) is smaller than the
         keyframe of ``state`` (order-0 entropy ``key_bits``) would be: under :data:`_SURE_DELTA`
         of that entropy, or, for a long stream coded as :func:`encode_codes` codes it, under the
-        size that coding does not go below (:func:`codes_size_floor`) by :data:`_SLACK` bytes."""
+        size that coding does not go below (:func:`codes_size_floor`, as a sample of the codes
+        estimates zstd's) by :data:`_SLACK` bytes."""
         if estimate * 8 < _SURE_DELTA * key_bits:
             return True
         floor = codes_size_floor(state.codes, key_bits) if state.rare_rows is None else None

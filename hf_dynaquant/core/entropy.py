@@ -157,10 +157,11 @@ def encode_codes(codes: np.ndarray) -> tuple[str, bytes]:
 
 
 def codes_size_floor(codes: np.ndarray, bits: float) -> float | None:
-    """A size in bytes that :func:`encode_codes` does not code a long stream of codes under,
-    given their order-0 entropy in ``bits``: rANS takes at least the entropy, zstd about what a
-    sample of the stream measures (:func:`_zstd_estimate`, less the margin :data:`_CLEARLY`).
-    ``None`` for a stream too short to sample. Lets a delta known to be smaller skip coding the
+    """An estimate of a size in bytes that :func:`encode_codes` does not code a long stream of
+    codes under, given their order-0 entropy in ``bits``: rANS takes at least the entropy (a
+    bound), zstd about what a sample of the stream measures (:func:`_zstd_estimate`, less the
+    margin :data:`_CLEARLY`: an estimate, which structure the sample misses could beat).
+    ``None`` for a stream too short to sample. Lets a delta that is smaller skip coding the
     keyframe it would be compared with."""
     estimate = _zstd_estimate(codes)
     return None if estimate is None else min(bits / 8, _CLEARLY * estimate)

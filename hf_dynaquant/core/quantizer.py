@@ -480,7 +480,7 @@ def plan_quantization(
 
     ``types`` maps names to layer types (see :func:`layer_types`; inferred when missing);
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
-    Each tensor is read a few times, one at a time, so a lazily loading mapping works.
+    Each tensor is read a few times, a few tensors at a time, so a lazily loading mapping works.
     ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
     sketches, which do not depend on the configuration: the configuration search plans many
     candidates for one checkpoint.
@@ -528,7 +528,8 @@ def plan_quantization(
             continue
         names.append(n)
         kinds[n] = kind
-        numel[n], on_host[n] = t.numel(), t.device.type == "cpu"
+        numel[n] = t.numel()
+        on_host[n] = t.device.type == "cpu" and (n not in refs or refs[n].device.type == "cpu")
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     sens = {n: flat_f32(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
     sens_checked: list[tuple[tuple, bool]] = []

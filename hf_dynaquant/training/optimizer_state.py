@@ -170,7 +170,7 @@ class PlanFn(Protocol):
         *,
         shapes: Mapping[str, Any],
         types: Mapping[str, str],
-        sketch_cache: dict,
+        sketch_cache: dict | None = None,
     ) -> QuantPlan: ...
 
 
@@ -180,7 +180,7 @@ def _plan_here(
     *,
     shapes: Mapping[str, Any],
     types: Mapping[str, str],
-    sketch_cache: dict,
+    sketch_cache: dict | None = None,
 ) -> QuantPlan:
     """One process holds every value: the plan of the tensors themselves."""
     return plan_quantization(tensors, config, types=types, sketch_cache=sketch_cache)
