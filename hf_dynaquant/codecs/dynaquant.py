@@ -217,12 +217,14 @@ class DynaQuantCodec(Codec):
         estimate: float | None = None  # the delta's size under "ans", before coding it
         delta_params: dict[str, Any] = {}
         key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
+        key_counts: np.ndarray | None = None  # their histogram, where a delta's pair counts gave it
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
             pairs: np.ndarray | None = None
             if self.delta_coding == "ans":  # the pair counts hold every histogram needed
                 diff, pairs = delta_pairs(base.codes, state.codes, levels)
-                key_bits, estimate = entropy_bits(current_counts(pairs, levels)), ans_bytes(pairs)
+                key_counts = current_counts(pairs, levels)
+                key_bits, estimate = entropy_bits(key_counts), ans_bytes(pairs)
             else:
                 diff, key_bits = cyclic_delta(base.codes, state.codes, levels), order0_bits(state.codes)
             delta_params = {"mode": "delta", "delta_levels": levels, "delta_coding": self.delta_coding}
@@ -244,7 +246,7 @@ class DynaQuantCodec(Codec):
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(state.codes, state.rare_rows)
             else:
                 codes_coding, codes_payload = (
-                    encode_codes(state.codes) if self.delta_coding == "ans" else encode_stream(state.codes)
+                    encode_codes(state.codes, key_counts) if self.delta_coding == "ans" else encode_stream(state.codes)
                 )
             if delta is None and estimate is not None and estimate < len(codes_payload):
                 delta = code_delta()

@@ -98,15 +98,9 @@ def adam_update(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     m, v = (t.detach().to("cpu").contiguous() for t in (m, v))
     out = torch.empty(m.shape, dtype=torch.float32)
     m_bits, v_bits, u = _moment_bits(m).reshape(-1), _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
-    bounds = _part_bounds(u.size)
-
-    def part(k: int) -> None:
-        a, b = bounds[k], bounds[k + 1]
-        native.adam_update(
-            m_bits[a:b], m.dtype == torch.bfloat16, v_bits[a:b], v.dtype == torch.bfloat16, scale_floor(eps), u[a:b]
-        )
-
-    _in_parts(len(bounds) - 1, part)
+    bf16 = (m.dtype == torch.bfloat16, v.dtype == torch.bfloat16)
+    floor = scale_floor(eps)
+    _over_parts(u.size, lambda a, b: native.adam_update(m_bits[a:b], bf16[0], v_bits[a:b], bf16[1], floor, u[a:b]))
     return out
 
 
@@ -125,13 +119,8 @@ def adam_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
     v = v.detach().to("cpu").contiguous()
     out = torch.empty(v.shape, dtype=torch.float32)
     v_bits, s = _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
-    bounds = _part_bounds(s.size)
-
-    def part(k: int) -> None:
-        a, b = bounds[k], bounds[k + 1]
-        native.adam_scale(v_bits[a:b], v.dtype == torch.bfloat16, scale_floor(eps), s[a:b])
-
-    _in_parts(len(bounds) - 1, part)
+    bf16 = v.dtype == torch.bfloat16
+    _over_parts(s.size, lambda a, b: native.adam_scale(v_bits[a:b], bf16, scale_floor(eps), s[a:b]))
     return out
 
 
@@ -229,6 +218,13 @@ def _part_bounds(n: int) -> list[int]:
     :data:`_SPLIT_FROM` values or more, else the whole."""
     k = _POOL.max_workers if n >= _SPLIT_FROM else 1
     return [n * i // k for i in range(k + 1)]
+
+
+def _over_parts(n: int, run: Callable[[int, int], object]) -> None:
+    """``run(a, b)`` over the parts ``[a, b)`` of ``n`` values that :func:`_part_bounds` cuts,
+    on several threads (:func:`_in_parts`): an elementwise pass over a large tensor."""
+    bounds = _part_bounds(n)
+    _in_parts(len(bounds) - 1, lambda k: run(bounds[k], bounds[k + 1]))
 
 
 def _in_parts(parts: int, run: Callable[[int], T]) -> list[T]:
