@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--moments",
         default="",
-        help="MomentQuant settings as key=value, e.g. 'bins=2,3,4,6,8,16,32 min_cosine=0.7 scale_step=1.0'",
+        help="MomentQuant settings as key=value, e.g. 'bins=2,3,4,5,6,8,16,32 min_cosine=0.7 scale_step=1.0'",
     )
     parser.add_argument(
         "--callback",
