@@ -1079,8 +1079,8 @@ def test_bf16_second_moments_take_the_finer_scale_grid() -> None:
 def test_an_update_takes_the_first_bin_count_of_the_ladder_that_passes() -> None:
     """Bin counts are tried in order and the first whose fidelity passes is kept: a heavy-tailed
     update (Student's t, 5 degrees of freedom) fails at 4 bins and passes at 5, so the default
-    ladder stores it at 5 (before 5 was a rung it took 6, about 20% more update bytes on a real
-    language model); a ladder that stops at 4 stores it losslessly."""
+    ladder stores it at 5, the ladder without that rung at 6, and a ladder that stops at 4
+    losslessly."""
     from hf_dynaquant.core.moments import adam_update, fidelity
     from hf_dynaquant.core.quantizer import decoded_values, quantize
     from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
@@ -1100,6 +1100,8 @@ def test_an_update_takes_the_first_bin_count_of_the_ladder_that_passes() -> None
     codes, kept = quantize(update.reshape(-1, 1), plan)
     cos, rel = fidelity(update, torch.from_numpy(decoded_values(codes, plan.centres, kept)))
     assert cos >= settings.min_cosine and rel <= settings.max_rel_error
+    without_five = encode_optimizer_state(state, settings=MomentQuant(bins=(2, 3, 4, 6, 8, 16, 32)))
+    assert without_five is not None and without_five.report["bins"] == {"0": 6}
     coarse = encode_optimizer_state(state, settings=MomentQuant(bins=(2, 3, 4)))
     assert coarse is not None and coarse.report["bins"] == {} and coarse.report["lossless"] == [0]
 
