@@ -98,9 +98,8 @@ def adam_update(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     m, v = (t.detach().to("cpu").contiguous() for t in (m, v))
     out = torch.empty(m.shape, dtype=torch.float32)
     m_bits, v_bits, u = _moment_bits(m).reshape(-1), _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
-    bf16 = (m.dtype == torch.bfloat16, v.dtype == torch.bfloat16)
-    floor = scale_floor(eps)
-    _over_parts(u.size, lambda a, b: native.adam_update(m_bits[a:b], bf16[0], v_bits[a:b], bf16[1], floor, u[a:b]))
+    m_bf16, v_bf16, floor = m.dtype == torch.bfloat16, v.dtype == torch.bfloat16, scale_floor(eps)
+    _over_parts(u.size, lambda a, b: native.adam_update(m_bits[a:b], m_bf16, v_bits[a:b], v_bf16, floor, u[a:b]))
     return out
 
 
@@ -119,8 +118,8 @@ def adam_scale(v: torch.Tensor, eps: float) -> torch.Tensor:
     v = v.detach().to("cpu").contiguous()
     out = torch.empty(v.shape, dtype=torch.float32)
     v_bits, s = _moment_bits(v).reshape(-1), out.numpy().reshape(-1)
-    bf16 = v.dtype == torch.bfloat16
-    _over_parts(s.size, lambda a, b: native.adam_scale(v_bits[a:b], bf16, scale_floor(eps), s[a:b]))
+    bf16, floor = v.dtype == torch.bfloat16, scale_floor(eps)
+    _over_parts(s.size, lambda a, b: native.adam_scale(v_bits[a:b], bf16, floor, s[a:b]))
     return out
 
 
