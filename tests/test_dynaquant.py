@@ -20,6 +20,7 @@ from hf_dynaquant.core.delta import (
     regroup,
     rle_decode,
     rle_encode,
+    undo_regrouped_delta,
     ungroup,
     varint_decode,
     varint_encode,
@@ -190,12 +191,43 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
             assert np.array_equal(undone, values[:n] % levels)
 
 
+@pytest.mark.parametrize("keys", [1, 2, 10, 32, 33])
+def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, keys) -> None:
+    """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
+    allows (AVX-512 VBMI2), the rest one at a time; either way the bytes are the numpy
+    references', at every length around the blocks, and with codes past the levels (a corrupt
+    stream) too."""
+    from hf_dynaquant.core import delta as delta_mod
+
+    native = delta_mod.native
+    assert native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(keys)
+    levels = max(keys, 2)
+    for n in (63, 64, 65, 127, 128, 129, 100_003):
+        prev = rng.integers(0, keys, n).astype(np.uint8)
+        cur = rng.integers(0, levels, n).astype(np.uint8)
+        wild = rng.integers(0, 256, n).astype(np.uint8)  # past the levels
+        compiled = {}
+        for impl in (native, None):
+            monkeypatch.setattr(delta_mod, "native", impl)
+            given_up = prev.copy()
+            compiled[impl is None] = [
+                *delta_mod.grouped_delta(prev, cur, levels),
+                *delta_mod.grouped_delta(prev, wild, levels),
+                regroup(wild, prev),
+                ungroup(wild, prev),
+                undo_regrouped_delta(wild, prev, levels),
+                undo_regrouped_delta(regroup(cur, prev), given_up, levels, in_place=True),
+            ]
+        for got, expected in zip(compiled[False], compiled[True]):
+            assert np.array_equal(got, expected), n
+
+
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 100_003])
 def test_delta_undone_with_the_base_histogram_given(n) -> None:
     """A restore counted its base's codes for the delta's rANS models; handed to the undo, they
     give the same codes, in place; counts that are not the keys' histogram (even adding up to
     their number) are refused, never read past the delta."""
-    from hf_dynaquant.core.delta import undo_regrouped_delta
     from hf_dynaquant.core.histogram import byte_counts
 
     rng = np.random.default_rng(n)
@@ -210,11 +242,16 @@ def test_delta_undone_with_the_base_histogram_given(n) -> None:
     for moved in range(1, 60):  # the same total, spread otherwise: into another group, or past the last
         wrong = np.zeros(256, dtype=np.int64)
         wrong[: counts.size] = counts
-        src, dst = rng.integers(0, 256, 2)
+        src, dst = rng.integers(0, levels + 2 if moved % 2 else 256, 2)  # (near the levels: few groups)
         if src == dst or wrong[src] < moved:
             continue
         wrong[src] -= moved
         wrong[dst] += moved
+        with pytest.raises(ValueError, match="not the histogram"):
+            undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
+    if counts.size > 1:  # the last group's count given to the first: a key past the groups counted
+        wrong = counts.copy()
+        wrong[0], wrong[-1] = wrong[0] + wrong[-1], 0
         with pytest.raises(ValueError, match="not the histogram"):
             undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
     with pytest.raises(ValueError, match="adding up"):
@@ -226,9 +263,9 @@ def test_delta_undone_with_the_base_histogram_given(n) -> None:
 
 
 @pytest.mark.parametrize("levels", [1, 2, 7, 16, 17, 255, 256])
-def test_delta_pairs_count_what_the_delta_coding_needs(monkeypatch, levels) -> None:
-    """One pass gives the cyclic delta and its pair counts, as the two separate functions do
-    (compiled and numpy); the pairs give the current codes' histogram, the regrouped groups'
+def test_grouped_delta_counts_what_the_delta_coding_needs(monkeypatch, levels) -> None:
+    """One pass gives the cyclic delta regrouped and its pair counts, as the separate functions
+    do (compiled and numpy); the pairs give the current codes' histogram, the regrouped groups'
     sizes and models, and the same rANS payload as counting the symbols again."""
     from hf_dynaquant.core import delta as delta_mod
     from hf_dynaquant.core.ans import ans_encode
@@ -238,17 +275,31 @@ def test_delta_pairs_count_what_the_delta_coding_needs(monkeypatch, levels) -> N
     rng = np.random.default_rng(11)
     prev = (rng.integers(0, 256, 100_003) % levels).astype(np.uint8)
     cur = np.where(rng.random(prev.size) < 0.2, rng.integers(0, 256, prev.size) % levels, prev).astype(np.uint8)
-    delta, pairs = delta_mod.delta_pairs(prev, cur, levels)
-    assert np.array_equal(delta, cyclic_delta(prev, cur, levels))
+    grouped, pairs = delta_mod.grouped_delta(prev, cur, levels)
+    delta = cyclic_delta(prev, cur, levels)
+    assert np.array_equal(grouped, regroup(delta, prev))
     assert np.array_equal(pairs, pair_counts(prev, delta))
     assert np.array_equal(delta_mod.current_counts(pairs, levels), np.bincount(cur, minlength=256))
     assert np.array_equal(pairs.sum(axis=1)[: int(prev.max()) + 1], byte_counts(prev))
-    grouped = regroup(delta, prev)
+    assert np.array_equal(undo_regrouped_delta(grouped, prev, levels), cur)
     for lanes in (1, 4):
         assert ans_encode(grouped, lanes=lanes, histograms=pairs) == ans_encode(grouped, byte_counts(prev), lanes)
     monkeypatch.setattr(delta_mod, "native", None)  # the numpy reference
-    reference, reference_pairs = delta_mod.delta_pairs(prev, cur, levels)
-    assert np.array_equal(reference, delta) and np.array_equal(reference_pairs, pairs)
+    reference, reference_pairs = delta_mod.grouped_delta(prev, cur, levels)
+    assert np.array_equal(reference, grouped) and np.array_equal(reference_pairs, pairs)
+
+
+def test_grouped_delta_refuses_an_out_that_overlaps_its_codes() -> None:
+    """Placed out of order, the regrouped differences would overwrite codes not yet read."""
+    from hf_dynaquant.core.kernels import native
+
+    prev, cur = np.arange(64, dtype=np.uint8) % 5, np.arange(64, dtype=np.uint8)[::-1] % 5
+    pairs = np.zeros(65536, np.int64)
+    for out in (prev, cur):
+        with pytest.raises(ValueError, match="apart from"):
+            native.cyclic_u8(prev, cur, 5, out, pairs)
+    native.cyclic_u8(prev, cur, 5, prev, None)  # (in element order it may: each code is read first)
+    assert np.array_equal(prev, cyclic_delta(np.arange(64, dtype=np.uint8) % 5, cur, 5))
 
 
 def test_ans_encode_refuses_histograms_it_cannot_use() -> None:

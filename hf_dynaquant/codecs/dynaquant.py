@@ -36,7 +36,7 @@ from ..core.delta import (
     apply_delta,
     current_counts,
     cyclic_delta,
-    delta_pairs,
+    grouped_delta,
     regroup,
     rle_decode,
     rle_encode,
@@ -86,19 +86,13 @@ class QuantState:
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
 
 
-def _delta_payload(
-    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None
-) -> tuple[str, bytes, int]:
+def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
-    delta; ``pairs``: its :func:`delta_pairs` counts (under "ans"), the regrouped groups' models."""
+    delta. Under "ans" ``delta`` comes regrouped by ``prev`` and ``pairs`` holds its groups'
+    models (both from :func:`grouped_delta`); the other codings take it in element order."""
     if coding == "ans":
-        lanes, grouped = lanes_for(delta.size), regroup(delta, prev)
-        payload = (
-            ans_encode(grouped, lanes=lanes, histograms=pairs)
-            if pairs is not None
-            else ans_encode(grouped, _groups(prev), lanes)
-        )
-        return ans_coding(lanes), payload, int(delta.size)
+        lanes = lanes_for(delta.size)
+        return ans_coding(lanes), ans_encode(delta, lanes=lanes, histograms=pairs), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -221,8 +215,8 @@ class DynaQuantCodec(Codec):
         if isinstance(base, QuantState) and base.codes.size == state.codes.size:
             levels = max(base.levels, state.levels)
             pairs: np.ndarray | None = None
-            if self.delta_coding == "ans":  # the pair counts hold every histogram needed
-                diff, pairs = delta_pairs(base.codes, state.codes, levels)
+            if self.delta_coding == "ans":  # regrouped as coded; the pair counts hold every histogram needed
+                diff, pairs = grouped_delta(base.codes, state.codes, levels)
                 key_counts = current_counts(pairs, levels)
                 key_bits, estimate = entropy_bits(key_counts), ans_bytes(pairs)
             else:

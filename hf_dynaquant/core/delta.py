@@ -17,6 +17,8 @@ Both checkpoints are integer codes (pruned and protected values are levels of th
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .histogram import pair_counts
@@ -25,7 +27,7 @@ from .varint import uleb128_decode, uleb128_encode
 
 __all__ = [
     "cyclic_delta",
-    "delta_pairs",
+    "grouped_delta",
     "current_counts",
     "apply_delta",
     "regroup",
@@ -43,27 +45,34 @@ def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
     return _cyclic(prev, cur, levels)
 
 
-def delta_pairs(prev: np.ndarray, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(delta, pairs)``: :func:`cyclic_delta` and ``pair_counts(prev, delta)`` (256 x 256), in
-    one pass over the codes where the kernel is built. The pairs hold every histogram the delta's
-    coding needs: the regrouped groups' sizes (row sums) and models (rows), and the current
-    codes' histogram (:func:`current_counts`)."""
+def grouped_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(grouped, pairs)``: the :func:`cyclic_delta` :func:`regroup`-ed by ``prev``, and
+    ``pair_counts(prev, delta)`` (256 x 256), in one pass over the codes where the kernel is
+    built. The pairs hold every histogram the delta's coding needs: the regrouped groups' sizes
+    (row sums) and models (rows), and the current codes' histogram (:func:`current_counts`)."""
     if _native_u8(prev, cur) and 1 <= levels <= 256:
-        delta, pairs = np.empty_like(prev), np.empty(65536, dtype=np.int64)
-        native.cyclic_u8(prev, cur, levels, delta, pairs)
-        return delta, pairs.reshape(256, 256)
+        grouped, pairs = np.empty_like(prev), np.empty(65536, dtype=np.int64)
+        native.cyclic_u8(prev, cur, levels, grouped, pairs)
+        return grouped, pairs.reshape(256, 256)
     delta = cyclic_delta(prev, cur, levels)
-    return delta, pair_counts(prev, delta)
+    return regroup(delta, prev), pair_counts(prev, delta)
 
 
 def current_counts(pairs: np.ndarray, levels: int) -> np.ndarray:
     """The histogram (int64, 256 long) of the codes a delta was taken from, given its
-    :func:`delta_pairs` counts: the pair (previous code ``p``, delta ``d``) is the code
+    :func:`grouped_delta` counts: the pair (previous code ``p``, delta ``d``) is the code
     ``(p - d) mod levels``."""
+    weights = np.asarray(pairs, dtype=np.float64).ravel()  # (counts below 2^53 add exactly)
+    return np.bincount(_pair_codes(levels), weights=weights, minlength=256).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_codes(levels: int) -> np.ndarray:
+    """The code ``(p - d) mod levels`` of each pair ``256 * p + d`` (a few distinct level counts
+    recur over a checkpoint's tensors)."""
     codes = (np.arange(256)[:, None] - np.arange(256)[None, :]) % levels
-    counts = np.zeros(256, dtype=np.int64)
-    np.add.at(counts, codes.ravel(), np.asarray(pairs, dtype=np.int64).ravel())
-    return counts
+    codes.flags.writeable = False
+    return codes.ravel()
 
 
 def apply_delta(prev: np.ndarray, delta: np.ndarray, levels: int) -> np.ndarray:

@@ -15,11 +15,15 @@ static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
  * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
  * the keys, then each value to the next free place of its key's group), what the numpy
  * reference does with a stable argsort and a gather or scatter, without the index array. */
-static void group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
+static int groups_in(const int64_t count[256]);
+
+/* The first place of each key's group; returns the number of groups (the largest key, plus one). */
+static int group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
     int64_t count[256];
     Py_ssize_t pos = 0;
     count_bytes(keys, n, count);
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
+    return groups_in(count);
 }
 
 /* table[d + 255] = d mod levels (non-negative) for every difference d of two bytes, -255..255:
@@ -48,6 +52,120 @@ INLINE void next_places(const uint8_t *k, Py_ssize_t start[256], Py_ssize_t c[4]
     start[k3] = c[3] + 1;
 }
 
+/* Whether two buffers share a byte. */
+static int overlaps(const Py_buffer *p, const Py_buffer *q) {
+    const char *a = p->buf, *b = q->buf;
+    return a < b + q->len && b < a + p->len;
+}
+
+/* The number of groups a counting sort walks: the largest key counted, plus one. */
+static int groups_in(const int64_t count[256]) {
+    int keys = 256;
+    while (keys > 0 && count[keys - 1] == 0) keys--;
+    return keys;
+}
+
+/* The grouping with AVX-512 (VBMI2) where the CPU has it: 64 values at a time, each group's share
+ * packed together (vpcompressb) and stored at its group's next place (forward), or each group's
+ * next values spread to its keys' lanes (vpexpandb, inverse). One pass per group and block, so
+ * it is used for at most GROUP_SIMD_KEYS groups (a checkpoint's codes have 3-34 levels); a
+ * value at a time, as the scalar loops do, costs a dependent update of its group's place. The
+ * results are those of the scalar loops, byte for byte (tested against the numpy references). */
+#define GROUP_SIMD_KEYS 32
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GROUP_SIMD 1
+#define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi2,popcnt")))
+
+static int group_simd_available(void) {
+    static int known = -1; /* (a race between threads writes the same answer) */
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
+    }
+    return known;
+}
+
+/* (a - b) mod levels of 64 bytes: one conditional add where both are below levels (every code
+ * of a checkpoint), else looked up byte by byte in the cyclic table, as the scalar loops do. */
+VBMI2 static __m512i cyclic_block(__m512i a, __m512i b, int levels, const uint8_t table[511]) {
+    if (levels >= 256) return _mm512_sub_epi8(a, b);
+    const __m512i top = _mm512_set1_epi8((char)levels);
+    if (!(_mm512_cmpge_epu8_mask(a, top) | _mm512_cmpge_epu8_mask(b, top))) {
+        const __m512i d = _mm512_sub_epi8(a, b);
+        return _mm512_mask_add_epi8(d, _mm512_cmplt_epu8_mask(a, b), d, top);
+    }
+    uint8_t x[64], y[64], d[64];
+    _mm512_storeu_si512(x, a);
+    _mm512_storeu_si512(y, b);
+    for (int j = 0; j < 64; j++) d[j] = table[(int)x[j] - (int)y[j] + 255];
+    return _mm512_loadu_si512(d);
+}
+
+/* Forward: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels; blocks of 64 while
+ * they last. Returns the values done. */
+VBMI2 static Py_ssize_t group_simd(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels,
+                                   const uint8_t table[511], Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+    Py_ssize_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m512i a = _mm512_loadu_si512(k + i);
+        const __m512i d = y == NULL ? _mm512_loadu_si512(v + i) : cyclic_block(a, _mm512_loadu_si512(y + i), levels, table);
+        for (int key = 0; key < keys; key++) {
+            const __mmask64 m = _mm512_cmpeq_epi8_mask(a, _mm512_set1_epi8((char)key));
+            const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+            _mm512_mask_storeu_epi8(o + start[key], _bzhi_u64(~0ULL, cnt), _mm512_maskz_compress_epi8(m, d));
+            start[key] += cnt;
+        }
+    }
+    return i;
+}
+
+/* Inverse: o[i] = v[start[k[i]]++], or, with levels > 0, (k[i] - that) mod levels; blocks of 64
+ * while they last. A key at or past keys, or a group read past n (counts that are not the keys'
+ * histogram), sets *wrong and stops. o may be k: each block of k is read before it is written.
+ * Returns the values done. */
+VBMI2 static Py_ssize_t ungroup_simd(const uint8_t *k, const uint8_t *v, int levels, const uint8_t table[511],
+                                     Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
+    Py_ssize_t i = 0;
+    const __m512i past = _mm512_set1_epi8((char)keys);
+    for (; i + 64 <= n; i += 64) {
+        const __m512i a = _mm512_loadu_si512(k + i);
+        if (keys < 256 && _mm512_cmpge_epu8_mask(a, past)) { *wrong = 1; return i; }
+        __m512i d = _mm512_setzero_si512();
+        for (int key = 0; key < keys; key++) {
+            const __mmask64 m = _mm512_cmpeq_epi8_mask(a, _mm512_set1_epi8((char)key));
+            const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+            if (start[key] < 0 || start[key] > n - (Py_ssize_t)cnt) { *wrong = 1; return i; }
+            const __m512i g = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, cnt), v + start[key]);
+            d = _mm512_mask_expand_epi8(d, m, g);
+            start[key] += cnt;
+        }
+        _mm512_storeu_si512(o + i, levels > 0 ? cyclic_block(a, d, levels, table) : d);
+    }
+    return i;
+}
+#endif
+
+/* The vectorised forward grouping where it applies (the CPU has it, few groups); the values it
+ * did (a multiple of 64, or 0), the rest for the scalar loop. */
+static Py_ssize_t group_fast(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
+                             Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+#ifdef GROUP_SIMD
+    if (keys <= GROUP_SIMD_KEYS && group_simd_available()) return group_simd(k, v, y, levels, table, n, keys, o, start);
+#endif
+    return 0;
+}
+
+/* The same for the inverse. */
+static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, const uint8_t table[511], Py_ssize_t n,
+                               int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
+#ifdef GROUP_SIMD
+    if (keys <= GROUP_SIMD_KEYS && group_simd_available())
+        return ungroup_simd(k, v, levels, table, n, keys, o, start, wrong);
+#endif
+    return 0;
+}
+
 PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
     Py_buffer values, keys, out;
     int inverse;
@@ -60,15 +178,18 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
         uint8_t *o = out.buf;
         Py_ssize_t n = keys.len, start[256];
         Py_BEGIN_ALLOW_THREADS
-        Py_ssize_t i = 0, c[4];
-        group_starts(k, n, start);
+        Py_ssize_t i, c[4];
+        const int keys = group_starts(k, n, start);
+        int wrong; /* (never set: the groups are the keys' own) */
         if (inverse) {
+            i = ungroup_fast(k, v, 0, NULL, n, keys, o, start, &wrong);
             for (; i + 4 <= n; i += 4) {
                 next_places(k + i, start, c);
                 for (int j = 0; j < 4; j++) o[i + j] = v[c[j]];
             }
             for (; i < n; i++) o[i] = v[start[k[i]]++];
         } else {
+            i = group_fast(k, v, NULL, 0, NULL, n, keys, o, start);
             for (; i + 4 <= n; i += 4) {
                 next_places(k + i, start, c);
                 for (int j = 0; j < 4; j++) o[c[j]] = v[i + j];
@@ -116,13 +237,15 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
         int wrong = 0; /* given counts that are not the keys' histogram (a place outside the groups) */
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
+        int keys;
         if (given != NULL) {
             Py_ssize_t pos = 0;
             for (int j = 0; j < 256; j++) { start[j] = pos; pos += given[j]; end[j] = pos; }
+            keys = groups_in(given);
         } else
-            group_starts(k, n, start);
-        Py_ssize_t i = 0, c[4];
-        for (; i + 4 <= n; i += 4) {
+            keys = group_starts(k, n, start);
+        Py_ssize_t i = ungroup_fast(k, v, levels, table, n, keys, o, start, &wrong), c[4];
+        for (; i + 4 <= n && !wrong; i += 4) {
             const uint8_t k0 = k[i], k1 = k[i + 1], k2 = k[i + 2], k3 = k[i + 3]; /* (before out overwrites them) */
             next_places(k + i, start, c);
             if (given != NULL && ((size_t)c[0] >= (size_t)n || (size_t)c[1] >= (size_t)n
@@ -190,48 +313,32 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The cyclic difference with its pairs counted (pairs[(a << 8) | d]). With at most 16 levels
- * every delta fits 4 bits: the pairs go to four interleaved tables indexed (a << 4) | d (a run of equal
- * pairs then adds to four counters in turn, as count_bytes does), summed into pairs at the end.
- * Each loop reads a[i] before it writes o[i], which may be the same byte. */
-static void cyclic_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
-                         uint8_t *o, int64_t *pairs) {
+/* The cyclic difference (x - y) mod levels regrouped by x (py_regroup_u8's order) into o, which
+ * overlaps neither, and its pairs counted (pairs[(a << 8) | d]): the delta an encoder codes, in
+ * one pass over the codes, then one over each group's differences to count them. */
+static void grouped_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
+                          uint8_t *o, int64_t *pairs) {
+    Py_ssize_t start[256], begin[256], c[4];
+    const int keys = group_starts(x, n, start);
+    memcpy(begin, start, sizeof(begin));
+    Py_ssize_t i = group_fast(x, NULL, y, levels, table, n, keys, o, start);
+    for (; i + 4 <= n; i += 4) { /* loads first */
+        const uint8_t d0 = table[x[i] - y[i] + 255], d1 = table[x[i + 1] - y[i + 1] + 255];
+        const uint8_t d2 = table[x[i + 2] - y[i + 2] + 255], d3 = table[x[i + 3] - y[i + 3] + 255];
+        next_places(x + i, start, c);
+        o[c[0]] = d0; o[c[1]] = d1; o[c[2]] = d2; o[c[3]] = d3;
+    }
+    for (; i < n; i++) o[start[x[i]]++] = table[x[i] - y[i] + 255];
     memset(pairs, 0, 65536 * sizeof(int64_t));
-    int64_t (*part)[4096] = levels > 16 ? NULL : calloc(4, sizeof(*part));
-    if (part == NULL) { /* over 16 levels, or no room for the tables: one counter a pair */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint8_t a = x[i], d = table[a - y[i] + 255];
-            o[i] = d;
-            pairs[(a << 8) | d]++;
-        }
-        return;
-    }
-    Py_ssize_t i = 0;
-    for (; i + 4 <= n; i += 4) { /* loads first: a store to o may alias x and y */
-        const uint8_t a0 = x[i], a1 = x[i + 1], a2 = x[i + 2], a3 = x[i + 3];
-        const uint8_t d0 = table[a0 - y[i] + 255], d1 = table[a1 - y[i + 1] + 255];
-        const uint8_t d2 = table[a2 - y[i + 2] + 255], d3 = table[a3 - y[i + 3] + 255];
-        o[i] = d0; o[i + 1] = d1; o[i + 2] = d2; o[i + 3] = d3;
-        part[0][(a0 << 4) | d0]++; part[1][(a1 << 4) | d1]++; part[2][(a2 << 4) | d2]++; part[3][(a3 << 4) | d3]++;
-    }
-    for (; i < n; i++) {
-        const uint8_t a = x[i], d = table[a - y[i] + 255];
-        o[i] = d;
-        part[0][(a << 4) | d]++;
-    }
-    for (int a = 0; a < 256; a++)
-        for (int d = 0; d < 16; d++) {
-            const int at = (a << 4) | d;
-            pairs[(a << 8) | d] = part[0][at] + part[1][at] + part[2][at] + part[3][at];
-        }
-    free(part);
+    for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
 }
 
 /* (a - b) mod levels of two uint8 arrays (delta.py's cyclic_delta, and apply_delta, which is
  * the same operation on the previous codes and the delta), with a non-negative remainder. The
- * difference of two bytes lies in -255..255: its remainder is looked up (cyclic_table). With a fifth
- * argument (65536 int64, not None) it also counts the pairs (a, out) there, as pair_counts
- * does: the encoder's delta needs both, and one pass reads the codes once (delta_pairs). */
+ * difference of two bytes lies in -255..255: its remainder is looked up (cyclic_table). With a
+ * fifth argument (65536 int64) out receives the differences regrouped by a and their pairs
+ * (a, difference) are counted there, as pair_counts does (grouped_pairs; out must not overlap
+ * a or b): the encoder's delta needs both (delta.py's grouped_delta). */
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_buffer a, b, out, pairs = {0};
     int levels;
@@ -247,7 +354,10 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
                         "cyclic: arrays differ in length, levels outside 1..256, or pairs is not 65536 int64");
-    else {
+    else if (counted && (overlaps(&out, &a) || overlaps(&out, &b))) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "cyclic: the grouped difference needs an out apart from a and b");
+    } else {
         const uint8_t *x = a.buf, *y = b.buf;
         uint8_t *o = out.buf, table[511];
         int64_t *c = counted ? pairs.buf : NULL;
@@ -257,7 +367,7 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
         if (c == NULL)
             for (Py_ssize_t i = 0; i < n; i++) o[i] = table[(int)x[i] - (int)y[i] + 255];
         else
-            cyclic_pairs(x, y, n, table, levels, o, c);
+            grouped_pairs(x, y, n, table, levels, o, c);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out);

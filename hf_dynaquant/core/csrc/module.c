@@ -10,6 +10,8 @@ static PyMethodDef methods[] = {
      " -> escapes used or -1"},
     {"sketch_f32", py_sketch_f32, METH_VARARGS,
      "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> nans"},
+    {"sketch_table", py_sketch_table, METH_VARARGS,
+     "sketch_table(lut, inv_log_gamma, tiny_bits, kmin, nkeys): the lut of sketch_f32, by the exact rule"},
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
@@ -21,7 +23,7 @@ static PyMethodDef methods[] = {
     {"ungroup_cyclic_u8", py_ungroup_cyclic_u8, METH_VARARGS,
      "ungroup_cyclic_u8(grouped, keys, levels, out[, counts]): (keys - grouped ungrouped by keys) mod levels"},
     {"cyclic_u8", py_cyclic_u8, METH_VARARGS,
-     "cyclic_u8(a, b, levels, out[, pairs]): (a - b) mod levels, and the pairs (a, out) counted in pairs[65536]"},
+     "cyclic_u8(a, b, levels, out[, pairs[, grouped]]): (a - b) mod levels (regrouped by a, with grouped), and the pairs (a, difference) counted in pairs[65536]"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"pair_counts", py_pair_counts, METH_VARARGS, "pair_counts(keys, values, counts): counts[256 * key + value]"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
