@@ -54,12 +54,15 @@ def test_merge_equals_sketch_of_union_and_serialises() -> None:
         LogSketch(0.01).merge(LogSketch(0.02))
 
 
-def test_kernel_and_torch_paths_agree() -> None:
-    """The compiled sketch (a slot per fine bucket of the float32 bits, the exact rule only where
-    a fine bucket straddles a key or the zero threshold) counts what the torch path computes from
-    logarithms, value by value: across the whole float32 range, at and around the threshold
-    below which magnitudes count as zero, subnormals, signed zeros and infinities, and with only
-    the values of one code counted."""
+@pytest.mark.parametrize("alpha", [0.01, 0.001, 2e-4])
+def test_kernel_and_torch_paths_agree(alpha: float) -> None:
+    """The compiled sketch (a slot per fine bucket of the float32 bits and where in it the next
+    key begins, the exact rule only around the zero threshold, infinities and NaN) counts what
+    the torch path computes from logarithms, value by value: across the whole float32 range, on
+    either side of key boundaries, at and around the threshold below which magnitudes count as
+    zero, subnormals, signed zeros and infinities, and with only the values of one code counted.
+    At 0.01 and 0.001 (the K-means sketch's accuracy) the table places the boundaries; at 2e-4
+    it has too many slots to hold and every value takes the exact rule."""
     g = torch.Generator().manual_seed(3)
     x = torch.from_numpy(data("lognormal")) * torch.sign(torch.randn(200_000, generator=g))
     x[:10] = float("inf")
@@ -69,23 +72,27 @@ def test_kernel_and_torch_paths_agree() -> None:
     edge = [*near, 1e-31, 1e-45, 1e-39, 0.0, -0.0, 3.4e38, 1.0, 2.0, 0.5, 1e-20, 1e20]
     x[20 : 20 + 2 * len(edge)] = torch.tensor(edge + [-v for v in edge], dtype=torch.float32)
     bits = torch.randint(0, 0x7F800000, (100_000,), generator=g, dtype=torch.int64).to(torch.int32)
-    x = torch.cat([x, bits.view(torch.float32), -bits.view(torch.float32)])  # every exponent
-    fast = LogSketch(0.01).add(x)
-    slow = LogSketch(0.01)
+    gamma = (1 + alpha) / (1 - alpha)  # 40 key boundaries (powers of gamma) from 1e-3 up, as float32s, and their neighbours
+    first = int(np.ceil(np.log(1e-3) / np.log(gamma)))
+    bounds = torch.tensor([gamma**k for k in range(first, first + 40)], dtype=torch.float64).float()
+    around = torch.cat([torch.nextafter(bounds, torch.tensor(0.0)), bounds, torch.nextafter(bounds, torch.tensor(1.0))])
+    x = torch.cat([x, bits.view(torch.float32), -bits.view(torch.float32), around, -around])  # every exponent
+    fast = LogSketch(alpha).add(x)
+    slow = LogSketch(alpha)
     slow._add_torch(x)
     assert fast.to_dict() == slow.to_dict()
     codes = torch.randint(0, 4, (x.numel(),), generator=g).to(torch.uint8).numpy()
-    only = LogSketch(0.01).add(x, where=(codes, 2))
-    gathered = LogSketch(0.01)
+    only = LogSketch(alpha).add(x, where=(codes, 2))
+    gathered = LogSketch(alpha)
     gathered._add_torch(x[torch.from_numpy(codes == 2)])
     assert only.to_dict() == gathered.to_dict()
     x[5] = float("nan")
     codes[5] = 0  # a NaN among the values not counted is not looked at
-    assert LogSketch(0.01).add(x, where=(codes, 2)).to_dict() == only.to_dict()
+    assert LogSketch(alpha).add(x, where=(codes, 2)).to_dict() == only.to_dict()
     with pytest.raises(ValueError, match="NaN"):
-        LogSketch(0.01).add(x, where=(codes, 0))
-    empty = LogSketch(0.01).add(torch.zeros(0))  # (a rank's empty shard)
-    assert empty.count == 0 and empty.to_dict() == LogSketch(0.01).to_dict()
+        LogSketch(alpha).add(x, where=(codes, 0))
+    empty = LogSketch(alpha).add(torch.zeros(0))  # (a rank's empty shard)
+    assert empty.count == 0 and empty.to_dict() == LogSketch(alpha).to_dict()
 
 
 def test_magnitude_mode_and_bad_input() -> None:

@@ -9,8 +9,10 @@ sketches of shards or ranks merge by adding counts; the number of buckets stays 
 thousands even for a = 0.01 (a fp32 tensor spans at most ~280 binades).
 
 Building a sketch is one pass. On the CPU a compiled kernel looks the key up in a table indexed
-by the top 20 bits of the float (exponent and 12 mantissa bits) and computes the logarithm only
-for the ~1% of values whose fine bucket straddles a key boundary; chunks run on two threads. On
+by the top 20 bits of the float (exponent and 12 mantissa bits), which also says where in that
+fine bucket the next key begins (a fine bucket is narrower than a key); it computes the
+logarithm only for values next to the zero threshold, infinities and NaN; chunks run on two
+threads. On
 an accelerator the keys are computed there with torch (log, ceil, bincount) and only the counts
 travel. Quantiles are then cheap, and many of them cost the same as one.
 """
@@ -30,7 +32,6 @@ from .pool import ForkSafePool
 __all__ = ["LogSketch"]
 
 _MIN_INDEXABLE = 1e-30  # smaller magnitudes count as zero (keeps key ranges bounded)
-_EXACT = -1  # table entry: "take the exact path for this one" (the logarithm, tiny, inf and NaN)
 _PART = 1 << 22  # values per kernel call; parts run on the pool
 _POOL = ForkSafePool("dq-sketch")
 
@@ -38,23 +39,18 @@ _POOL = ForkSafePool("dq-sketch")
 @functools.lru_cache(maxsize=8)
 def _slot_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
     """``(table, kmin, nkeys, tiny_bits)`` for the kernel: for every fine bucket (top 20 bits of a
-    float32 magnitude), the count slot ``key - kmin`` (clamped to ``0..nkeys-1``) where the whole
-    bucket shares one key, ``2 * nkeys`` (the zeros' slot) where it lies below
-    ``_MIN_INDEXABLE``, ``_EXACT`` elsewhere."""
+    float32 magnitude), its count slot ``key - kmin`` (clamped to ``0..nkeys-1``; ``2 * nkeys``,
+    the zeros' slot, below ``_MIN_INDEXABLE``) and where in the bucket the next key begins, or
+    ``-1`` for the exact path (made by the kernels' ``sketch_table``, by the kernel's own rule)."""
     inv = 1.0 / math.log((1 + alpha) / (1 - alpha))
     kmin = math.ceil(math.log(_MIN_INDEXABLE) * inv)
     kmax = math.ceil(math.log(float(np.finfo(np.float32).max)) * inv)
     nkeys = kmax - kmin + 1
     tiny = int(np.float32(_MIN_INDEXABLE).view(np.uint32))
-    fine = np.arange(1 << 20, dtype=np.uint32) << np.uint32(11)
-    last = fine | np.uint32(2047)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        lo = np.ceil(np.log(fine.view(np.float32).astype(np.float64)) * inv)
-        hi = np.ceil(np.log(last.view(np.float32).astype(np.float64)) * inv)
-    slots = np.clip(np.where(np.isfinite(lo), lo, kmin) - kmin, 0, nkeys - 1)
-    table = np.where((lo == hi) & np.isfinite(lo) & np.isfinite(hi) & (fine >= tiny), slots, _EXACT)
-    table[last < tiny] = 2 * nkeys
-    return table.astype(np.int32), kmin, nkeys, tiny
+    table = np.empty(1 << 20, dtype=np.int32)
+    native.sketch_table(table, inv, tiny, kmin, nkeys)
+    table.flags.writeable = False
+    return table, kmin, nkeys, tiny
 
 
 @dataclass

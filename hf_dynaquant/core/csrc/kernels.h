@@ -43,6 +43,7 @@ PyObject *py_join(PyObject *self, PyObject *args);
 PyObject *py_pack(PyObject *self, PyObject *args);
 PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
+PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
