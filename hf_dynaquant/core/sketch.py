@@ -41,7 +41,7 @@ def _slot_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
     """``(table, kmin, nkeys, tiny_bits)`` for the kernel: for every fine bucket (top 20 bits of a
     float32 magnitude), its count slot ``key - kmin`` (clamped to ``0..nkeys-1``; ``2 * nkeys``,
     the zeros' slot, below ``_MIN_INDEXABLE``) and where in the bucket the next key begins, or
-    ``-1`` for the exact path (made by the kernels' ``sketch_table``, by the kernel's own rule)."""
+    the exact path's mark (made by the kernels' ``sketch_table``, by the kernel's own rule)."""
     inv = 1.0 / math.log((1 + alpha) / (1 - alpha))
     kmin = math.ceil(math.log(_MIN_INDEXABLE) * inv)
     kmax = math.ceil(math.log(float(np.finfo(np.float32).max)) * inv)

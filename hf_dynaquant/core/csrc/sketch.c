@@ -5,10 +5,11 @@
  * positive values in counts[0..nkeys), negative ones in counts[nkeys..2 nkeys), magnitudes
  * below `tiny` in counts[2 nkeys] (zeros), and +-inf in the largest slot. lut (made by
  * py_sketch_table) maps the top 20 bits of |x| (exponent and 12 mantissa bits: a fine bucket)
- * to (slot << 12) | offset, where the fine bucket's values whose low 11 bits reach offset take
- * slot + 1 (offset 2048: none; a fine bucket is narrower than a key, so it straddles at most
- * one key boundary), or to -1 where it straddles tiny, holds inf and NaN, or more than one
- * boundary: those values take the exact path (log, comparisons). With `codes` (uint8, one per
+ * to (slot << 12) + 4096 - offset, where the fine bucket's values whose low 11 bits reach offset
+ * take slot + 1 (offset 2048: none; a fine bucket is narrower than a key, so it straddles at
+ * most one key boundary): the slot is (entry + low bits) >> 12. It maps to INT32_MIN (a
+ * negative slot) where the bucket straddles tiny, holds inf and NaN, or more than one boundary:
+ * those values take the exact path (log, comparisons). With `codes` (uint8, one per
  * value) only the values whose code is `only` are counted (the others go to counts[2 nkeys +
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
@@ -31,9 +32,8 @@ INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, do
     const Py_ssize_t discard = 2 * nkeys + 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint32_t bits = x[i], u = bits & 0x7FFFFFFFu;
-        const int32_t entry = lut[u >> 11];
-        Py_ssize_t slot = (Py_ssize_t)(entry >> 12) + ((u & 0x7FFu) >= (uint32_t)(entry & 0xFFF));
-        if (entry < 0 || (size_t)slot > (size_t)(2 * nkeys)) { /* -1, or (a table not made for nkeys) out of bounds */
+        Py_ssize_t slot = ((int64_t)lut[u >> 11] + (int64_t)(u & 0x7FFu)) >> 12;
+        if ((size_t)slot > (size_t)(2 * nkeys)) { /* the exact path's mark, or (a table not made for nkeys) out of bounds */
             slot = codes && codes[i] != only ? discard : exact_slot(u, inv_log_gamma, tiny, kmin, nkeys);
             if (slot < 0) {
                 nans++;
@@ -63,8 +63,9 @@ static Py_ssize_t sketch_only(const uint32_t *x, Py_ssize_t n, const int32_t *lu
 /* The lut of py_sketch_f32 for a sketch's constants, each entry by the exact rule (exact_slot) at
  * its fine bucket's ends: one slot where they agree; where they differ by one, the offset of
  * the first value of the larger slot, found by bisection (exact_slot grows with u: adjacent
- * float32 values are far apart next to log's rounding error); -1 elsewhere (tiny, inf and NaN,
- * two boundaries, or more slots than an entry holds: every value then takes the exact path). */
+ * float32 values are far apart next to log's rounding error); INT32_MIN elsewhere (tiny, inf
+ * and NaN, two boundaries, or more slots than an entry holds: every value then takes the exact
+ * path). */
 PyObject *py_sketch_table(PyObject *self, PyObject *args) {
     Py_buffer lut;
     int kmin;
@@ -80,19 +81,19 @@ PyObject *py_sketch_table(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (uint32_t b = 0; b < (1u << 20); b++) {
             const uint32_t first = b << 11, last = first | 0x7FFu;
-            t[b] = -1;
+            t[b] = INT32_MIN;
             if (2 * nkeys + 1 >= SKETCH_MAX_SLOTS || last >= 0x7F800000u || (first < tiny && last >= tiny)) continue;
             const Py_ssize_t lo = exact_slot(first, inv_log_gamma, tiny, kmin, nkeys);
             const Py_ssize_t hi = exact_slot(last, inv_log_gamma, tiny, kmin, nkeys);
             if (hi == lo) {
-                t[b] = (int32_t)((lo << 12) | 2048);
+                t[b] = (int32_t)((lo << 12) + 2048);
             } else if (hi == lo + 1) {
                 uint32_t below = 0, at = 2047; /* exact_slot(first | below) == lo, (first | at) == hi */
                 while (at - below > 1) {
                     const uint32_t mid = (below + at) / 2;
                     if (exact_slot(first | mid, inv_log_gamma, tiny, kmin, nkeys) == lo) below = mid; else at = mid;
                 }
-                t[b] = (int32_t)((lo << 12) | at);
+                t[b] = (int32_t)((lo << 12) + 4096 - at);
             }
         }
         Py_END_ALLOW_THREADS
