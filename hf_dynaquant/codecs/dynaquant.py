@@ -268,7 +268,9 @@ class DynaQuantCodec(Codec):
         estimates zstd's) by :data:`_SLACK` bytes."""
         if estimate * 8 < _SURE_DELTA * key_bits:
             return True
-        floor = codes_size_floor(state.codes, key_bits) if state.rare_rows is None else None
+        if state.rare_rows is not None or estimate + _SLACK >= key_bits / 8:  # (the floor is at most the entropy)
+            return False
+        floor = codes_size_floor(state.codes, key_bits)
         return floor is not None and estimate + _SLACK < floor
 
     def decode(
