@@ -3,7 +3,7 @@
  * GIL released; buffers are little-endian and contiguous, and the Python wrappers check sizes.
  *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
  *                dense b-bit packing;
- *   sketch.c     log-sketch bucket counts of float32 values (sketch.py);
+ *   sketch.c     log-sketch bucket counts of float32 values and their look-up table (sketch.py);
  *   partition.c  DynaQuant's partition and code assignment of float32 weights, a block of
  *                error feedback over it (feedback.py), and codes back to float32 values
  *                (quantizer.py);
@@ -11,8 +11,8 @@
  *                and scale, the finiteness, maximum and scale-gain sum of the scale, and Adam's
  *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
- *                previous codes (delta.py), and counts of uint8 symbols and of pairs of them
- *                (histogram.py);
+ *                previous codes (delta.py; AVX-512 VBMI2 where the CPU has it, chosen at run
+ *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
