@@ -191,16 +191,27 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
             assert np.array_equal(undone, values[:n] % levels)
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def grouping_path(request):
+    """Each grouping kernel both ways: its AVX-512 path (where the CPU has it) and its scalar
+    loops (the only path on other CPUs)."""
+    from hf_dynaquant.core.kernels import native
+
+    assert native is not None, "the compiled kernels were not built"
+    before = native.allow_simd(request.param == "vector")
+    yield request.param
+    native.allow_simd(before)
+
+
 @pytest.mark.parametrize("keys", [1, 2, 10, 32, 33])
-def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, keys) -> None:
+def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, grouping_path, keys) -> None:
     """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
-    allows (AVX-512 VBMI2), the rest one at a time; either way the bytes are the numpy
-    references', at every length around the blocks, and with codes past the levels (a corrupt
-    stream) too."""
+    allows (AVX-512 VBMI2, at most 32 groups), else four at a time; either way the bytes are the
+    numpy references', at every length around the blocks, at 256 levels, and with codes past the
+    levels (a corrupt stream) too."""
     from hf_dynaquant.core import delta as delta_mod
 
     native = delta_mod.native
-    assert native is not None, "the compiled kernels were not built"
     rng = np.random.default_rng(keys)
     levels = max(keys, 2)
     for n in (63, 64, 65, 127, 128, 129, 100_003):
@@ -214,6 +225,8 @@ def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, keys) -> None
             compiled[impl is None] = [
                 *delta_mod.grouped_delta(prev, cur, levels),
                 *delta_mod.grouped_delta(prev, wild, levels),
+                *delta_mod.grouped_delta(prev, wild, 256),
+                undo_regrouped_delta(wild, prev, 256),
                 regroup(wild, prev),
                 ungroup(wild, prev),
                 undo_regrouped_delta(wild, prev, levels),
@@ -224,7 +237,7 @@ def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, keys) -> None
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 100_003])
-def test_delta_undone_with_the_base_histogram_given(n) -> None:
+def test_delta_undone_with_the_base_histogram_given(grouping_path, n) -> None:
     """A restore counted its base's codes for the delta's rANS models; handed to the undo, they
     give the same codes, in place; counts that are not the keys' histogram (even adding up to
     their number) are refused, never read past the delta."""
@@ -249,11 +262,13 @@ def test_delta_undone_with_the_base_histogram_given(n) -> None:
         wrong[dst] += moved
         with pytest.raises(ValueError, match="not the histogram"):
             undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
-    if counts.size > 1:  # the last group's count given to the first: a key past the groups counted
-        wrong = counts.copy()
-        wrong[0], wrong[-1] = wrong[0] + wrong[-1], 0
-        with pytest.raises(ValueError, match="not the histogram"):
-            undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
+    if counts.size > 1:  # the last group's count given to the first, all of it (a key past the groups
+        for part in (1, 5, int(counts[-1])):  # counted) or part (its values read past the delta's end)
+            wrong = counts.copy()
+            moved = min(part, int(wrong[-1]))
+            wrong[0], wrong[-1] = wrong[0] + moved, wrong[-1] - moved
+            with pytest.raises(ValueError, match="not the histogram"):
+                undo_regrouped_delta(grouped, keys.copy(), levels, groups=wrong)
     with pytest.raises(ValueError, match="adding up"):
         undo_regrouped_delta(grouped, keys.copy(), levels, groups=np.append(counts, 1))
     huge = np.zeros(256, dtype=np.int64)  # (sums past 2^63 that wrap to n: refused, not overflowed)
@@ -289,8 +304,8 @@ def test_grouped_delta_counts_what_the_delta_coding_needs(monkeypatch, levels) -
     assert np.array_equal(reference, grouped) and np.array_equal(reference_pairs, pairs)
 
 
-def test_grouped_delta_refuses_an_out_that_overlaps_its_codes() -> None:
-    """Placed out of order, the regrouped differences would overwrite codes not yet read."""
+def test_grouping_refuses_an_out_that_overlaps_its_input() -> None:
+    """Placed out of order, grouped values would overwrite codes not yet read."""
     from hf_dynaquant.core.kernels import native
 
     prev, cur = np.arange(64, dtype=np.uint8) % 5, np.arange(64, dtype=np.uint8)[::-1] % 5
@@ -298,6 +313,10 @@ def test_grouped_delta_refuses_an_out_that_overlaps_its_codes() -> None:
     for out in (prev, cur):
         with pytest.raises(ValueError, match="apart from"):
             native.cyclic_u8(prev, cur, 5, out, pairs)
+        with pytest.raises(ValueError, match="apart from"):  # (out over the keys, then over the values)
+            native.regroup_u8(cur, prev, out, False)
+    with pytest.raises(ValueError, match="apart from"):  # (over the keys themselves, in place, it may)
+        native.ungroup_cyclic_u8(cur, prev, 5, cur)
     native.cyclic_u8(prev, cur, 5, prev, None)  # (in element order it may: each code is read first)
     assert np.array_equal(prev, cyclic_delta(np.arange(64, dtype=np.uint8) % 5, cur, 5))
 

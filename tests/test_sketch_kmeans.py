@@ -72,7 +72,7 @@ def test_kernel_and_torch_paths_agree(alpha: float) -> None:
     edge = [*near, 1e-31, 1e-45, 1e-39, 0.0, -0.0, 3.4e38, 1.0, 2.0, 0.5, 1e-20, 1e20]
     x[20 : 20 + 2 * len(edge)] = torch.tensor(edge + [-v for v in edge], dtype=torch.float32)
     bits = torch.randint(0, 0x7F800000, (100_000,), generator=g, dtype=torch.int64).to(torch.int32)
-    gamma = (1 + alpha) / (1 - alpha)  # 40 key boundaries (powers of gamma) from 1e-3 up, as float32s, and their neighbours
+    gamma = (1 + alpha) / (1 - alpha)  # 40 key boundaries (powers of gamma) from 1e-3, as float32s, and neighbours
     first = int(np.ceil(np.log(1e-3) / np.log(gamma)))
     bounds = torch.tensor([gamma**k for k in range(first, first + 40)], dtype=torch.float64).float()
     around = torch.cat([torch.nextafter(bounds, torch.tensor(0.0)), bounds, torch.nextafter(bounds, torch.tensor(1.0))])
@@ -93,6 +93,32 @@ def test_kernel_and_torch_paths_agree(alpha: float) -> None:
         LogSketch(alpha).add(x, where=(codes, 0))
     empty = LogSketch(alpha).add(torch.zeros(0))  # (a rank's empty shard)
     assert empty.count == 0 and empty.to_dict() == LogSketch(alpha).to_dict()
+
+
+@pytest.mark.parametrize("alpha", [0.01, 0.001])
+def test_sketch_table_places_each_boundary_where_the_exact_rule_does(alpha: float) -> None:
+    """Every fine bucket the table splits: the values on either side of its boundary counted
+    through the table land where the exact rule (a table that sends every value to it) puts
+    them; a table of the wrong size or no keys is refused."""
+    from hf_dynaquant.core.kernels import native
+
+    table, kmin, nkeys, tiny = sketch_mod._slot_table(alpha)
+    low = table.astype(np.int64) & 0xFFF
+    split = np.flatnonzero((table >= 0) & (low > 2048))  # (2048: the bucket is one slot)
+    assert split.size > 1000
+    at = 4096 - low[split]
+    values = np.concatenate([(split << 11) | (at - 1), (split << 11) | at]).astype(np.uint32).view(np.float32)
+    inv = 1.0 / np.log((1 + alpha) / (1 - alpha))
+    exact = np.full(1 << 20, np.iinfo(np.int32).min, dtype=np.int32)
+    counts = {}
+    for name, lut in (("table", table), ("exact", exact)):
+        counts[name] = np.zeros(2 * nkeys + 2, np.int64)
+        assert native.sketch_f32(values, lut, inv, tiny, kmin, counts[name], b"", 0) == 0
+    assert np.array_equal(counts["table"], counts["exact"])
+    with pytest.raises(ValueError, match="2\\^20"):
+        native.sketch_table(np.zeros(10, np.int32), inv, tiny, kmin, nkeys)
+    with pytest.raises(ValueError, match="positive"):
+        native.sketch_table(np.zeros(1 << 20, np.int32), inv, tiny, kmin, 0)
 
 
 def test_magnitude_mode_and_bad_input() -> None:

@@ -86,11 +86,15 @@ class QuantState:
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
 
 
-def _delta_payload(prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None) -> tuple[str, bytes, int]:
+def _delta_payload(
+    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None
+) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev`` and ``pairs`` holds its groups'
     models (both from :func:`grouped_delta`); the other codings take it in element order."""
     if coding == "ans":
+        if pairs is None:
+            raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs)")
         lanes = lanes_for(delta.size)
         return ans_coding(lanes), ans_encode(delta, lanes=lanes, histograms=pairs), int(delta.size)
     if coding == "entropy":

@@ -11,8 +11,8 @@ thousands even for a = 0.01 (a fp32 tensor spans at most ~280 binades).
 Building a sketch is one pass. On the CPU a compiled kernel looks the key up in a table indexed
 by the top 20 bits of the float (exponent and 12 mantissa bits), which also says where in that
 fine bucket the next key begins (a fine bucket is narrower than a key); it computes the
-logarithm only for values next to the zero threshold, infinities and NaN; chunks run on two
-threads. On
+logarithm only for values next to the zero threshold, infinities and NaN (for every value
+below an accuracy of about 3e-4, whose slots the table cannot hold); chunks run on two threads. On
 an accelerator the keys are computed there with torch (log, ceil, bincount) and only the counts
 travel. Quantiles are then cheap, and many of them cost the same as one.
 """

@@ -11,13 +11,14 @@ static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
     for (int k = 0; k < 256; k++) count[k] = part[0][k] + part[1][k] + part[2][k] + part[3][k];
 }
 
+static int groups_in(const int64_t count[256]);
+
 /* The regrouping of the delta encoder (delta.py): uint8 values ordered by their uint8 key (the
  * previous checkpoint's code), stably, and back. A counting sort in two passes (a histogram of
  * the keys, then each value to the next free place of its key's group), what the numpy
- * reference does with a stable argsort and a gather or scatter, without the index array. */
-static int groups_in(const int64_t count[256]);
-
-/* The first place of each key's group; returns the number of groups (the largest key, plus one). */
+ * reference does with a stable argsort and a gather or scatter, without the index array.
+ * group_starts gives the first place of each key's group, and returns the number of groups (the
+ * largest key, plus one). */
 static int group_starts(const uint8_t *keys, Py_ssize_t n, Py_ssize_t start[256]) {
     int64_t count[256];
     Py_ssize_t pos = 0;
@@ -72,18 +73,23 @@ static int groups_in(const int64_t count[256]) {
  * value at a time, as the scalar loops do, costs a dependent update of its group's place. The
  * results are those of the scalar loops, byte for byte (tested against the numpy references). */
 #define GROUP_SIMD_KEYS 32
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+static int simd_allowed = 1; /* py_allow_simd: tests run the scalar loops on a CPU that has the vector ones */
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
 #include <immintrin.h>
 #define GROUP_SIMD 1
 #define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi2,popcnt")))
 
 static int group_simd_available(void) {
-    static int known = -1; /* (a race between threads writes the same answer) */
-    if (known < 0) {
+    static int known = -1; /* (threads that ask at once each store the same answer) */
+    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (have < 0) {
         __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
+        have = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2") &&
+               __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
     }
-    return known;
+    return have && __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED);
 }
 
 /* (a - b) mod levels of 64 bytes: one conditional add where both are below levels (every code
@@ -166,6 +172,12 @@ static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, c
     return 0;
 }
 
+PyObject *py_allow_simd(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    return PyBool_FromLong(__atomic_exchange_n(&simd_allowed, flag, __ATOMIC_RELAXED));
+}
+
 PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
     Py_buffer values, keys, out;
     int inverse;
@@ -173,23 +185,27 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
     int ok = values.len == keys.len && out.len == keys.len;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "regroup: values, keys and out differ in length");
+    else if (overlaps(&out, &values) || overlaps(&out, &keys)) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "regroup: out must be apart from values and keys");
+    }
     else {
         const uint8_t *v = values.buf, *k = keys.buf;
         uint8_t *o = out.buf;
         Py_ssize_t n = keys.len, start[256];
         Py_BEGIN_ALLOW_THREADS
         Py_ssize_t i, c[4];
-        const int keys = group_starts(k, n, start);
+        const int groups = group_starts(k, n, start);
         int wrong; /* (never set: the groups are the keys' own) */
         if (inverse) {
-            i = ungroup_fast(k, v, 0, NULL, n, keys, o, start, &wrong);
+            i = ungroup_fast(k, v, 0, NULL, n, groups, o, start, &wrong);
             for (; i + 4 <= n; i += 4) {
                 next_places(k + i, start, c);
                 for (int j = 0; j < 4; j++) o[i + j] = v[c[j]];
             }
             for (; i < n; i++) o[i] = v[start[k[i]]++];
         } else {
-            i = group_fast(k, v, NULL, 0, NULL, n, keys, o, start);
+            i = group_fast(k, v, NULL, 0, NULL, n, groups, o, start);
             for (; i + 4 <= n; i += 4) {
                 next_places(k + i, start, c);
                 for (int j = 0; j < 4; j++) o[c[j]] = v[i + j];
@@ -218,6 +234,10 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
     int ok = grouped.len == keys.len && out.len == keys.len && levels >= 1 && levels <= 256;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: arrays differ in length or levels outside 1..256");
+    else if (overlaps(&out, &grouped) || (out.buf != keys.buf && overlaps(&out, &keys))) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "ungroup_cyclic: out must be apart from grouped, and keys itself or apart");
+    }
     else if (counts.obj != NULL) {
         const int64_t *c = counts.buf;
         int64_t sum = 0;
@@ -237,14 +257,14 @@ PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args) {
         int wrong = 0; /* given counts that are not the keys' histogram (a place outside the groups) */
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
-        int keys;
+        int groups;
         if (given != NULL) {
             Py_ssize_t pos = 0;
             for (int j = 0; j < 256; j++) { start[j] = pos; pos += given[j]; end[j] = pos; }
-            keys = groups_in(given);
+            groups = groups_in(given);
         } else
-            keys = group_starts(k, n, start);
-        Py_ssize_t i = ungroup_fast(k, v, levels, table, n, keys, o, start, &wrong), c[4];
+            groups = group_starts(k, n, start);
+        Py_ssize_t i = ungroup_fast(k, v, levels, table, n, groups, o, start, &wrong), c[4];
         for (; i + 4 <= n && !wrong; i += 4) {
             const uint8_t k0 = k[i], k1 = k[i + 1], k2 = k[i + 2], k3 = k[i + 3]; /* (before out overwrites them) */
             next_places(k + i, start, c);

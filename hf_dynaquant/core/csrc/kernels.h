@@ -59,6 +59,7 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
+PyObject *py_allow_simd(PyObject *self, PyObject *args);
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_ans_encode(PyObject *self, PyObject *args);
 PyObject *py_ans_decode(PyObject *self, PyObject *args);

@@ -8,8 +8,9 @@
  * to (slot << 12) + 4096 - offset, where the fine bucket's values whose low 11 bits reach offset
  * take slot + 1 (offset 2048: none; a fine bucket is narrower than a key, so it straddles at
  * most one key boundary): the slot is (entry + low bits) >> 12. It maps to INT32_MIN (a
- * negative slot) where the bucket straddles tiny, holds inf and NaN, or more than one boundary:
- * those values take the exact path (log, comparisons). With `codes` (uint8, one per
+ * negative slot) where the bucket straddles tiny, holds inf and NaN, or more than one boundary,
+ * and everywhere when the slots do not fit an entry (alpha below about 3e-4): those values take
+ * the exact path (log, comparisons). With `codes` (uint8, one per
  * value) only the values whose code is `only` are counted (the others go to counts[2 nkeys +
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
@@ -78,11 +79,12 @@ PyObject *py_sketch_table(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sketch_table: the table must hold 2^20 int32, and nkeys be positive");
     else {
         int32_t *t = lut.buf;
+        const int packed = nkeys < SKETCH_MAX_SLOTS / 2; /* 2 nkeys + 1 slots fit an entry */
         Py_BEGIN_ALLOW_THREADS
         for (uint32_t b = 0; b < (1u << 20); b++) {
             const uint32_t first = b << 11, last = first | 0x7FFu;
             t[b] = INT32_MIN;
-            if (2 * nkeys + 1 >= SKETCH_MAX_SLOTS || last >= 0x7F800000u || (first < tiny && last >= tiny)) continue;
+            if (!packed || last >= 0x7F800000u || (first < tiny && last >= tiny)) continue;
             const Py_ssize_t lo = exact_slot(first, inv_log_gamma, tiny, kmin, nkeys);
             const Py_ssize_t hi = exact_slot(last, inv_log_gamma, tiny, kmin, nkeys);
             if (hi == lo) {
