@@ -47,9 +47,11 @@ def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
 
 def grouped_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(grouped, pairs)``: the :func:`cyclic_delta` :func:`regroup`-ed by ``prev``, and
-    ``pair_counts(prev, delta)`` (256 x 256), in one pass over the codes where the kernel is
-    built. The pairs hold every histogram the delta's coding needs: the regrouped groups' sizes
-    (row sums) and models (rows), and the current codes' histogram (:func:`current_counts`)."""
+    ``pair_counts(prev, delta)`` (256 x 256), where the kernel is built in one pass over the
+    codes that places each difference in its group (after counting ``prev``), then one over each
+    group counting its pairs. The pairs hold every histogram the delta's coding needs: the
+    regrouped groups' sizes (row sums) and models (rows), and the current codes' histogram
+    (:func:`current_counts`)."""
     if _native_u8(prev, cur) and 1 <= levels <= 256:
         grouped, pairs = np.empty_like(prev), np.empty(65536, dtype=np.int64)
         native.cyclic_u8(prev, cur, levels, grouped, pairs)
