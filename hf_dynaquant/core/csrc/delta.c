@@ -152,17 +152,26 @@ VBMI2 static Py_ssize_t ungroup_simd(const uint8_t *k, const uint8_t *v, int lev
 }
 #endif
 
-/* The vectorised forward grouping where it applies (the CPU has it, few groups); the values it
- * did (a multiple of 64, or 0), the rest for the scalar loop. */
-static Py_ssize_t group_fast(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
-                             Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+/* The forward grouping: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels (looked up
+ * in table); 64 at a time where the vector path applies (the CPU has it, at most
+ * GROUP_SIMD_KEYS groups), the rest four at a time. start: group_starts of k, advanced. */
+INLINE void group_forward(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
+                          Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+    Py_ssize_t i = 0, c[4];
 #ifdef GROUP_SIMD
-    if (keys <= GROUP_SIMD_KEYS && group_simd_available()) return group_simd(k, v, y, levels, table, n, keys, o, start);
+    if (keys <= GROUP_SIMD_KEYS && group_simd_available()) i = group_simd(k, v, y, levels, table, n, keys, o, start);
 #endif
-    return 0;
+    for (; i + 4 <= n; i += 4) { /* loads first */
+        uint8_t d[4];
+        for (int j = 0; j < 4; j++) d[j] = y == NULL ? v[i + j] : table[k[i + j] - y[i + j] + 255];
+        next_places(k + i, start, c);
+        for (int j = 0; j < 4; j++) o[c[j]] = d[j];
+    }
+    for (; i < n; i++) o[start[k[i]]++] = y == NULL ? v[i] : table[k[i] - y[i] + 255];
 }
 
-/* The same for the inverse. */
+/* The vectorised inverse grouping where it applies (as group_forward's); the values it did (a
+ * multiple of 64, or 0), the rest for the caller's loop, which checks places its own way. */
 static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, const uint8_t table[511], Py_ssize_t n,
                                int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
 #ifdef GROUP_SIMD
@@ -204,14 +213,8 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
                 for (int j = 0; j < 4; j++) o[i + j] = v[c[j]];
             }
             for (; i < n; i++) o[i] = v[start[k[i]]++];
-        } else {
-            i = group_fast(k, v, NULL, 0, NULL, n, groups, o, start);
-            for (; i + 4 <= n; i += 4) {
-                next_places(k + i, start, c);
-                for (int j = 0; j < 4; j++) o[c[j]] = v[i + j];
-            }
-            for (; i < n; i++) o[start[k[i]]++] = v[i];
-        }
+        } else
+            group_forward(k, v, NULL, 0, NULL, n, groups, o, start);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&values); PyBuffer_Release(&keys); PyBuffer_Release(&out);
@@ -338,17 +341,10 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
  * one pass over the codes, then one over each group's differences to count them. */
 static void grouped_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
                           uint8_t *o, int64_t *pairs) {
-    Py_ssize_t start[256], begin[256], c[4];
+    Py_ssize_t start[256], begin[256];
     const int keys = group_starts(x, n, start);
     memcpy(begin, start, sizeof(begin));
-    Py_ssize_t i = group_fast(x, NULL, y, levels, table, n, keys, o, start);
-    for (; i + 4 <= n; i += 4) { /* loads first */
-        const uint8_t d0 = table[x[i] - y[i] + 255], d1 = table[x[i + 1] - y[i + 1] + 255];
-        const uint8_t d2 = table[x[i + 2] - y[i + 2] + 255], d3 = table[x[i + 3] - y[i + 3] + 255];
-        next_places(x + i, start, c);
-        o[c[0]] = d0; o[c[1]] = d1; o[c[2]] = d2; o[c[3]] = d3;
-    }
-    for (; i < n; i++) o[start[x[i]]++] = table[x[i] - y[i] + 255];
+    group_forward(x, NULL, y, levels, table, n, keys, o, start);
     memset(pairs, 0, 65536 * sizeof(int64_t));
     for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
 }
