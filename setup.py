@@ -45,7 +45,7 @@ setup(
             depends=[f"{CSRC}/kernels.h"],
             # sqrt, log and exp never set errno (nothing reads it), so sqrtf vectorises; the
             # OpenMP simd pragmas (no OpenMP runtime) let marked reductions vectorise
-            extra_compile_args=["-fno-math-errno", "-fopenmp-simd"],
+            extra_compile_args=["-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off"],
             optional=True,
         ),
     ],

@@ -164,6 +164,16 @@ def main(out: Path, phase: str) -> None:
             )
             for n, tp in merged_sr.tensors.items()
         }
+        # a tensor large enough that its sketches read a sample, cut between the ranks at a row that
+        # is not a block edge: each shard samples what the whole tensor does
+        g = torch.Generator().manual_seed(5)
+        big = torch.randn(1100, 1000, generator=g) * torch.logspace(-2, 0, 1000)
+        big_sens = big.abs() * torch.rand(1100, 1000, generator=g)
+        rows = slice(0, 557) if rank == 0 else slice(557, 1100)
+        report["sampled_plan"] = plans_equal(
+            plan_sharded({"big": big[rows]}, CONFIG, shapes={"big": (1100, 1000)}, sensitivity={"big": big_sens[rows]}),
+            plan_quantization({"big": big}, CONFIG, sensitivity={"big": big_sens}),
+        )
         report["types"] = snap.types
         state = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}
         moments = {  # the full optimizer state at the snapshot (for the test's single-process reference)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -402,6 +403,53 @@ def test_fidelity_of_codes_is_the_fidelity_of_their_values(monkeypatch) -> None:
         spoilt[-1] = bad
         with pytest.raises(ValueError, match="protected or beyond"):
             moments_mod.quantized_fidelity_sums(a, spoilt, np.zeros(6, np.float32), np.zeros(0, np.uint16))
+
+
+def test_quantization_sums_in_parts_are_the_whole_tensors() -> None:
+    """A tensor longer than a part is quantized and summed part by part on several threads: the
+    sums are those of its whole codes (to float64 rounding, added in another order), the
+    stochastic rounding of each part drawing its own positions' random numbers; a plan that
+    reads more than the values (protected by sensitivity here) quantizes the tensor whole."""
+    from hf_dynaquant.core import moments as moments_mod
+    from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, quantize
+
+    n = 2 * moments_mod._STATS_PART + 12_345
+    a = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 1e-3
+    sens = a.abs() * torch.rand(n, generator=torch.Generator().manual_seed(5))
+    for config, sensitivity in (
+        (QuantConfig(bins=3, prune=0.1, protect=0.0, min_numel=1), None),
+        (QuantConfig(bins=5, protect=0.0, min_numel=1, rounding="stochastic", rounding_seed=7), None),
+        (QuantConfig(bins=4, prune=0.1, protect=0.01, prune_by="sensitivity", min_numel=1), {"x": sens.view(-1, 1)}),
+    ):
+        tp = plan_quantization({"x": a.view(-1, 1)}, config, sensitivity=sensitivity).tensors["x"]
+        codes, kept = quantize(a, tp)
+        whole = moments_mod.quantized_fidelity_sums(a, codes, tp.centres, kept)
+        np.testing.assert_allclose(moments_mod.quantization_sums(a, tp), whole, rtol=1e-9)
+        assert np.array_equal(moments_mod.quantization_sums(a, tp), moments_mod.quantization_sums(a.clone(), tp))
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-6, 0.0])
+def test_scale_codes_made_from_v_are_the_codes_of_the_scale(eps: float) -> None:
+    """An Adam scale's plan partitions v itself against thresholds found by bisection with
+    adam_scale: the codes are those of the scale log(sqrt(v) + eps) for v over 30 decades, zeros,
+    negatives, NaN, infinity, bfloat16 v, and the float32 neighbours of every threshold; grids
+    of up to 31 midpoints and more (the kernel's search by halves)."""
+    from hf_dynaquant.core.moments import adam_scale, scale_plan
+
+    g = torch.Generator().manual_seed(1)
+    v = torch.exp(torch.rand(400_000, generator=g) * 70 - 60)
+    v[:10], v[10:20], v[20], v[21] = 0.0, -1e-9, float("nan"), float("inf")
+    for step in (1.0, 0.25):
+        top = float(adam_scale(v[22:20_000], eps).max())
+        plan = scale_plan(top, eps, step)
+        plain = replace(plan, thresholds=None)
+        t = plan.thresholds[np.isfinite(plan.thresholds)]
+        near = np.concatenate([t, np.nextafter(t, np.float32(np.inf)), np.nextafter(t, np.float32(-np.inf))])
+        for values in (torch.cat([v, torch.from_numpy(near.astype(np.float32))]), v.to(torch.bfloat16)):
+            from_v, _ = quantize(values.float(), plan)
+            from_scale, _ = quantize(adam_scale(values, eps), plain)
+            assert np.array_equal(from_v, from_scale), (step, values.dtype)
+        assert plan.thresholds.size == plan.centres.size - 1 and (step == 1.0 or plan.thresholds.size > 31)
 
 
 def _special_moments(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1380,7 +1428,8 @@ def test_a_restore_hands_freed_memory_back_while_it_converts_the_moments(tmp_pat
 def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:
     """A save never holds the whole optimizer's float32 update and scale: the fidelity decisions
     take a group of parameters at a time (here one each: the same plans and report as all at
-    once), and the encoded tree holds deferred leaves, made only when the store encodes them."""
+    once), and the encoded tree holds deferred leaves, made only when the store encodes them
+    (the scale's codes made from v itself)."""
     from hf_dynaquant.core.moments import adam_scale, adam_update
     from hf_dynaquant.store.tree import DeferredTensor
     from hf_dynaquant.training import optimizer_state
@@ -1401,7 +1450,11 @@ def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tm
     m, v = state["state"][0]["exp_avg"], state["state"][0]["exp_avg_sq"]
     assert update.shape == tuple(m.shape) and update.numel() == m.numel()
     assert torch.equal(update.make(), adam_update(m, v, 1e-8).reshape(m.shape))
-    assert torch.equal(scale.make(), adam_scale(v, 1e-8).reshape(m.shape))
+    # the scale's leaf is made as v in float32, which its plan partitions into the scale's codes
+    assert torch.equal(scale.make(), v.float())
+    scale_plan = apart.plans["/state/0/dq_scale"]
+    made, _ = quantize(scale.make(), scale_plan)
+    assert np.array_equal(made, quantize(adam_scale(v, 1e-8), replace(scale_plan, thresholds=None))[0])
     # and a checkpoint written with groups of one restores the same state as one written at once
     restored = {}
     for name, budget in (("apart", 1), ("together", 1 << 25)):

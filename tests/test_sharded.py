@@ -111,6 +111,8 @@ def test_merged_plan_equals_the_full_tensor_plan(saved) -> None:
         assert plan.pop("names") is True and set(plan) == {"emb.weight", "hidden.weight", "head.weight"}
         assert all(all(checks.values()) for checks in plan.values()), plan  # thresholds and codebooks, exactly
         assert r["stochastic_rows"] and all(r["stochastic_rows"].values()), r["stochastic_rows"]
+        sampled = r["sampled_plan"]  # sketches of a sample (2^20 values or more), shards cut mid-block
+        assert sampled.pop("names") is True and all(sampled["big"].values()), sampled
     assert ranks[0]["entry"] == ranks[1]["entry"]  # every rank knows the index entry
     store = CheckpointStore(saved / "store")
     index = store.info("step-5").metadata["sharded"]

@@ -9,7 +9,8 @@ from ddsketch import DDSketch
 
 from hf_dynaquant.core import sketch as sketch_mod
 from hf_dynaquant.core.kmeans import approximate_kmeans, assign, bucket_weights, weighted_kmeans
-from hf_dynaquant.core.sketch import LogSketch
+from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, remaining_sketch
+from hf_dynaquant.core.sketch import SAMPLE_FROM, SAMPLE_WEIGHT, LogSketch, sample
 
 QS = [0.0, 0.0005, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 0.9995, 1.0]
 
@@ -52,6 +53,71 @@ def test_merge_equals_sketch_of_union_and_serialises() -> None:
     assert LogSketch.from_dict(whole.to_dict()).to_dict() == whole.to_dict()
     with pytest.raises(ValueError, match="cannot merge"):
         LogSketch(0.01).merge(LogSketch(0.02))
+
+
+def test_sample_reads_an_even_eighth_of_large_tensors_and_shards_sample_what_the_whole_does() -> None:
+    """Below SAMPLE_FROM values a sketch reads all of them; from it, whole blocks of 64 (one in
+    8, each value weighing 8), in order, spread evenly: gaps of 5, 8 or 13 blocks, and every
+    column of a matrix read about as often. Shards cut anywhere (mid-block too) sample exactly
+    the positions the whole tensor samples, and any tensor (codes) the same positions."""
+    small = torch.arange(SAMPLE_FROM - 1, dtype=torch.float32)
+    x, weight = sample(small, small.numel())
+    assert weight == 1 and x.data_ptr() == small.data_ptr()
+    rows, cols = 1100, 1000
+    n = rows * cols
+    whole = torch.arange(n, dtype=torch.float64)  # each value is its own position
+    x, weight = sample(whole, n)
+    at = x.long().numpy()
+    assert weight == SAMPLE_WEIGHT == 8 and np.all(np.diff(at) > 0)
+    assert abs(at.size * weight - n) < 0.001 * n
+    blocks, per_block = np.unique(at // 64, return_counts=True)
+    assert np.all(per_block[:-1] == 64) and set(np.diff(blocks).tolist()) == {5, 8, 13}
+    per_column = np.bincount(at % cols, minlength=cols)
+    assert per_column.min() > 0.8 * per_column.mean() and per_column.max() < 1.2 * per_column.mean()
+    cuts = [0, 1, 63, 64, 1000, 12_345, 557_000, 557_001, n]
+    shards = [sample(whole[a:b], n, a) for a, b in zip(cuts, cuts[1:])]
+    assert all(w == SAMPLE_WEIGHT for _, w in shards)
+    assert torch.equal(torch.cat([s for s, _ in shards]), x)
+    codes = (whole.long() % 251).to(torch.uint8)
+    assert torch.equal(sample(codes, n)[0].long(), x.long() % 251)
+
+
+def test_weighted_sketches_count_each_value_weight_times() -> None:
+    x = torch.from_numpy(data("zeros"))
+    one, eight = LogSketch(0.01).add(x), LogSketch(0.01).add(x, weight=8)
+    assert eight.count == 8 * one.count and eight.zeros == 8 * one.zeros
+    assert np.array_equal(eight.quantiles(QS), one.quantiles(QS))
+    codes = (torch.arange(x.numel()) % 3).to(torch.uint8).numpy()
+    picked = LogSketch(0.001).add(x, where=(codes, 1), weight=8)
+    assert picked.to_dict() == LogSketch(0.001).add(x[torch.from_numpy(codes == 1)], weight=8).to_dict()
+    magnitudes = LogSketch(0.01).add(x, magnitude=True, weight=8)
+    assert magnitudes.count == 8 * x.numel() and magnitudes.negative.total == 0
+    with pytest.raises(ValueError, match="positive integer"):
+        LogSketch(0.01).add(x, weight=0)
+
+
+def test_plans_of_large_tensors_from_samples_stay_near_the_exact_ones() -> None:
+    """A tensor of 2^20 values or more is planned from sketches of a sample: the share it
+    protects and prunes stays within 10% of the configured one, its codebook near
+    the one K-means makes of every value, and merged shard sketches (rows cut mid-block) equal
+    the whole tensor's."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1100, 1000, generator=g) * torch.logspace(-2, 0, 1000)
+    config = QuantConfig(bins=8, prune=0.1, protect=0.005, min_numel=1024)
+    tp = plan_quantization({"w": w}, config).tensors["w"]
+    codes, _ = tp.codes(w.reshape(-1).numpy())
+    # (from every value, this tensor's shares land 4% off too: a threshold is a bucket of 2% width)
+    assert abs((codes == 1).mean() / 0.005 - 1) < 0.1 and abs((codes == 0).mean() / 0.1 - 1) < 0.1
+    exact = approximate_kmeans(
+        LogSketch(0.001).add(w.reshape(-1), where=(tp.codes(w.reshape(-1).numpy(), np.zeros(0, np.float32))[0], 2)), 8
+    )
+    assert np.allclose(np.sort(tp.centres), np.sort(exact), rtol=0.03, atol=1e-4)
+    flat = w.reshape(-1).numpy()
+    whole = remaining_sketch(tp, flat, None, flat.size)
+    merged = LogSketch(0.001)
+    for a, b in ((0, 557_000), (557_000, flat.size)):
+        merged.merge(remaining_sketch(tp, flat[a:b], None, flat.size, a))
+    assert merged.to_dict() == whole.to_dict()
 
 
 @pytest.mark.parametrize("alpha", [0.01, 0.001, 2e-4])

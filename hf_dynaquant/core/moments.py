@@ -38,8 +38,10 @@ its own norm gain, for the same reason).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
@@ -49,7 +51,7 @@ from .dtypes import all_finite
 from .histogram import byte_counts
 from .kernels import native
 from .pool import ForkSafePool
-from .quantizer import PROTECTED, Coded, TensorPlan, code_table, coded_values, decoded_values, flat_f32
+from .quantizer import PROTECTED, Coded, TensorPlan, code_table, coded_values, decoded_values, flat_f32, quantize
 
 __all__ = [
     "MAX_SCALE_LEVELS",
@@ -67,6 +69,7 @@ __all__ = [
     "fidelity",
     "fidelity_sums",
     "quantized_fidelity_sums",
+    "quantization_sums",
     "fidelity_from_sums",
     "norm_gain",
 ]
@@ -280,7 +283,31 @@ def scale_plan(top: float, eps: float, step: float) -> TensorPlan:
     step = grid_step(top, eps, step)
     levels = int(math.floor(span / step + 0.5)) + 1
     centres = (origin + step * np.arange(levels, dtype=np.float64)).astype(np.float32)
-    return TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
+    plan = TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
+    plan.thresholds = _second_moment_thresholds(float(eps), ((centres[1:] + centres[:-1]) / 2).astype(np.float32).tobytes())
+    return plan
+
+
+@functools.lru_cache(maxsize=64)
+def _second_moment_thresholds(eps: float, mids: bytes) -> np.ndarray:
+    """For each midpoint ``m`` (float32) of a scale grid, the largest float32 ``v`` whose scale
+    :func:`adam_scale` makes no more than ``m`` (``-inf`` where even ``v = 0``'s is above it),
+    found by bisection over the float32 bits with :func:`adam_scale` itself. The scale grows with
+    ``v``, so ``v`` lies above that threshold exactly when its scale lies above ``m``: the scale's
+    codes are made from ``v`` by the partition with these midpoints, the same codes without the
+    logarithm or the scale's float32 form (:meth:`TensorPlan.rules`; a test checks the equality)."""
+    m = np.frombuffer(mids, dtype=np.float32)
+    lo = np.zeros(m.size, dtype=np.int64)  # the first v (as bits) whose scale is above m lies in [lo, hi]
+    hi = np.full(m.size, 0x7F800000, dtype=np.int64)  # +inf, whose scale is above any m
+    while (active := lo < hi).any():
+        probe = (lo + hi) // 2
+        above = adam_scale(torch.from_numpy(probe.astype(np.uint32).view(np.float32)), eps).numpy() > m
+        hi = np.where(active & above, probe, hi)
+        lo = np.where(active & ~above, probe + 1, lo)
+    largest_not_above = np.maximum(lo - 1, 0).astype(np.uint32).view(np.float32)
+    out = np.where(lo == 0, np.float32(-np.inf), largest_not_above).astype(np.float32)
+    out.flags.writeable = False
+    return out
 
 
 def scale_stats(scale: torch.Tensor, eps: float, step: float) -> tuple[bool, float, np.ndarray]:
@@ -386,6 +413,29 @@ def quantized_fidelity_sums(
     if codes.size != flat.numel():
         raise ValueError(f"{codes.size} codes for {flat.numel()} values")
     return np.array(native.fidelity_codes_f32(flat.numpy(), codes.reshape(-1), code_table(centres)), dtype=np.float64)
+
+
+def quantization_sums(original: torch.Tensor, plan: TensorPlan) -> np.ndarray:
+    """:func:`fidelity_sums` of ``original`` and its values quantized under ``plan`` (as
+    :func:`~hf_dynaquant.core.quantizer.quantize` codes them), in parts of a fixed size
+    quantized and summed on several threads, the parts' sums added in order: the same sums on
+    any machine, and a part's codes at a time, not the tensor's (a save's decisions kept one
+    core busy on their largest tensor while the other idled). A plan that reads more than the
+    values (sensitivities, a reference, error feedback, rare rows) quantizes the tensor whole."""
+    flat = flat_f32(original)
+    n = flat.numel()
+    whole = any(x is not None for x in (plan.sensitivity, plan.reference, plan.feedback, plan.rare_rows))
+    bounds = [0, n] if whole or n <= _STATS_PART else [*range(0, n, _STATS_PART), n]
+
+    def part(k: int) -> np.ndarray:
+        a, b = bounds[k], bounds[k + 1]
+        codes, kept = quantize(flat[a:b], replace(plan, dither_offset=plan.dither_offset + a) if a else plan)
+        return quantized_fidelity_sums(flat[a:b], codes, plan.centres, kept)
+
+    total = np.zeros(4, dtype=np.float64)
+    for sums in _in_parts(len(bounds) - 1, part):
+        total += sums
+    return total
 
 
 def fidelity_from_sums(sums: np.ndarray) -> tuple[float, float]:

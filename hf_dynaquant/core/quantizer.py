@@ -47,8 +47,10 @@ Decisions where the paper is silent (also in FORMAT.md):
   instead. A non-finite *sensitivity* (a NaN or infinite gradient in the EMA window, e.g. a step
   the fp16 grad scaler skipped) only makes the checkpoint rank by magnitude, with a warning.
 
-All thresholds come from :class:`~hf_dynaquant.core.sketch.LogSketch` quantiles; sketches merge,
-so sharded models get the thresholds of the whole model.
+All thresholds come from :class:`~hf_dynaquant.core.sketch.LogSketch` quantiles, and codebooks
+from K-means over sketches; a tensor of 2^20 values or more is sketched from an even sample of
+an eighth of its values (:func:`~hf_dynaquant.core.sketch.sample`). Sketches merge, and shards
+sample what the whole tensor would, so sharded models get the thresholds of the whole model.
 
 **Where the values live.** The encoder partitions on the host, in the compiled kernels. The
 configuration search plans, sizes and evaluates many candidates on every value; when the model
@@ -82,7 +84,7 @@ from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .memory import cached_on_device, on_accelerator
 from .pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
 from .rounding import device_stochastic_codes, device_uniform, stochastic_codes, tensor_seed, uniform
-from .sketch import LogSketch
+from .sketch import LogSketch, sample
 
 __all__ = [
     "QuantConfig",
@@ -267,6 +269,9 @@ class TensorPlan:
     feedback: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (factor, order), see .feedback
     rare_rows: np.ndarray | None = field(default=None, repr=False)  # uint8 per row, 1: a rare row (rare_bins)
     common: int = 0  # with rare_rows: how many of the centres are the common rows' (the rest are the rare rows')
+    # the partition's midpoints in the domain of the values the codes are made from, where that is
+    # not the centres' (an Adam scale's codes are made from v: see moments.scale_plan); None: the centres'
+    thresholds: np.ndarray | None = field(default=None, repr=False)
 
     def target(self, w: torch.Tensor) -> np.ndarray:
         """The flat float32 values the codes quantize: the weights, or their residual."""
@@ -375,10 +380,10 @@ class TensorPlan:
         return codes.reshape(-1), total
 
     def rules(self, centres: np.ndarray, has_sens: bool) -> tuple[np.ndarray, float, float, bool]:
-        """What partitioning needs, as the kernels take it: the centres' midpoints, the
-        sensitivity protection threshold (inf: unused), the pruning threshold (-1: none) and
-        whether pruning goes by sensitivity."""
-        mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
+        """What partitioning needs, as the kernels take it: the centres' midpoints (or the plan's
+        ``thresholds``), the sensitivity protection threshold (inf: unused), the pruning
+        threshold (-1: none) and whether pruning goes by sensitivity."""
+        mids = self.thresholds if self.thresholds is not None else ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         return mids, tau_sens, tau_prune, self.prune_by == "sensitivity" and has_sens
@@ -460,6 +465,22 @@ def _finite(cache: dict, key: tuple, tensor: Callable[[], torch.Tensor], fresh: 
     return cache[key]
 
 
+def remaining_sketch(
+    plan: TensorPlan, w: np.ndarray, sens: np.ndarray | None, total: int, offset: int = 0
+) -> LogSketch:
+    """The sketch a codebook is clustered from: of the flat float32 values ``w`` (``sens``,
+    their sensitivities, or ``None``) that ``plan``'s thresholds neither prune nor protect, read
+    from their :func:`~.sketch.sample` (``total``, ``offset``: the tensor's size and where ``w``
+    begins in it), so only the sample is partitioned (not at all when the plan neither prunes
+    nor protects)."""
+    x, weight = sample(torch.from_numpy(w), total, offset)
+    if plan.keeps_every_value(sens is not None):
+        return LogSketch(KMEANS_ALPHA).add(x, weight=weight)
+    s = None if sens is None else sample(torch.from_numpy(sens), total, offset)[0].numpy()
+    codes, _ = plan._partition(x.numpy(), s, np.zeros(0, np.float32))
+    return LogSketch(KMEANS_ALPHA).add(x, where=(codes, FIRST_CENTRE), weight=weight)
+
+
 def flat_f32(t: torch.Tensor) -> torch.Tensor:
     """A flat float32 CPU view or copy (codes are computed on the host; sketches where the tensor lives)."""
     return t.detach().reshape(-1).to("cpu", torch.float32).contiguous()
@@ -505,7 +526,8 @@ def plan_quantization(
         # a residual's sketches apart; a direct tensor's keyed as callers that fill the cache expect
         key = (name, kind, config.alpha) + ((config.residual,) if name in refs else ())
         if key not in cache:
-            cache[key] = LogSketch(config.alpha).add(values(), magnitude=magnitude)
+            x, weight = sample(values(), numel[name])
+            cache[key] = LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
         return cache[key]
 
     names, kinds, first_name = [], {}, {}
@@ -640,15 +662,11 @@ def plan_quantization(
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
     def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
-        """That sketch, made on the host (of every value, without partitioning them, when the
-        plan neither prunes nor protects)."""
-        w = plan.target(tensors[n])
-        if rare is None and plan.keeps_every_value(n in sens):
-            return LogSketch(KMEANS_ALPHA).add(w)
-        codes, _ = plan._partition(w, sens[n].numpy() if n in sens else None, np.zeros(0, np.float32))
+        """That sketch, made on the host."""
+        w, s = plan.target(tensors[n]), sens[n].numpy() if n in sens else None
         if rare is not None:
-            w, codes = plan.row_values(w, rare), plan.row_values(codes, rare)
-        return LogSketch(KMEANS_ALPHA).add(w, where=(codes, FIRST_CENTRE))
+            w, s = plan.row_values(w, rare), None if s is None else plan.row_values(s, rare)
+        return remaining_sketch(plan, w, s, w.size)
 
     def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
         """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its
@@ -672,9 +690,9 @@ def plan_quantization(
             with contextlib.suppress(torch.OutOfMemoryError):
                 s = cached_on_device(cache, (n, "sensitivity", key[2]), sens[n], device) if n in sens else None
                 if n not in sens or s is not None:
-                    w = _residual(tensors[n], refs.get(n)).reshape(-1).float()
-                    codes, _ = probe.device_codes(w, s)
-                    cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE])
+                    w, weight = sample(_residual(tensors[n], refs.get(n)).reshape(-1).float(), numel[n])
+                    codes, _ = probe.device_codes(w, None if s is None else sample(s, numel[n])[0])
+                    cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE], weight=weight)
             if key not in cache:  # no room on the device: sketched on the host, in this thread too
                 probe.reference = flat_f32(refs[n]).numpy() if n in refs else None
                 cache[key] = rest_sketch(probe, n)

@@ -15,6 +15,16 @@ logarithm only for values next to the zero threshold, infinities and NaN (for ev
 below an accuracy of about 3e-4, whose slots the table cannot hold); chunks run on two threads. On
 an accelerator the keys are computed there with torch (log, ceil, bincount) and only the counts
 travel. Quantiles are then cheap, and many of them cost the same as one.
+
+A tensor of :data:`SAMPLE_FROM` values or more is sketched from a sample (:func:`sample`): the
+blocks of 64 consecutive values (of the full tensor, so shards of it sample what the whole
+would) that Fibonacci hashing of the block number picks, one in :data:`SAMPLE_WEIGHT`, each
+sampled value counted that many times. The picked blocks are spread evenly along the tensor
+(a Weyl sequence: gaps of 5, 8 or 13 blocks), so no row or column pattern is missed. At 2^20
+values the sample holds 131,072, which puts a quantile's rank within about 0.3% (one standard
+deviation) of where the whole tensor puts it at the protection threshold's 0.5%, and tighter
+for the thresholds merged over many tensors; a 124M-parameter model's save reads a sketch's
+values once instead of twice over, and partitions an eighth of them for its codebooks.
 """
 
 from __future__ import annotations
@@ -29,11 +39,50 @@ import torch
 from .kernels import native
 from .pool import ForkSafePool
 
-__all__ = ["LogSketch"]
+__all__ = ["LogSketch", "SAMPLE_FROM", "SAMPLE_WEIGHT", "sample"]
 
 _MIN_INDEXABLE = 1e-30  # smaller magnitudes count as zero (keeps key ranges bounded)
 _PART = 1 << 22  # values per kernel call; parts run on the pool
 _POOL = ForkSafePool("dq-sketch")
+SAMPLE_FROM = 1 << 20  # values of a tensor from which its sketches read a sample
+SAMPLE_WEIGHT = 8  # one block in this many is sampled, each of its values counted this many times
+_BLOCK = 64  # values of a block, sampled whole or not at all
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: block j is sampled when the
+_TOP_BITS = np.uint64(61)  # top 3 bits (1 / SAMPLE_WEIGHT) of j * _FIBONACCI mod 2^64 are zero
+
+
+def _sampled_blocks(first: int, count: int) -> np.ndarray:
+    """Whether each of the blocks ``first .. first + count - 1`` of a tensor is sampled."""
+    j = np.arange(first, first + count, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # the product wraps around mod 2^64, as it should
+        return (j * _FIBONACCI) >> _TOP_BITS == 0
+
+
+def sample(values: torch.Tensor, total: int, offset: int = 0) -> tuple[torch.Tensor, int]:
+    """``(values, weight)`` that a sketch of a tensor of ``total`` values reads of its flat
+    ``values``, which start at flat index ``offset`` of the tensor (a shard's rows; 0 for the
+    whole): all of them with weight 1 below :data:`SAMPLE_FROM` values, else those in the
+    tensor's sampled blocks (see the module docstring) with weight :data:`SAMPLE_WEIGHT`, in
+    order, on the device of ``values`` (a copy). Any tensor (values, sensitivities, codes): the
+    same ``total`` and ``offset`` pick the same positions."""
+    x = values.reshape(-1)
+    n = x.numel()
+    if total < SAMPLE_FROM:
+        return x, 1
+    if n == 0:
+        return x, SAMPLE_WEIGHT
+    first = offset // _BLOCK
+    keep = _sampled_blocks(first, (offset + n - 1) // _BLOCK - first + 1)
+    lead = min(n, -offset % _BLOCK)  # values before the first whole block (of a block begun earlier)
+    body = (n - lead) // _BLOCK * _BLOCK  # values in whole blocks
+    parts = [x[:lead]] if lead and keep[0] else []
+    if body:
+        picked = np.flatnonzero(keep[int(lead > 0) : int(lead > 0) + body // _BLOCK])
+        rows = x[lead : lead + body].view(-1, _BLOCK)
+        parts.append(rows.index_select(0, torch.from_numpy(picked).to(x.device)).reshape(-1))
+    if lead + body < n and keep[-1]:  # the last block, begun here and ending past these values
+        parts.append(x[lead + body :])
+    return (torch.cat(parts) if parts else x[:0]), SAMPLE_WEIGHT
 
 
 @functools.lru_cache(maxsize=8)
@@ -60,12 +109,12 @@ class _Store:
     offset: int = 0
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
-    def add_keys(self, keys: torch.Tensor) -> None:
+    def add_keys(self, keys: torch.Tensor, weight: int = 1) -> None:
         if keys.numel() == 0:
             return
         lo, hi = int(keys.min()), int(keys.max())
         # counted where the keys live: only the (small) histogram crosses to the host
-        self.add_counts(lo, torch.bincount(keys - lo, minlength=hi - lo + 1).cpu().numpy())
+        self.add_counts(lo, torch.bincount(keys - lo, minlength=hi - lo + 1).cpu().numpy() * weight)
 
     def add_counts(self, offset: int, counts: np.ndarray) -> None:
         if counts.size == 0:
@@ -118,30 +167,35 @@ class LogSketch:
         *,
         magnitude: bool = False,
         where: tuple[np.ndarray, int] | None = None,
+        weight: int = 1,
     ) -> LogSketch:
         """Add values (any shape, any float dtype, float32 precision; NaNs are refused).
         With ``magnitude``, add their absolute values (without computing them). ``where=(codes,
         code)`` (uint8, one per value) adds only the values whose code is ``code``, as if
-        ``values[codes == code]`` had been added (the compiled kernel skips the others in place)."""
+        ``values[codes == code]`` had been added (the compiled kernel skips the others in place).
+        Each value counts ``weight`` times (a :func:`sample`'s weight)."""
+        if weight < 1:
+            raise ValueError(f"a sketch's weight must be a positive integer, got {weight}")
         x = torch.as_tensor(values).detach().reshape(-1).float()
         if where is not None:
             codes, code = where
             if codes.size != x.numel():
                 raise ValueError(f"{codes.size} codes for {x.numel()} values")
             if magnitude or x.device.type != "cpu" or native is None or codes.dtype != np.uint8:
-                return self.add(x[torch.from_numpy(np.asarray(codes).reshape(-1) == code)], magnitude=magnitude)
+                selected = x[torch.from_numpy(np.asarray(codes).reshape(-1) == code)]
+                return self.add(selected, magnitude=magnitude, weight=weight)
         if magnitude:  # sketch the signed values apart, then fold their negative store over
-            signed = LogSketch(self.alpha).add(x)
+            signed = LogSketch(self.alpha).add(x, weight=weight)
             signed.positive.add_counts(signed.negative.offset, signed.negative.counts)
             signed.negative = _Store()
             return self.merge(signed)
         if x.device.type == "cpu" and native is not None:
-            self._add_cpu(x.contiguous().numpy(), where)
+            self._add_cpu(x.contiguous().numpy(), where, weight)
         else:
-            self._add_torch(x)
+            self._add_torch(x, weight)
         return self
 
-    def _add_cpu(self, x: np.ndarray, where: tuple[np.ndarray, int] | None = None) -> None:
+    def _add_cpu(self, x: np.ndarray, where: tuple[np.ndarray, int] | None = None, weight: int = 1) -> None:
         table, kmin, nkeys, tiny = _slot_table(self.alpha)
         codes, code = (np.ascontiguousarray(where[0]).reshape(-1), int(where[1])) if where else (None, 0)
 
@@ -154,23 +208,23 @@ class LogSketch:
         parts = list(_POOL.map(part, range(0, x.size, _PART)))
         if sum(p[0] for p in parts):
             raise ValueError("cannot sketch NaN values")
-        counts = sum((p[1] for p in parts), np.zeros(2 * nkeys + 2, np.int64))  # (no values: no parts)
+        counts = sum((p[1] for p in parts), np.zeros(2 * nkeys + 2, np.int64)) * weight  # (no values: no parts)
         self.zeros += int(counts[2 * nkeys])
         for store, half in ((self.positive, counts[:nkeys]), (self.negative, counts[nkeys : 2 * nkeys])):
             nz = np.flatnonzero(half)
             if nz.size:
                 store.add_counts(kmin + int(nz[0]), half[nz[0] : nz[-1] + 1])
 
-    def _add_torch(self, x: torch.Tensor) -> None:
+    def _add_torch(self, x: torch.Tensor, weight: int = 1) -> None:
         """Keys computed where the tensor lives (the accelerator path); only counts move."""
         if bool(torch.isnan(x).any()):
             raise ValueError("cannot sketch NaN values")
         mag = x.abs().clamp(max=float(torch.finfo(torch.float32).max))
         big = mag >= _MIN_INDEXABLE
-        self.zeros += int(x.numel() - int(big.sum()))
+        self.zeros += int(x.numel() - int(big.sum())) * weight
         pos = x > 0
-        self.positive.add_keys(self.key(mag[big & pos]))
-        self.negative.add_keys(self.key(mag[big & ~pos]))
+        self.positive.add_keys(self.key(mag[big & pos]), weight)
+        self.negative.add_keys(self.key(mag[big & ~pos]), weight)
 
     def merge(self, other: LogSketch) -> LogSketch:
         """Add another sketch's counts into this one (same ``alpha`` required)."""

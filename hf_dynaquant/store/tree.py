@@ -34,8 +34,9 @@ __all__ = ["DeferredTensor", "flatten_tree", "unflatten_tree"]
 class DeferredTensor:
     """A tree leaf made only when the store encodes it, and dropped once encoded: a tree can
     then hold tensors derived from others (Adam's update and scale, from the moments) without
-    all of them in memory at once. ``make()`` returns a new tensor of ``shape`` (never a view
-    of another leaf's memory: the store does not look for tied tensors among deferred leaves)."""
+    all of them in memory at once. ``make()`` returns a tensor of ``shape`` whose memory no other
+    leaf holds (a new tensor, or a view of one the tree does not store, as Adam's ``v`` is
+    for its scale): the store does not look for tied tensors among deferred leaves."""
 
     shape: tuple[int, ...]
     make: Callable[[], torch.Tensor]

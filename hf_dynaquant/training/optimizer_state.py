@@ -38,14 +38,13 @@ import torch
 from ..core.dtypes import all_finite
 from ..core.memory import ReleaseFreed
 from ..core.moments import (
-    adam_scale,
     adam_scale_stats,
     adam_update,
     codes_to_adam,
     fidelity_from_sums,
     grid_step,
     norm_gain,
-    quantized_fidelity_sums,
+    quantization_sums,
     scale_gain,
     scale_plan,
     update_scale_to_adam,
@@ -58,7 +57,6 @@ from ..core.quantizer import (
     TensorPlan,
     coded_values,
     plan_quantization,
-    quantize,
     refuse_or_warn_non_finite,
 )
 from ..errors import CorruptCheckpointError, FormatError
@@ -249,9 +247,12 @@ class _Moment:
             return adam_update(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps).reshape(-1)
         return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
 
-    def scale(self) -> torch.Tensor:
-        """Adam's scale ``log(sqrt(v) + eps)``, float32 on the CPU."""
-        return adam_scale(self.entry["exp_avg_sq"], self.eps)
+    def scale_source(self) -> torch.Tensor:
+        """What the codes of Adam's scale ``log(sqrt(v) + eps)`` are made from: ``v`` itself,
+        float32 on the CPU (no copy of a float32 ``v`` there), as the scale's plan partitions
+        it (:func:`~hf_dynaquant.core.moments.scale_plan`: thresholds in ``v``'s domain), so
+        a save takes no logarithm and makes no float32 scale."""
+        return self.entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
 
     def scale_stats(self, step: float) -> tuple[bool, float, np.ndarray]:
         """:func:`~hf_dynaquant.core.moments.scale_stats` of :meth:`scale` on the grid of ``step``,
@@ -313,7 +314,11 @@ def _decide(
     bad = [pid for pid, n in zip(group, red.total(np.array(local_bad, dtype=np.float64))) if n > 0]
     pending = [pid for pid in group if pid not in bad]
     chosen: dict[Any, _Choice] = {}
-    sketches: dict = {}  # each target's sketches, made once for all the bin counts tried
+    # each target's sketches, made once for all the bin counts tried; the targets left were
+    # found finite above, which the planners' caches are told (plan_quantization's key per
+    # tensor, plan_sharded's list of non-finite ones) so that neither checks them again
+    sketches: dict = {(str(pid), "finite"): True for pid in pending}
+    sketches["non-finite"] = []
     for bins in settings.bins:
         if not pending:
             break
@@ -327,9 +332,7 @@ def _decide(
 
         def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
             """The fidelity sums of one target quantized under ``plan`` (zeros for a copy another process counts)."""
-            tp = plan.tensors[str(pid)]
-            codes, kept = quantize(targets[pid], tp)
-            return quantized_fidelity_sums(targets[pid], codes, tp.centres, kept) if red.counts(pid) else np.zeros(4)
+            return quantization_sums(targets[pid], plan.tensors[str(pid)]) if red.counts(pid) else np.zeros(4)
 
         # tensor by tensor on the pool (the kernels release the GIL), a few at a time
         sums = np.array(list(ordered_map(_POOL, sums_of, pending))).reshape(-1, 4)
@@ -439,7 +442,7 @@ def encode_optimizer_state(
         original = moment.entry
         if moment.kind == ADAM:
             shape = tuple(original["exp_avg"].shape)
-            u, s = _deferred(moment.target, shape), _deferred(moment.scale, shape)
+            u, s = _deferred(moment.target, shape), _deferred(moment.scale_source, shape)
             new_state[pid] = {
                 "step": original["step"],
                 "dq_moments": ADAM,

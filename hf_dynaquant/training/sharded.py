@@ -48,6 +48,7 @@ sharded checkpoints code the weights directly (``QuantConfig(residual=...)`` or 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -61,10 +62,9 @@ from torch.optim import Optimizer
 
 from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
 from ..core.dtypes import all_finite
-from ..core.kmeans import KMEANS_ALPHA, approximate_kmeans
+from ..core.kmeans import approximate_kmeans
 from ..core.quantizer import (
     EMBEDDING,
-    FIRST_CENTRE,
     QuantConfig,
     QuantPlan,
     flat_f32,
@@ -73,9 +73,10 @@ from ..core.quantizer import (
     layer_types,
     plan_quantization,
     refuse_or_warn_non_finite,
+    remaining_sketch,
 )
 from ..core.ranking import GradientEMA
-from ..core.sketch import LogSketch
+from ..core.sketch import SAMPLE_FROM, LogSketch, sample
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -258,18 +259,34 @@ def plan_sharded(
             )
     if not sens_ok:
         sens, config = {}, replace(config, prune_by="magnitude")  # (warned above: no second warning)
-    wanted = {(n, "magnitude", config.alpha): (t, True) for n, t in selected.items()}
-    wanted.update({(n, "sensitivity", config.alpha): (s, False) for n, s in sens.items()})
-    todo = {key: LogSketch(config.alpha).add(v, magnitude=m) for key, (v, m) in wanted.items() if key not in cache}
-    cache.update(merge_sketches(todo))
+    # where this rank's rows begin in each flat full tensor: a shard samples the values of its
+    # sketches (and draws stochastic rounding's random numbers) where the full tensor would
+    total = {n: math.prod(shapes[n]) for n in selected}
+    offsets = dict.fromkeys(selected, 0)
+    if config.rounding == "stochastic" or any(t >= SAMPLE_FROM for t in total.values()):
+        rows, rank = all_gather({n: int(t.shape[0]) for n, t in selected.items()}), rank_world()[0]
+        offsets = {n: sum(r[n] for r in rows[:rank]) * math.prod(shapes[n][1:]) for n in selected}
+    wanted = {(n, "magnitude", config.alpha): (n, t, True) for n, t in selected.items()}
+    wanted.update({(n, "sensitivity", config.alpha): (n, s, False) for n, s in sens.items()})
+
+    def sketch(name: str, values: torch.Tensor, magnitude: bool) -> LogSketch:
+        x, weight = sample(values, total[name], offsets[name])
+        return LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
+
+    cache.update(merge_sketches({key: sketch(*how) for key, how in wanted.items() if key not in cache}))
     # the thresholds (from the merged sketches in the cache) and codes; min_numel was applied to the full shapes
     plan = plan_quantization(
         selected, replace(config, min_numel=0), types=kinds, sensitivity=sens or None, sketch_cache=cache
     )
-    values = {n: flat_f32(selected[n]).numpy() for n in plan.tensors}
     rest = {
-        n: LogSketch(KMEANS_ALPHA).add(w, where=(tp.codes(w, np.zeros(0, np.float32))[0], FIRST_CENTRE))
-        for (n, tp), w in zip(plan.tensors.items(), values.values())
+        n: remaining_sketch(
+            tp,
+            flat_f32(selected[n]).numpy(),
+            None if tp.sensitivity is None else flat_f32(tp.sensitivity).numpy(),
+            total[n],
+            offsets[n],
+        )
+        for n, tp in plan.tensors.items()
     }
     for n, merged in merge_sketches(rest).items():
         tp = plan.tensors[n]
@@ -277,10 +294,8 @@ def plan_sharded(
         centres = approximate_kmeans(merged, k, sigma=config.sigma, seed=config.seed) if merged.count else np.zeros(1)
         tp.centres = centres.astype(np.float32)
     if config.rounding == "stochastic":  # a shard draws the random numbers of its rows of the full tensor
-        rows = all_gather({n: int(selected[n].shape[0]) for n in plan.tensors})
-        rank = rank_world()[0]
         for n, tp in plan.tensors.items():
-            tp.dither_offset = sum(r[n] for r in rows[:rank]) * int(np.prod(shapes[n][1:], dtype=np.int64))
+            tp.dither_offset = offsets[n]
     return QuantPlan(config, plan.tensors)
 
 

@@ -30,7 +30,7 @@
  * same results either way. Elsewhere it is built once, for the baseline. */
 #if defined(__has_attribute)
 #if __has_attribute(target_clones) && defined(__linux__) && defined(__x86_64__) && defined(__GLIBC__)
-#define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #endif
 #endif
 #ifndef SIMD_CLONES
