@@ -26,6 +26,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, quantize
 from hf_dynaquant.search import ConfigurationSearch, mean_loss
-from hf_dynaquant.training.optimizer_state import MomentQuant
+from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
 from hf_dynaquant.training.sharded import ShardedCompressor, _layer_types, local_tensor, plan_sharded
 
 THRESHOLD = 0.02
@@ -131,6 +132,32 @@ def dump(out: Path, rank: int, phase: str, model: torch.nn.Module, report: dict)
     (out / f"rank{rank}-{phase}.json").write_text(json.dumps(report))
 
 
+def sampled_moments(comp: ShardedCompressor, rank: int) -> dict:
+    """A large Adam state (its decisions read a sample of its values) cut between the ranks
+    mid-block: each rank decides, and plans, what one process decides for the whole."""
+    pid = int(next(p for p, keys in comp._optimizer_sharded.items() if keys))  # a sharded parameter's id
+    g = torch.Generator().manual_seed(12)
+    n, cut = 1_100_000, 557_003
+    sigma = torch.exp(torch.randn(n, generator=g)) * 1e-3
+    g1, g2 = (torch.randn(n, generator=g) * sigma for _ in range(2))
+    m, v = 0.1 * (g2 + 0.9 * g1), 0.001 * (g2.square() + 0.999 * g1.square())
+    rows = slice(0, cut) if rank == 0 else slice(cut, n)
+
+    def state(m: torch.Tensor, v: torch.Tensor) -> dict:
+        entry = {"step": torch.tensor(2.0), "exp_avg": m, "exp_avg_sq": v}
+        return {"state": {pid: entry}, "param_groups": [{"params": [pid], "eps": 1e-8, "lr": 1e-3}]}
+
+    mine = encode_optimizer_state(state(m[rows], v[rows]), settings=MOMENTS, reductions=comp.optimizer_reductions())
+    whole = encode_optimizer_state(state(m, v), settings=MOMENTS)
+    gains = [(mine.tree["state"][pid][k], whole.tree["state"][pid][k]) for k in ("dq_gain", "dq_scale_gain")]
+    return {
+        "bins": mine.report["bins"] == whole.report["bins"] == {str(pid): mine.report["bins"][str(pid)]},
+        "centres": mine.plans.keys() == whole.plans.keys()
+        and all(np.array_equal(mine.plans[k].centres, tp.centres) for k, tp in whole.plans.items()),
+        "gains": all(abs(a / b - 1) < 1e-9 for a, b in gains),
+    }
+
+
 def main(out: Path, phase: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -174,6 +201,7 @@ def main(out: Path, phase: str) -> None:
             plan_sharded({"big": big[rows]}, CONFIG, shapes={"big": (1100, 1000)}, sensitivity={"big": big_sens[rows]}),
             plan_quantization({"big": big}, CONFIG, sensitivity={"big": big_sens}),
         )
+        report["sampled_moments"] = sampled_moments(comp, rank)
         report["types"] = snap.types
         state = {n: full(t).detach().contiguous() for n, t in model.state_dict().items()}
         moments = {  # the full optimizer state at the snapshot (for the test's single-process reference)

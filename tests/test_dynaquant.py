@@ -38,7 +38,7 @@ from hf_dynaquant.core.quantizer import (
     quantize,
 )
 from hf_dynaquant.core.ranking import GradientEMA
-from hf_dynaquant.errors import CodecError, CorruptCheckpointError
+from hf_dynaquant.errors import CodecError, CorruptCheckpointError, NonFiniteTensorWarning
 from hf_dynaquant.pipeline import compress_state_dict
 from hf_dynaquant.search import SearchSpace
 from hf_dynaquant.training.compressor import Compressor
@@ -450,6 +450,57 @@ def test_scale_codes_made_from_v_are_the_codes_of_the_scale(eps: float) -> None:
             from_scale, _ = quantize(adam_scale(values, eps), plain)
             assert np.array_equal(from_v, from_scale), (step, values.dtype)
         assert plan.thresholds.size == plan.centres.size - 1 and (step == 1.0 or plan.thresholds.size > 31)
+
+
+def _large_adam_state(n: int = 1100 * 1000) -> dict:
+    """An AdamW state after three steps of gradients with log-normal scales: one parameter of n
+    values (sketched from a sample), one small."""
+    g = torch.Generator().manual_seed(11)
+    state = {}
+    for pid, size in enumerate((n, 5000)):
+        sigma = torch.exp(torch.randn(size, generator=g)) * 1e-3
+        g1, g2, g3 = (torch.randn(size, generator=g) * sigma for _ in range(3))
+        m = 0.1 * (g3 + 0.9 * g2 + 0.81 * g1)
+        v = 0.001 * (g3.square() + 0.999 * g2.square() + 0.998 * g1.square())
+        state[pid] = {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
+    return {"state": state, "param_groups": [{"params": [0, 1], "eps": 1e-8, "lr": 1e-3}]}
+
+
+def test_large_moments_are_decided_from_a_sample_and_checked_whole(monkeypatch) -> None:
+    """The decisions read a large state's values where a sketch samples them (the plan, the
+    fidelity check, the scale gain): the same bin counts and scale grids as from every value,
+    gains within a percent. Finiteness and the scale's top are of every value: a NaN or an
+    infinity, or an m whose update overflows, at a position the sample skips still makes the
+    state lossless; v at -inf (counted as 0) does not."""
+    from hf_dynaquant.core import sketch as sketch_mod
+    from hf_dynaquant.training.optimizer_state import encode_optimizer_state
+
+    state = _large_adam_state()
+    sampled = encode_optimizer_state(state)
+    monkeypatch.setattr(sketch_mod, "SAMPLE_FROM", 1 << 62)  # every value, as the reference
+    exact = encode_optimizer_state(state)
+    monkeypatch.undo()
+    assert sampled.report["bins"] == exact.report["bins"] and set(sampled.report["bins"]) == {"0", "1"}
+    for key in ("/state/0/dq_scale", "/state/1/dq_scale", "/state/1/dq_update"):
+        assert np.array_equal(sampled.plans[key].centres, exact.plans[key].centres), key
+    centres = exact.plans["/state/0/dq_update"].centres
+    assert np.abs(sampled.plans["/state/0/dq_update"].centres - centres).max() < 0.01 * np.abs(centres).max()
+    for key in ("dq_gain", "dq_scale_gain"):
+        assert sampled.tree["state"][0][key] == pytest.approx(exact.tree["state"][0][key], rel=0.01)
+        assert sampled.tree["state"][1][key] == exact.tree["state"][1][key]  # (small: every value)
+    skipped = int(np.flatnonzero(~sketch_mod._sampled_blocks(0, 1000))[3]) * 64 + 5  # a value no sample reads
+    assert skipped not in set(sketch_mod.sample(torch.arange(1100 * 1000), 1100 * 1000)[0].tolist())
+    overflow = {"exp_avg": 1e32, "exp_avg_sq": 0.0}  # 1e32 / (0 + 1e-8) overflows float32
+    for spoil in ({"exp_avg": float("nan")}, {"exp_avg_sq": float("nan")}, {"exp_avg_sq": float("inf")}, overflow):
+        spoilt = _large_adam_state()
+        for moment, value in spoil.items():
+            spoilt["state"][0][moment][skipped] = value
+        with pytest.warns(NonFiniteTensorWarning, match="parameter 0"):
+            report = encode_optimizer_state(spoilt).report
+        assert report["non_finite"] == [0] and "0" not in report["bins"], spoil
+    negative = _large_adam_state()
+    negative["state"][0]["exp_avg_sq"][skipped] = -float("inf")
+    assert "non_finite" not in encode_optimizer_state(negative).report
 
 
 def _special_moments(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

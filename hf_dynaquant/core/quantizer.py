@@ -466,19 +466,29 @@ def _finite(cache: dict, key: tuple, tensor: Callable[[], torch.Tensor], fresh: 
 
 
 def remaining_sketch(
-    plan: TensorPlan, w: np.ndarray, sens: np.ndarray | None, total: int, offset: int = 0
+    plan: TensorPlan,
+    w: np.ndarray,
+    sens: np.ndarray | None,
+    total: int,
+    offset: int = 0,
+    *,
+    weight: int | None = None,
 ) -> LogSketch:
     """The sketch a codebook is clustered from: of the flat float32 values ``w`` (``sens``,
     their sensitivities, or ``None``) that ``plan``'s thresholds neither prune nor protect, read
     from their :func:`~.sketch.sample` (``total``, ``offset``: the tensor's size and where ``w``
     begins in it), so only the sample is partitioned (not at all when the plan neither prunes
-    nor protects)."""
-    x, weight = sample(torch.from_numpy(w), total, offset)
+    nor protects). ``weight``: ``w`` is a sample already, each value counting that many times."""
+    def read(values: np.ndarray) -> tuple[torch.Tensor, int]:
+        x = torch.from_numpy(values)
+        return (x, weight) if weight is not None else sample(x, total, offset)
+
+    x, counts = read(w)
     if plan.keeps_every_value(sens is not None):
-        return LogSketch(KMEANS_ALPHA).add(x, weight=weight)
-    s = None if sens is None else sample(torch.from_numpy(sens), total, offset)[0].numpy()
+        return LogSketch(KMEANS_ALPHA).add(x, weight=counts)
+    s = None if sens is None else read(sens)[0].numpy()
     codes, _ = plan._partition(x.numpy(), s, np.zeros(0, np.float32))
-    return LogSketch(KMEANS_ALPHA).add(x, where=(codes, FIRST_CENTRE), weight=weight)
+    return LogSketch(KMEANS_ALPHA).add(x, where=(codes, FIRST_CENTRE), weight=counts)
 
 
 def flat_f32(t: torch.Tensor) -> torch.Tensor:
@@ -496,6 +506,7 @@ def plan_quantization(
     where: str | None = None,
     reference: Mapping[str, torch.Tensor] | None = None,
     calibration: Calibration | None = None,
+    sample_weights: Mapping[str, int] | None = None,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
@@ -517,8 +528,12 @@ def plan_quantization(
 
     ``calibration`` (see :class:`Calibration`): with ``config.error_feedback``, every 2-D tensor
     with a Gram matrix of its inputs' width is rounded with error feedback.
+
+    ``sample_weights`` names tensors given as a sample the caller took (:func:`~.sketch.sample`
+    of a larger tensor), each value counting that many times: they are sketched as they are.
     """
     cache = sketch_cache if sketch_cache is not None else {}
+    presampled = sample_weights or {}
     refs = _references(tensors, reference, config.residual, cache)
     checked: list[tuple[tuple, bool]] = []  # finiteness checks made by this call (reported once per cache)
 
@@ -526,9 +541,13 @@ def plan_quantization(
         # a residual's sketches apart; a direct tensor's keyed as callers that fill the cache expect
         key = (name, kind, config.alpha) + ((config.residual,) if name in refs else ())
         if key not in cache:
-            x, weight = sample(values(), numel[name])
+            x, weight = sampled(name, values())
             cache[key] = LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
         return cache[key]
+
+    def sampled(name: str, values: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The values of ``name`` that its sketches read, and their weight."""
+        return (values, presampled[name]) if name in presampled else sample(values, numel[name])
 
     names, kinds, first_name = [], {}, {}
     numel: dict[str, int] = {}
@@ -666,7 +685,7 @@ def plan_quantization(
         w, s = plan.target(tensors[n]), sens[n].numpy() if n in sens else None
         if rare is not None:
             w, s = plan.row_values(w, rare), None if s is None else plan.row_values(s, rare)
-        return remaining_sketch(plan, w, s, w.size)
+        return remaining_sketch(plan, w, s, w.size, weight=presampled.get(n))
 
     def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
         """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its
@@ -690,8 +709,8 @@ def plan_quantization(
             with contextlib.suppress(torch.OutOfMemoryError):
                 s = cached_on_device(cache, (n, "sensitivity", key[2]), sens[n], device) if n in sens else None
                 if n not in sens or s is not None:
-                    w, weight = sample(_residual(tensors[n], refs.get(n)).reshape(-1).float(), numel[n])
-                    codes, _ = probe.device_codes(w, None if s is None else sample(s, numel[n])[0])
+                    w, weight = sampled(n, _residual(tensors[n], refs.get(n)).reshape(-1).float())
+                    codes, _ = probe.device_codes(w, None if s is None else sampled(n, s)[0])
                     cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE], weight=weight)
             if key not in cache:  # no room on the device: sketched on the host, in this thread too
                 probe.reference = flat_f32(refs[n]).numpy() if n in refs else None

@@ -38,6 +38,7 @@ import torch
 from ..core.dtypes import all_finite
 from ..core.memory import ReleaseFreed
 from ..core.moments import (
+    adam_scale,
     adam_scale_stats,
     adam_update,
     codes_to_adam,
@@ -45,6 +46,7 @@ from ..core.moments import (
     grid_step,
     norm_gain,
     quantization_sums,
+    scale_floor,
     scale_gain,
     scale_plan,
     update_scale_to_adam,
@@ -59,6 +61,7 @@ from ..core.quantizer import (
     plan_quantization,
     refuse_or_warn_non_finite,
 )
+from ..core.sketch import sample
 from ..errors import CorruptCheckpointError, FormatError
 from ..store.tree import DeferredTensor, flatten_tree
 
@@ -162,7 +165,8 @@ class OptimizerEncoding:
 class PlanFn(Protocol):
     """Plans tensors from this process's part of each (``shapes``: the full ``(numel, 1)``;
     ``sketch_cache``: kept across the bin counts tried for the same tensors, whose sketches do
-    not depend on the bins)."""
+    not depend on the bins; ``sample_weights``: the tensors given as samples, see
+    :func:`~hf_dynaquant.core.quantizer.plan_quantization`)."""
 
     def __call__(
         self,
@@ -172,6 +176,7 @@ class PlanFn(Protocol):
         shapes: Mapping[str, Any],
         types: Mapping[str, str],
         sketch_cache: dict | None = None,
+        sample_weights: Mapping[str, int] | None = None,
     ) -> QuantPlan: ...
 
 
@@ -182,9 +187,10 @@ def _plan_here(
     shapes: Mapping[str, Any],
     types: Mapping[str, str],
     sketch_cache: dict | None = None,
+    sample_weights: Mapping[str, int] | None = None,
 ) -> QuantPlan:
     """One process holds every value: the plan of the tensors themselves."""
-    return plan_quantization(tensors, config, types=types, sketch_cache=sketch_cache)
+    return plan_quantization(tensors, config, types=types, sketch_cache=sketch_cache, sample_weights=sample_weights)
 
 
 def _float64(values: np.ndarray) -> np.ndarray:
@@ -195,6 +201,11 @@ def _float64(values: np.ndarray) -> np.ndarray:
 def _mine(pid: Any) -> bool:
     """In one process every value is the process's own."""
     return True
+
+
+def _from_start(local: dict[Any, int]) -> dict[Any, int]:
+    """In one process every tensor's values begin at its start."""
+    return dict.fromkeys(local, 0)
 
 
 @dataclass(frozen=True)
@@ -216,12 +227,16 @@ class Reductions:
         counts: whether this process's values of parameter ``pid`` are its own part (rows
             nobody else holds); ``False`` for a copy that another process counts (state of a
             parameter every process holds whole), so nothing is counted twice.
+        offsets: from ``{pid: how many values of its state this process counts}``, where those
+            values begin in the flat full tensor (the counts of the processes before it): the
+            samples the decisions read are the full tensor's (:func:`~hf_dynaquant.core.sketch.sample`).
     """
 
     plan: PlanFn = _plan_here
     total: Callable[[np.ndarray], np.ndarray] = _float64
     maximum: Callable[[np.ndarray], np.ndarray] = _float64
     counts: Callable[[Any], bool] = _mine
+    offsets: Callable[[dict[Any, int]], dict[Any, int]] = _from_start
 
 
 def _group_eps(state_dict: Mapping[str, Any]) -> dict[Any, float | None]:
@@ -247,6 +262,35 @@ class _Moment:
             return adam_update(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps).reshape(-1)
         return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
 
+    def numel(self) -> int:
+        return self.entry["exp_avg" if self.kind == ADAM else "momentum_buffer"].numel()
+
+    def sampled_target(self, total: int, offset: int) -> tuple[torch.Tensor, int]:
+        """``(values, weight)``: :meth:`target` at the positions a sketch of the full tensor
+        (``total`` values, this process's from ``offset``) samples (:func:`~hf_dynaquant.core.sketch.sample`),
+        made from the moments' values there alone, and their weight (1: every value)."""
+        if self.kind == SGD:
+            buf, weight = sample(self.entry["momentum_buffer"].detach().reshape(-1), total, offset)
+            return buf.to("cpu", torch.float32), weight
+        m, weight = sample(self.entry["exp_avg"].detach().reshape(-1), total, offset)
+        v, _ = sample(self.entry["exp_avg_sq"].detach().reshape(-1), total, offset)
+        return adam_update(m, v, self.eps).reshape(-1), weight
+
+    def target_finite(self) -> bool:
+        """Whether :meth:`target` is finite at every value where the scale is (an Adam state
+        is quantized only when both are): without making it, since ``m / (sqrt(v) + eps)``
+        with a finite ``v`` is finite where ``m`` is, unless the quotient overflows, which
+        only an ``|m|`` near float32's largest over ``eps`` can make (then it is made and checked)."""
+        if self.kind == SGD:
+            return all_finite(self.entry["momentum_buffer"])
+        m = self.entry["exp_avg"]
+        if not all_finite(m):
+            return False
+        low, high = torch.aminmax(m.detach()) if m.numel() else (torch.zeros(()), torch.zeros(()))
+        largest = max(-float(low), float(high))  # (no |m|: a copy of m)
+        floor = float(np.float32(scale_floor(self.eps)))
+        return largest / floor < float(np.finfo(np.float32).max) / 2 or all_finite(self.target())
+
     def scale_source(self) -> torch.Tensor:
         """What the codes of Adam's scale ``log(sqrt(v) + eps)`` are made from: ``v`` itself,
         float32 on the CPU (no copy of a float32 ``v`` there), as the scale's plan partitions
@@ -254,10 +298,24 @@ class _Moment:
         a save takes no logarithm and makes no float32 scale."""
         return self.entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
 
-    def scale_stats(self, step: float) -> tuple[bool, float, np.ndarray]:
-        """:func:`~hf_dynaquant.core.moments.scale_stats` of :meth:`scale` on the grid of ``step``,
-        without making the scale where the compiled kernel can."""
-        return adam_scale_stats(self.entry["exp_avg_sq"], self.eps, step)
+    def scale_top(self) -> tuple[bool, float]:
+        """Whether Adam's scale ``log(sqrt(v) + eps)`` is finite everywhere (no NaN or +inf in
+        ``v``), and its maximum (``-inf`` for no values): the scale of ``v``'s maximum, as the
+        scale grows with ``v``; one pass over ``v``, no logarithm but that one."""
+        v = self.entry["exp_avg_sq"]
+        if not v.numel():
+            return True, -math.inf
+        largest = float(v.detach().max())  # NaN if any is
+        if math.isnan(largest) or largest == math.inf:
+            return False, math.inf
+        return True, float(adam_scale(torch.tensor([largest], dtype=torch.float32), self.eps)[0])
+
+    def scale_gain_sums(self, step: float, total: int, offset: int) -> np.ndarray:
+        """:func:`~hf_dynaquant.core.moments.scale_gain_sums` of the scale on the grid of
+        ``step``, from the values :meth:`sampled_target` reads (without making the scale where
+        the compiled kernel can)."""
+        v, _ = sample(self.entry["exp_avg_sq"].detach().reshape(-1), total, offset)
+        return adam_scale_stats(v, self.eps, step)[2]
 
     def scale_step(self, settings: MomentQuant) -> float:
         """The step of this Adam state's scale grid (finer for a bf16 ``v``)."""
@@ -292,21 +350,28 @@ def _decide(
     choice for each whose target passes the fidelity check at some bin count, the ones whose
     moments hold NaN or inf, and the top of each Adam scale (over the processes)."""
 
-    def facts(pid: Any) -> tuple[torch.Tensor, bool, float, np.ndarray]:
-        """The target, whether it and the scale are finite, and the scale's maximum and scale
-        gain sums on the configured grid (this process's)."""
+    # where this process's values begin in each flat full tensor: the decisions read the values
+    # a sketch samples of a large tensor (a plan, a fidelity check and a scale gain are
+    # statistics of its values), the finiteness and the scale's maximum are of every value
+    offsets = red.offsets({pid: candidates[pid].numel() if red.counts(pid) else 0 for pid in group})
+
+    def facts(pid: Any) -> tuple[torch.Tensor, int, bool, float, np.ndarray]:
+        """The sampled target and its weight, whether the target and the scale are finite,
+        and the scale's maximum and scale gain sums on the configured grid (this process's)."""
         moment = candidates[pid]
-        target, top, gain_sums = moment.target(), -math.inf, np.zeros(2)
-        finite = all_finite(target)
+        target, weight = moment.sampled_target(int(numel[pid]), offsets[pid])
+        top, gain_sums, finite = -math.inf, np.zeros(2), True
         if moment.kind == ADAM:
-            scale_finite, top, gain_sums = moment.scale_stats(moment.scale_step(settings))
-            finite = finite and scale_finite
-        return target, finite, top, gain_sums
+            finite, top = moment.scale_top()
+            if finite:
+                gain_sums = moment.scale_gain_sums(moment.scale_step(settings), int(numel[pid]), offsets[pid])
+        return target, weight, finite and moment.target_finite(), top, gain_sums
 
     targets: dict[Any, torch.Tensor] = {}
+    weights: dict[str, int] = {}
     local_bad, local_top, local_gain_sums = [], {}, {}
-    for pid, (target, finite, top, gain_sums) in zip(group, ordered_map(_POOL, facts, group)):
-        targets[pid] = target
+    for pid, (target, weight, finite, top, gain_sums) in zip(group, ordered_map(_POOL, facts, group)):
+        targets[pid], weights[str(pid)] = target, weight
         local_bad.append(red.counts(pid) and not finite)
         local_top[pid] = top
         local_gain_sums[pid] = gain_sums if red.counts(pid) else np.zeros(2)
@@ -328,7 +393,14 @@ def _decide(
         # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
         parts = {str(pid): (targets[pid] if red.counts(pid) else targets[pid][:0]).reshape(-1, 1) for pid in pending}
         shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}
-        plan = red.plan(parts, config, shapes=shapes, types={n: "moment" for n in parts}, sketch_cache=sketches)
+        plan = red.plan(
+            parts,
+            config,
+            shapes=shapes,
+            types={n: "moment" for n in parts},
+            sketch_cache=sketches,
+            sample_weights={n: weights[n] for n in parts},
+        )
 
         def sums_of(pid: Any, plan: QuantPlan = plan) -> np.ndarray:
             """The fidelity sums of one target quantized under ``plan`` (zeros for a copy another process counts)."""
@@ -352,7 +424,7 @@ def _decide(
         configured = candidates[pid].scale_step(settings)
         step = grid_step(tops[pid], candidates[pid].eps, configured)
         if step != configured and red.counts(pid):
-            local_gain_sums[pid] = candidates[pid].scale_stats(step)[2]
+            local_gain_sums[pid] = candidates[pid].scale_gain_sums(step, int(numel[pid]), offsets[pid])
     gain_sums = red.total(np.concatenate([local_gain_sums[pid] for pid in adam])).reshape(-1, 2)
     for pid, row in zip(adam, gain_sums):
         chosen[pid] = replace(chosen[pid], scale_gain=scale_gain(row))

@@ -222,6 +222,7 @@ def plan_sharded(
     sensitivity: Mapping[str, torch.Tensor] | None = None,
     sketch_cache: dict | None = None,
     where: str | None = None,
+    sample_weights: Mapping[str, int] | None = None,
 ) -> QuantPlan:
     """The plan of the full tensors, from this rank's shards ``local`` (called on every rank
     together; ``shapes`` are the full shapes, ``sensitivity`` this rank's shards of it).
@@ -232,7 +233,8 @@ def plan_sharded(
     codebook of each tensor from the merged sketch of its remaining values: the result equals
     :func:`~hf_dynaquant.core.quantizer.plan_quantization` of the full tensors, exactly.
     ``sketch_cache`` (any dict, kept across configurations of one checkpoint) holds the merged
-    per-tensor sketches, which do not depend on the configuration."""
+    per-tensor sketches, which do not depend on the configuration. ``sample_weights``: see
+    :func:`~hf_dynaquant.core.quantizer.plan_quantization` (the same on every rank)."""
     cache = sketch_cache if sketch_cache is not None else {}
     shapes = {n: tuple(s) for n, s in shapes.items()}
     selected = {
@@ -261,22 +263,28 @@ def plan_sharded(
         sens, config = {}, replace(config, prune_by="magnitude")  # (warned above: no second warning)
     # where this rank's rows begin in each flat full tensor: a shard samples the values of its
     # sketches (and draws stochastic rounding's random numbers) where the full tensor would
+    presampled = sample_weights or {}
     total = {n: math.prod(shapes[n]) for n in selected}
     offsets = dict.fromkeys(selected, 0)
-    if config.rounding == "stochastic" or any(t >= SAMPLE_FROM for t in total.values()):
+    if config.rounding == "stochastic" or any(t >= SAMPLE_FROM for n, t in total.items() if n not in presampled):
         rows, rank = all_gather({n: int(t.shape[0]) for n, t in selected.items()}), rank_world()[0]
         offsets = {n: sum(r[n] for r in rows[:rank]) * math.prod(shapes[n][1:]) for n in selected}
     wanted = {(n, "magnitude", config.alpha): (n, t, True) for n, t in selected.items()}
     wanted.update({(n, "sensitivity", config.alpha): (n, s, False) for n, s in sens.items()})
 
     def sketch(name: str, values: torch.Tensor, magnitude: bool) -> LogSketch:
-        x, weight = sample(values, total[name], offsets[name])
+        x, weight = (values, presampled[name]) if name in presampled else sample(values, total[name], offsets[name])
         return LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
 
     cache.update(merge_sketches({key: sketch(*how) for key, how in wanted.items() if key not in cache}))
     # the thresholds (from the merged sketches in the cache) and codes; min_numel was applied to the full shapes
     plan = plan_quantization(
-        selected, replace(config, min_numel=0), types=kinds, sensitivity=sens or None, sketch_cache=cache
+        selected,
+        replace(config, min_numel=0),
+        types=kinds,
+        sensitivity=sens or None,
+        sketch_cache=cache,
+        sample_weights=presampled,
     )
     rest = {
         n: remaining_sketch(
@@ -285,6 +293,7 @@ def plan_sharded(
             None if tp.sensitivity is None else flat_f32(tp.sensitivity).numpy(),
             total[n],
             offsets[n],
+            weight=presampled.get(n),
         )
         for n, tp in plan.tensors.items()
     }
@@ -471,8 +480,16 @@ class ShardedCompressor(Compressor):
         (each rank holds its own rows), else on rank 0 only (every rank holds the same copy)."""
         rank = rank_world()[0]
         sharded = {pid for pid, keys in self._optimizer_sharded.items() if keys}
+        def offsets(local: dict[Any, int]) -> dict[Any, int]:
+            before = all_gather(local)[:rank]
+            return {pid: sum(values[pid] for values in before) for pid in local}
+
         return Reductions(
-            plan=plan_sharded, total=all_sum, maximum=all_max, counts=lambda pid: str(pid) in sharded or rank == 0
+            plan=plan_sharded,
+            total=all_sum,
+            maximum=all_max,
+            counts=lambda pid: str(pid) in sharded or rank == 0,
+            offsets=offsets,
         )
 
     # -- loading ----------------------------------------------------------------------------
