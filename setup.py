@@ -44,7 +44,8 @@ setup(
             ],
             depends=[f"{CSRC}/kernels.h"],
             # sqrt, log and exp never set errno (nothing reads it), so sqrtf vectorises; the
-            # OpenMP simd pragmas (no OpenMP runtime) let marked reductions vectorise
+            # OpenMP simd pragmas (no OpenMP runtime) let marked reductions vectorise; a * b + c is
+            # never contracted into one rounding (an FMA), so every build gives the same results
             extra_compile_args=["-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off"],
             optional=True,
         ),

@@ -503,6 +503,46 @@ def test_large_moments_are_decided_from_a_sample_and_checked_whole(monkeypatch) 
     assert "non_finite" not in encode_optimizer_state(negative).report
 
 
+def test_large_moments_other_kinds_and_settings(monkeypatch) -> None:
+    """The sampled decisions with a min_numel above the sample's size (the candidates are chosen
+    by their full sizes), for SGD momentum (the same bin count as from every value), and for
+    float64 moments whose values lie past float32's range at a position no sample reads (the
+    update or scale would be infinite: lossless); a scale threshold below v = 0's scale is -inf."""
+    from hf_dynaquant.core import sketch as sketch_mod
+    from hf_dynaquant.core.moments import _second_moment_thresholds
+    from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
+
+    big = encode_optimizer_state(_large_adam_state(), settings=MomentQuant(min_numel=1 << 18)).report
+    assert set(big["bins"]) == {"0"} and big["quantized"] == 1
+    g = torch.Generator().manual_seed(13)
+    sgd = {
+        "state": {0: {"momentum_buffer": torch.randn(1_100_000, generator=g) * torch.logspace(-3, 0, 1_100_000)}},
+        "param_groups": [{"params": [0], "lr": 0.1, "momentum": 0.9}],
+    }
+    sampled = encode_optimizer_state(sgd)
+    monkeypatch.setattr(sketch_mod, "SAMPLE_FROM", 1 << 62)  # every value, as the reference
+    exact = encode_optimizer_state(sgd)
+    monkeypatch.undo()
+    assert sampled.report["bins"] == exact.report["bins"] == {"0": exact.report["bins"]["0"]}
+    assert sampled.tree["state"][0]["dq_gain"] == pytest.approx(exact.tree["state"][0]["dq_gain"], rel=0.01)
+    skipped = int(np.flatnonzero(~sketch_mod._sampled_blocks(0, 1000))[3]) * 64 + 5  # a value no sample reads
+    wide = _large_adam_state()
+    for entry in wide["state"].values():
+        entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg"].double(), entry["exp_avg_sq"].double()
+    wide["state"][0]["exp_avg_sq"][skipped] = 1e300
+    wide_sgd = {
+        "state": {0: {"momentum_buffer": sgd["state"][0]["momentum_buffer"].double()}},
+        "param_groups": sgd["param_groups"],
+    }
+    wide_sgd["state"][0]["momentum_buffer"][skipped] = -1e300
+    for state in (wide, wide_sgd):
+        with pytest.warns(NonFiniteTensorWarning, match="parameter 0"):
+            report = encode_optimizer_state(state).report
+        assert report["non_finite"] == [0], report
+    below = _second_moment_thresholds(1e-8, np.array([-30.0, -10.0], dtype=np.float32).tobytes())
+    assert below[0] == -np.inf and 0 < below[1] < 1e-8
+
+
 def _special_moments(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Adam moments with every special case: zeros, a negative and NaN v, NaN and inf m."""
     g = torch.Generator().manual_seed(5)

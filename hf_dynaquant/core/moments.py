@@ -210,7 +210,9 @@ T = TypeVar("T")
 # Values from which a pass over a tensor (codes_to_adam, adam_update, adam_scale) is split into
 # parts made on several threads: below it, a thread's hand-off costs more than the part saves.
 _SPLIT_FROM = 1 << 21
-_STATS_PART = 1 << 22  # values of each part of adam_scale_stats (a fixed size: sums that do not depend on the cores)
+# values of each part of adam_scale_stats and quantization_sums (a fixed size: sums that do not
+# depend on the cores)
+_STATS_PART = 1 << 22
 _POOL = ForkSafePool("dq-adam")
 
 
@@ -284,7 +286,8 @@ def scale_plan(top: float, eps: float, step: float) -> TensorPlan:
     levels = int(math.floor(span / step + 0.5)) + 1
     centres = (origin + step * np.arange(levels, dtype=np.float64)).astype(np.float32)
     plan = TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
-    plan.thresholds = _second_moment_thresholds(float(eps), ((centres[1:] + centres[:-1]) / 2).astype(np.float32).tobytes())
+    mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
+    plan.thresholds = _second_moment_thresholds(float(eps), mids.tobytes())
     return plan
 
 
@@ -295,7 +298,8 @@ def _second_moment_thresholds(eps: float, mids: bytes) -> np.ndarray:
     found by bisection over the float32 bits with :func:`adam_scale` itself. The scale grows with
     ``v``, so ``v`` lies above that threshold exactly when its scale lies above ``m``: the scale's
     codes are made from ``v`` by the partition with these midpoints, the same codes without the
-    logarithm or the scale's float32 form (:meth:`TensorPlan.rules`; a test checks the equality)."""
+    logarithm or the scale's float32 form (:meth:`TensorPlan.rules`; a test checks the equality;
+    the one exception, a ``v`` of -inf against a threshold of -inf, Adam never holds)."""
     m = np.frombuffer(mids, dtype=np.float32)
     lo = np.zeros(m.size, dtype=np.int64)  # the first v (as bits) whose scale is above m lies in [lo, hi]
     hi = np.full(m.size, 0x7F800000, dtype=np.int64)  # +inf, whose scale is above any m

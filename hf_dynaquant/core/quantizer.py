@@ -90,6 +90,7 @@ __all__ = [
     "QuantConfig",
     "TensorPlan",
     "QuantPlan",
+    "remaining_sketch",
     "PRUNED",
     "PROTECTED",
     "FIRST_CENTRE",
@@ -270,7 +271,8 @@ class TensorPlan:
     rare_rows: np.ndarray | None = field(default=None, repr=False)  # uint8 per row, 1: a rare row (rare_bins)
     common: int = 0  # with rare_rows: how many of the centres are the common rows' (the rest are the rare rows')
     # the partition's midpoints in the domain of the values the codes are made from, where that is
-    # not the centres' (an Adam scale's codes are made from v: see moments.scale_plan); None: the centres'
+    # not the centres' (an Adam scale's codes are made from v: see moments.scale_plan); None: the
+    # centres'. Nearest rounding by the partition only (no dither, error feedback or rare rows)
     thresholds: np.ndarray | None = field(default=None, repr=False)
 
     def target(self, w: torch.Tensor) -> np.ndarray:
@@ -383,7 +385,8 @@ class TensorPlan:
         """What partitioning needs, as the kernels take it: the centres' midpoints (or the plan's
         ``thresholds``), the sensitivity protection threshold (inf: unused), the pruning
         threshold (-1: none) and whether pruning goes by sensitivity."""
-        mids = self.thresholds if self.thresholds is not None else ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
+        own = self.thresholds is not None and centres is self.centres  # (thresholds are of the plan's own grid)
+        mids = self.thresholds if own else ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         return mids, tau_sens, tau_prune, self.prune_by == "sensitivity" and has_sens
@@ -479,14 +482,10 @@ def remaining_sketch(
     from their :func:`~.sketch.sample` (``total``, ``offset``: the tensor's size and where ``w``
     begins in it), so only the sample is partitioned (not at all when the plan neither prunes
     nor protects). ``weight``: ``w`` is a sample already, each value counting that many times."""
-    def read(values: np.ndarray) -> tuple[torch.Tensor, int]:
-        x = torch.from_numpy(values)
-        return (x, weight) if weight is not None else sample(x, total, offset)
-
-    x, counts = read(w)
+    x, counts = sample(torch.from_numpy(w), total, offset, given=weight)
     if plan.keeps_every_value(sens is not None):
         return LogSketch(KMEANS_ALPHA).add(x, weight=counts)
-    s = None if sens is None else read(sens)[0].numpy()
+    s = None if sens is None else sample(torch.from_numpy(sens), total, offset, given=weight)[0].numpy()
     codes, _ = plan._partition(x.numpy(), s, np.zeros(0, np.float32))
     return LogSketch(KMEANS_ALPHA).add(x, where=(codes, FIRST_CENTRE), weight=counts)
 
@@ -547,7 +546,7 @@ def plan_quantization(
 
     def sampled(name: str, values: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The values of ``name`` that its sketches read, and their weight."""
-        return (values, presampled[name]) if name in presampled else sample(values, numel[name])
+        return sample(values, numel[name], given=presampled.get(name))
 
     names, kinds, first_name = [], {}, {}
     numel: dict[str, int] = {}

@@ -6,7 +6,9 @@ Modes (``optimizer_state=``):
   SGD momentum is quantized like a weight; both go through the DynaQuant codec (and its delta
   encoder) under :class:`MomentQuant`. Each tensor's fidelity is checked at every checkpoint
   (cosine similarity and relative error of the decoded Adam update, or of the decoded momentum,
-  against the original); a tensor that fails at every bin count is stored losslessly. Anything
+  against the original; for a tensor of 2^20 values or more, on the eighth of its values a
+  sketch samples, :func:`~hf_dynaquant.core.sketch.sample`, with its NaN and infinities
+  checked on every value); a tensor that fails at every bin count is stored losslessly. Anything
   the module does not recognise (other optimizers' state, step counters, small tensors) is
   lossless too, and so are moments holding NaN or infinite values (with a warning naming the
   parameter and the step), unless ``non_finite="raise"`` (``QuantConfig.non_finite``) refuses them.
@@ -61,7 +63,7 @@ from ..core.quantizer import (
     plan_quantization,
     refuse_or_warn_non_finite,
 )
-from ..core.sketch import sample
+from ..core.sketch import SAMPLE_FROM, sample
 from ..errors import CorruptCheckpointError, FormatError
 from ..store.tree import DeferredTensor, flatten_tree
 
@@ -110,7 +112,8 @@ class MomentQuant:
             over ~1,000 steps. Measured (1,200-step language model, ten restores, three seeds,
             ``benchmarks/RESULTS.md`` "Pure bf16 training"): +1.13 ± 0.47% against the plain
             run at a 1-nat grid, +0.41 ± 0.58% at 0.25 (lossless: +0.45 ± 0.49%).
-        min_cosine: the decoded update's cosine similarity to the original must reach this.
+        min_cosine: the decoded update's cosine similarity to the original must reach this (for
+            a tensor of 2^20 values or more, on the values its sketch samples: an eighth).
         max_rel_error: and its relative L2 error stay within this.
         min_numel: smaller tensors stay lossless.
 
@@ -263,6 +266,7 @@ class _Moment:
         return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
 
     def numel(self) -> int:
+        """How many values this process holds of the parameter's state."""
         return self.entry["exp_avg" if self.kind == ADAM else "momentum_buffer"].numel()
 
     def sampled_target(self, total: int, offset: int) -> tuple[torch.Tensor, int]:
@@ -281,15 +285,17 @@ class _Moment:
         is quantized only when both are): without making it, since ``m / (sqrt(v) + eps)``
         with a finite ``v`` is finite where ``m`` is, unless the quotient overflows, which
         only an ``|m|`` near float32's largest over ``eps`` can make (then it is made and checked)."""
-        if self.kind == SGD:
-            return all_finite(self.entry["momentum_buffer"])
+        if self.kind == SGD:  # (a float64 buffer's finite values may not be float32's)
+            buf = self.entry["momentum_buffer"]
+            return all_finite(buf) if buf.element_size() <= 4 else all_finite(self.target())
         m = self.entry["exp_avg"]
-        if not all_finite(m):
+        if not m.numel():
+            return True
+        low, high = (float(x) for x in torch.aminmax(m.detach()))  # NaN and infinities come through
+        if not (math.isfinite(low) and math.isfinite(high)):
             return False
-        low, high = torch.aminmax(m.detach()) if m.numel() else (torch.zeros(()), torch.zeros(()))
-        largest = max(-float(low), float(high))  # (no |m|: a copy of m)
         floor = float(np.float32(scale_floor(self.eps)))
-        return largest / floor < float(np.finfo(np.float32).max) / 2 or all_finite(self.target())
+        return max(-low, high) / floor < float(np.finfo(np.float32).max) / 2 or all_finite(self.target())
 
     def scale_source(self) -> torch.Tensor:
         """What the codes of Adam's scale ``log(sqrt(v) + eps)`` are made from: ``v`` itself,
@@ -306,9 +312,9 @@ class _Moment:
         if not v.numel():
             return True, -math.inf
         largest = float(v.detach().max())  # NaN if any is
-        if math.isnan(largest) or largest == math.inf:
-            return False, math.inf
-        return True, float(adam_scale(torch.tensor([largest], dtype=torch.float32), self.eps)[0])
+        # (in float32, as the scale is made: a float64 v past float32's largest gives inf)
+        top = float(adam_scale(torch.tensor([largest], dtype=torch.float32), self.eps)[0])
+        return math.isfinite(top), top
 
     def scale_gain_sums(self, step: float, total: int, offset: int) -> np.ndarray:
         """:func:`~hf_dynaquant.core.moments.scale_gain_sums` of the scale on the grid of
@@ -353,7 +359,9 @@ def _decide(
     # where this process's values begin in each flat full tensor: the decisions read the values
     # a sketch samples of a large tensor (a plan, a fidelity check and a scale gain are
     # statistics of its values), the finiteness and the scale's maximum are of every value
-    offsets = red.offsets({pid: candidates[pid].numel() if red.counts(pid) else 0 for pid in group})
+    offsets = dict.fromkeys(group, 0)
+    if any(numel[pid] >= SAMPLE_FROM for pid in group):  # (full sizes: the same answer on every process)
+        offsets = red.offsets({pid: candidates[pid].numel() if red.counts(pid) else 0 for pid in group})
 
     def facts(pid: Any) -> tuple[torch.Tensor, int, bool, float, np.ndarray]:
         """The sampled target and its weight, whether the target and the scale are finite,
@@ -387,9 +395,8 @@ def _decide(
     for bins in settings.bins:
         if not pending:
             break
-        config = QuantConfig(
-            bins=bins, prune=settings.prune, protect=0.0, min_numel=settings.min_numel, embedding_bins=bins
-        )
+        # (min_numel=0: the candidates were chosen by their full sizes, and a sample is smaller)
+        config = QuantConfig(bins=bins, prune=settings.prune, protect=0.0, min_numel=0, embedding_bins=bins)
         # the plan from this process's part of each tensor (a copy that another process counts adds nothing)
         parts = {str(pid): (targets[pid] if red.counts(pid) else targets[pid][:0]).reshape(-1, 1) for pid in pending}
         shapes = {str(pid): (int(numel[pid]), 1) for pid in pending}

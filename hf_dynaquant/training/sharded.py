@@ -213,6 +213,14 @@ def shard_ref(name: str, rank: int, world: int) -> str:
 # planning
 
 
+def _rank_offsets(local: dict[Any, int]) -> dict[Any, int]:
+    """Where this rank's values of each tensor begin in the flat full tensor, from how many each
+    rank holds (``local``, the same keys on every rank; collective): the sum over the ranks
+    before it. Shards are rows, so this is the first row's flat index."""
+    before = all_gather(local)[: rank_world()[0]]
+    return {key: sum(held[key] for held in before) for key in local}
+
+
 def plan_sharded(
     local: Mapping[str, torch.Tensor],
     config: QuantConfig,
@@ -264,16 +272,17 @@ def plan_sharded(
     # where this rank's rows begin in each flat full tensor: a shard samples the values of its
     # sketches (and draws stochastic rounding's random numbers) where the full tensor would
     presampled = sample_weights or {}
+    if presampled and config.rounding == "stochastic":  # (a sample's rows are not the shard's)
+        raise ValueError("plan_sharded: tensors given as samples are planned for nearest rounding only")
     total = {n: math.prod(shapes[n]) for n in selected}
     offsets = dict.fromkeys(selected, 0)
     if config.rounding == "stochastic" or any(t >= SAMPLE_FROM for n, t in total.items() if n not in presampled):
-        rows, rank = all_gather({n: int(t.shape[0]) for n, t in selected.items()}), rank_world()[0]
-        offsets = {n: sum(r[n] for r in rows[:rank]) * math.prod(shapes[n][1:]) for n in selected}
+        offsets = _rank_offsets({n: t.numel() for n, t in selected.items()})
     wanted = {(n, "magnitude", config.alpha): (n, t, True) for n, t in selected.items()}
     wanted.update({(n, "sensitivity", config.alpha): (n, s, False) for n, s in sens.items()})
 
     def sketch(name: str, values: torch.Tensor, magnitude: bool) -> LogSketch:
-        x, weight = (values, presampled[name]) if name in presampled else sample(values, total[name], offsets[name])
+        x, weight = sample(values, total[name], offsets[name], given=presampled.get(name))
         return LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
 
     cache.update(merge_sketches({key: sketch(*how) for key, how in wanted.items() if key not in cache}))
@@ -480,16 +489,12 @@ class ShardedCompressor(Compressor):
         (each rank holds its own rows), else on rank 0 only (every rank holds the same copy)."""
         rank = rank_world()[0]
         sharded = {pid for pid, keys in self._optimizer_sharded.items() if keys}
-        def offsets(local: dict[Any, int]) -> dict[Any, int]:
-            before = all_gather(local)[:rank]
-            return {pid: sum(values[pid] for values in before) for pid in local}
-
         return Reductions(
             plan=plan_sharded,
             total=all_sum,
             maximum=all_max,
             counts=lambda pid: str(pid) in sharded or rank == 0,
-            offsets=offsets,
+            offsets=_rank_offsets,
         )
 
     # -- loading ----------------------------------------------------------------------------

@@ -25,12 +25,19 @@
 
 /* A function the compiler must inline (specialised for its constant arguments at each call). */
 #define INLINE static inline __attribute__((always_inline))
-/* A loop the compiler vectorises, built twice on x86-64 Linux with glibc (the loader picks AVX2
- * where the CPU has it, else the baseline SSE2 build, through an ifunc, which musl lacks); the
- * same results either way. Elsewhere it is built once, for the baseline. */
+/* A loop the compiler vectorises, built three times on x86-64 Linux with glibc (the loader picks
+ * the x86-64-v4 build, AVX-512, where the CPU has it, else AVX2, else the baseline SSE2 build,
+ * through an ifunc, which musl lacks); the same results either way, as the loops are elementwise
+ * or reduce in an order-free way and setup.py turns off contracting a * b + c into one rounding
+ * (the v4 build has FMA). Compilers that do not know x86-64-v4 (GCC before 11) build two.
+ * Elsewhere it is built once, for the baseline. */
 #if defined(__has_attribute)
 #if __has_attribute(target_clones) && defined(__linux__) && defined(__x86_64__) && defined(__GLIBC__)
+#if defined(__clang__) || __GNUC__ >= 11
 #define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 #endif
 #endif
 #ifndef SIMD_CLONES
