@@ -505,11 +505,12 @@ def test_large_moments_are_decided_from_a_sample_and_checked_whole(monkeypatch) 
 
 def test_large_moments_other_kinds_and_settings(monkeypatch) -> None:
     """The sampled decisions with a min_numel above the sample's size (the candidates are chosen
-    by their full sizes), for SGD momentum (the same bin count as from every value), and for
+    by their full sizes), for SGD momentum (the fidelity checked on the sample holds on every
+    value), and for
     float64 moments whose values lie past float32's range at a position no sample reads (the
     update or scale would be infinite: lossless); a scale threshold below v = 0's scale is -inf."""
     from hf_dynaquant.core import sketch as sketch_mod
-    from hf_dynaquant.core.moments import _second_moment_thresholds
+    from hf_dynaquant.core.moments import _second_moment_thresholds, fidelity_from_sums, quantization_sums
     from hf_dynaquant.training.optimizer_state import MomentQuant, encode_optimizer_state
 
     big = encode_optimizer_state(_large_adam_state(), settings=MomentQuant(min_numel=1 << 18)).report
@@ -520,11 +521,13 @@ def test_large_moments_other_kinds_and_settings(monkeypatch) -> None:
         "param_groups": [{"params": [0], "lr": 0.1, "momentum": 0.9}],
     }
     sampled = encode_optimizer_state(sgd)
-    monkeypatch.setattr(sketch_mod, "SAMPLE_FROM", 1 << 62)  # every value, as the reference
-    exact = encode_optimizer_state(sgd)
-    monkeypatch.undo()
-    assert sampled.report["bins"] == exact.report["bins"] == {"0": exact.report["bins"]["0"]}
-    assert sampled.tree["state"][0]["dq_gain"] == pytest.approx(exact.tree["state"][0]["dq_gain"], rel=0.01)
+    # the check made on the sample holds on every value (the codebook from the sample may differ
+    # from the one every value gives: the paper's bucket weights count each occupied bucket's
+    # magnitude once, and a sample occupies fewer of a heavy tail's sparse buckets)
+    plan, settings = sampled.plans["/state/0/dq_momentum"], MomentQuant()
+    cosine, rel = fidelity_from_sums(quantization_sums(sgd["state"][0]["momentum_buffer"], plan))
+    assert sampled.report["bins"] == {"0": plan.centres.size} and cosine >= settings.min_cosine
+    assert rel <= settings.max_rel_error
     skipped = int(np.flatnonzero(~sketch_mod._sampled_blocks(0, 1000))[3]) * 64 + 5  # a value no sample reads
     wide = _large_adam_state()
     for entry in wide["state"].values():
