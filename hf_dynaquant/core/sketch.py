@@ -22,7 +22,7 @@ would) that Fibonacci hashing of the block number picks, one in :data:`SAMPLE_WE
 sampled value counted that many times. The picked blocks are spread evenly along the tensor
 (a Weyl sequence: gaps of 5, 8 or 13 blocks), so no row or column pattern is missed. At 2^20
 values the sample holds 131,072: a single tensor's share above its 0.5% protection threshold
-then lands within 5-8% of 0.5% (from every value, within 4%: a threshold is a bucket of 2%
+then lands within 4-8% of 0.5% (from every value, within 4%: a threshold is a bucket of 2%
 width), and thresholds merged over a model's tensors read many samples. Codebooks move more
 where the paper's K-means weights each occupied bucket's magnitude once (``sigma < 1``): a
 sample occupies fewer of a heavy tail's sparse buckets, so its centres sit nearer the middle
