@@ -179,8 +179,9 @@ def _zstd_estimate(codes: np.ndarray) -> float | None:
     124M-parameter GPT-2's codes the sample's size per byte was the whole stream's to within
     -1.3% to +2.7% at 10-16 levels (means -0.6% to +0.2%) and -0.3% to +4.6% at 4 (blocks four
     times larger: -0.1% to +1.6%, at four times the cost;
-    ``benchmarks/scale_session26_zstd_estimate.log``); structure the sample misses (a run of zeros covering less than the gap between two blocks) can make zstd
-    smaller by more, which the margin :data:`_CLEARLY` covers up to 3%."""
+    ``benchmarks/scale_session26_zstd_estimate.log``); structure the sample misses (a run of
+    zeros covering less than the gap between two blocks) can make zstd smaller by more, which
+    the margin :data:`_CLEARLY` covers up to 3%."""
     flat = np.ascontiguousarray(codes).reshape(-1)
     if flat.size < _SAMPLE_BLOCKS * _ESTIMATE_BLOCK:
         return None
