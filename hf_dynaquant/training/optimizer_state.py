@@ -269,16 +269,17 @@ class _Moment:
         """How many values this process holds of the parameter's state."""
         return self.entry["exp_avg" if self.kind == ADAM else "momentum_buffer"].numel()
 
-    def sampled_target(self, total: int, offset: int) -> tuple[torch.Tensor, int]:
-        """``(values, weight)``: :meth:`target` at the positions a sketch of the full tensor
+    def sampled(self, total: int, offset: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``(target, v, weight)``: :meth:`target` at the positions a sketch of the full tensor
         (``total`` values, this process's from ``offset``) samples (:func:`~hf_dynaquant.core.sketch.sample`),
-        made from the moments' values there alone, and their weight (1: every value)."""
+        made from the moments' values there alone; Adam's ``v`` there (``None`` for SGD), which
+        the scale gain is measured on; and their weight (1: every value)."""
         if self.kind == SGD:
             buf, weight = sample(self.entry["momentum_buffer"].detach().reshape(-1), total, offset)
-            return buf.to("cpu", torch.float32), weight
+            return buf.to("cpu", torch.float32), None, weight
         m, weight = sample(self.entry["exp_avg"].detach().reshape(-1), total, offset)
         v, _ = sample(self.entry["exp_avg_sq"].detach().reshape(-1), total, offset)
-        return adam_update(m, v, self.eps).reshape(-1), weight
+        return adam_update(m, v, self.eps).reshape(-1), v, weight
 
     def target_finite(self) -> bool:
         """Whether :meth:`target` is finite at every value where the scale is (an Adam state
@@ -315,13 +316,6 @@ class _Moment:
         # (in float32, as the scale is made: a float64 v past float32's largest gives inf)
         top = float(adam_scale(torch.tensor([largest], dtype=torch.float32), self.eps)[0])
         return math.isfinite(top), top
-
-    def scale_gain_sums(self, step: float, total: int, offset: int) -> np.ndarray:
-        """:func:`~hf_dynaquant.core.moments.scale_gain_sums` of the scale on the grid of
-        ``step``, from the values :meth:`sampled_target` reads (without making the scale where
-        the compiled kernel can)."""
-        v, _ = sample(self.entry["exp_avg_sq"].detach().reshape(-1), total, offset)
-        return adam_scale_stats(v, self.eps, step)[2]
 
     def scale_step(self, settings: MomentQuant) -> float:
         """The step of this Adam state's scale grid (finer for a bf16 ``v``)."""
@@ -363,23 +357,24 @@ def _decide(
     if any(numel[pid] >= SAMPLE_FROM for pid in group):  # (full sizes: the same answer on every process)
         offsets = red.offsets({pid: candidates[pid].numel() if red.counts(pid) else 0 for pid in group})
 
-    def facts(pid: Any) -> tuple[torch.Tensor, int, bool, float, np.ndarray]:
-        """The sampled target and its weight, whether the target and the scale are finite,
-        and the scale's maximum and scale gain sums on the configured grid (this process's)."""
+    def facts(pid: Any) -> tuple[torch.Tensor, torch.Tensor | None, int, bool, float, np.ndarray]:
+        """The sampled target, v and weight, whether the target and the scale are finite, and
+        the scale's maximum and scale gain sums (on the sample) on the configured grid (this process's)."""
         moment = candidates[pid]
-        target, weight = moment.sampled_target(int(numel[pid]), offsets[pid])
+        target, v, weight = moment.sampled(int(numel[pid]), offsets[pid])
         top, gain_sums, finite = -math.inf, np.zeros(2), True
         if moment.kind == ADAM:
             finite, top = moment.scale_top()
             if finite:
-                gain_sums = moment.scale_gain_sums(moment.scale_step(settings), int(numel[pid]), offsets[pid])
-        return target, weight, finite and moment.target_finite(), top, gain_sums
+                gain_sums = adam_scale_stats(v, moment.eps, moment.scale_step(settings))[2]
+        return target, v, weight, finite and moment.target_finite(), top, gain_sums
 
     targets: dict[Any, torch.Tensor] = {}
+    sampled_v: dict[Any, torch.Tensor | None] = {}  # for a scale gain on a widened grid
     weights: dict[str, int] = {}
     local_bad, local_top, local_gain_sums = [], {}, {}
-    for pid, (target, weight, finite, top, gain_sums) in zip(group, ordered_map(_POOL, facts, group)):
-        targets[pid], weights[str(pid)] = target, weight
+    for pid, (target, v, weight, finite, top, gain_sums) in zip(group, ordered_map(_POOL, facts, group)):
+        targets[pid], sampled_v[pid], weights[str(pid)] = target, v, weight
         local_bad.append(red.counts(pid) and not finite)
         local_top[pid] = top
         local_gain_sums[pid] = gain_sums if red.counts(pid) else np.zeros(2)
@@ -431,7 +426,7 @@ def _decide(
         configured = candidates[pid].scale_step(settings)
         step = grid_step(tops[pid], candidates[pid].eps, configured)
         if step != configured and red.counts(pid):
-            local_gain_sums[pid] = candidates[pid].scale_gain_sums(step, int(numel[pid]), offsets[pid])
+            local_gain_sums[pid] = adam_scale_stats(sampled_v[pid], candidates[pid].eps, step)[2]
     gain_sums = red.total(np.concatenate([local_gain_sums[pid] for pid in adam])).reshape(-1, 2)
     for pid, row in zip(adam, gain_sums):
         chosen[pid] = replace(chosen[pid], scale_gain=scale_gain(row))
