@@ -168,7 +168,8 @@ def ans_encode(
         words, lane_words = b"".join(streams), [len(w) // 4 for w in streams]
     table += list(lane_words[:-1])
     header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
-    return uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes() + header + words
+    # (a join copies a long stream's words with the GIL released; ``+`` holds it)
+    return b"".join((uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes(), header, words))
 
 
 def ans_decode(

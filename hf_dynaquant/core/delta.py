@@ -64,8 +64,10 @@ def current_counts(pairs: np.ndarray, levels: int) -> np.ndarray:
     """The histogram (int64, 256 long) of the codes a delta was taken from, given its
     :func:`grouped_delta` counts: the pair (previous code ``p``, delta ``d``) is the code
     ``(p - d) mod levels``."""
-    weights = np.asarray(pairs, dtype=np.float64).ravel()  # (counts below 2^53 add exactly)
-    return np.bincount(_pair_codes(levels), weights=weights, minlength=256).astype(np.int64)
+    flat = np.asarray(pairs).ravel()
+    seen = np.flatnonzero(flat)  # (a few levels^2 of the 65536 pairs)
+    weights = flat[seen].astype(np.float64)  # (counts below 2^53 add exactly)
+    return np.bincount(_pair_codes(levels)[seen], weights=weights, minlength=256).astype(np.int64)
 
 
 @functools.lru_cache(maxsize=16)

@@ -71,15 +71,17 @@ def encode_stream(data: np.ndarray | bytes, level: int = 1) -> tuple[str, bytes]
     """Return ``(coding, payload)``: zstd-compressed when that saves space, else the raw bytes.
 
     zstd level 1 gives up on incompressible input at well over 1 GB/s, so trying costs little;
-    small, highly redundant streams (delta tokens) use a higher ``level``.
+    small, highly redundant streams (delta tokens) use a higher ``level``. zstd reads the array
+    where it lies, with the GIL released; only a stream stored raw is copied (a copy holds the
+    GIL, which a background save shares with the training loop).
     """
-    buf = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
-    if not buf:
+    buf = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+    if not buf.nbytes:
         return RAW, b""
     packed = _compressor(level).compress(buf)
-    if len(packed) <= _PAYS * len(buf):
+    if len(packed) <= _PAYS * buf.nbytes:
         return ZSTD, packed
-    return RAW, buf
+    return RAW, bytes(buf)
 
 
 def encode_symbols(values: np.ndarray, bits: int) -> tuple[str, bytes]:

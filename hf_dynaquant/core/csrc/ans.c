@@ -314,11 +314,13 @@ PyObject *py_ans_encode(PyObject *self, PyObject *args) {
         if (failed) PyErr_NoMemory();
         if (data != NULL && counts != NULL) {
             char *at = PyBytes_AS_STRING(data);
+            Py_BEGIN_ALLOW_THREADS /* (the words of a long stream: megabytes) */
             for (Py_ssize_t j = 0; j < lanes; j++) {
                 memcpy(at, lane[j].buf, (size_t)lane[j].n * 4);
                 at += lane[j].n * 4;
-                PyTuple_SET_ITEM(counts, j, PyLong_FromSsize_t(lane[j].n));
             }
+            Py_END_ALLOW_THREADS
+            for (Py_ssize_t j = 0; j < lanes; j++) PyTuple_SET_ITEM(counts, j, PyLong_FromSsize_t(lane[j].n));
             result = Py_BuildValue("NN", data, counts);
         } else {
             Py_XDECREF(data);
