@@ -64,6 +64,14 @@ def test_shard_sketches_merge_to_the_full_sketch() -> None:
     a = plan_sharded({"w": full}, config, shapes={"w": full.shape}).tensors["w"]
     b = plan_quantization({"w": full}, config).tensors["w"]
     assert np.array_equal(a.centres, b.centres) and a.prune_threshold == b.prune_threshold
+    # plan_sharded asks plan_quantization for the thresholds only, and clusters the merged sketches itself
+    c = plan_quantization({"w": full}, config, codebooks=False).tensors["w"]
+    assert c.centres.size == 0
+    assert (c.protect_magnitude, c.protect_sensitivity, c.prune_threshold) == (
+        b.protect_magnitude,
+        b.protect_sensitivity,
+        b.prune_threshold,
+    )
 
 
 @pytest.mark.filterwarnings("ignore:no gradients were recorded")

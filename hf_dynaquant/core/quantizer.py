@@ -506,6 +506,7 @@ def plan_quantization(
     reference: Mapping[str, torch.Tensor] | None = None,
     calibration: Calibration | None = None,
     sample_weights: Mapping[str, int] | None = None,
+    codebooks: bool = True,
 ) -> QuantPlan:
     """Thresholds and codebooks for every quantizable tensor of a checkpoint.
 
@@ -530,6 +531,10 @@ def plan_quantization(
 
     ``sample_weights`` names tensors given as a sample the caller took (:func:`~.sketch.sample`
     of a larger tensor), each value counting that many times: they are sketched as they are.
+
+    ``codebooks=False`` plans the thresholds only, each plan's ``centres`` left empty, for a
+    caller that clusters sketches of its own (:func:`~hf_dynaquant.training.sharded.plan_sharded`
+    merges every rank's sketch of a tensor's remaining values first).
     """
     cache = sketch_cache if sketch_cache is not None else {}
     presampled = sample_weights or {}
@@ -663,6 +668,8 @@ def plan_quantization(
             if (n, "feedback") not in cache:
                 cache[(n, "feedback")] = inverse_factor(grams[n])
             plan.feedback = cache[(n, "feedback")]
+        if not codebooks:
+            return plan
         k = config.embedding_bins if kinds[n] == EMBEDDING else config.bins
         if n not in rare_rows:
             plan.centres = codebook(plan, n, k)
@@ -696,7 +703,7 @@ def plan_quantization(
         centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
         return centres.astype(np.float32)
 
-    device = on_accelerator(tensors[n] for n in names) if names and not rare_rows else None
+    device = on_accelerator(tensors[n] for n in names) if names and codebooks and not rare_rows else None
     if device is not None:
         # on an accelerator those sketches are made there, in this thread (on its stream), before
         # the pool plans: the pool's threads never touch the tensors

@@ -286,7 +286,8 @@ def plan_sharded(
         return LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
 
     cache.update(merge_sketches({key: sketch(*how) for key, how in wanted.items() if key not in cache}))
-    # the thresholds (from the merged sketches in the cache) and codes; min_numel was applied to the full shapes
+    # the thresholds (from the merged sketches in the cache); min_numel was applied to the full
+    # shapes; the codebooks come from the ranks' sketches of the remaining values, merged below
     plan = plan_quantization(
         selected,
         replace(config, min_numel=0),
@@ -294,6 +295,7 @@ def plan_sharded(
         sensitivity=sens or None,
         sketch_cache=cache,
         sample_weights=presampled,
+        codebooks=False,
     )
     rest = {
         n: remaining_sketch(
