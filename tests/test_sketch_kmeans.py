@@ -8,6 +8,7 @@ import torch
 from ddsketch import DDSketch
 
 from hf_dynaquant.core import sketch as sketch_mod
+from hf_dynaquant.core import kmeans as kmeans_mod
 from hf_dynaquant.core.kmeans import approximate_kmeans, assign, bucket_weights, weighted_kmeans
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, remaining_sketch
 from hf_dynaquant.core.sketch import SAMPLE_FROM, SAMPLE_WEIGHT, LogSketch, sample
@@ -240,6 +241,41 @@ def test_weights_act_like_repeated_points_and_seed_determinism() -> None:
     x = data("normal", 50_000)
     assert np.array_equal(approximate_kmeans(x, 12, seed=7), approximate_kmeans(x, 12, seed=7))
     assert weighted_kmeans(np.array([1.0, 1.0, 2.0]), np.ones(3), 5).tolist() == [1.0, 2.0]  # fewer distinct points
+
+
+@pytest.mark.parametrize("seeding", ["k-means++", "clumped"])
+def test_lloyd_kernel_gives_the_numpy_loops_centres(seeding: str, monkeypatch) -> None:
+    """The compiled Lloyd iterations (``lloyd_f64``) are the numpy loop's, bit for bit: over
+    many shapes of data, from k-means++ seeds and from seeds clumped on one point, which leave
+    clusters empty (re-seeded at the points worst served), and when max_iter stops them early."""
+    native = kmeans_mod.native
+    assert native is not None, "the compiled kernels were not built"
+    if seeding == "clumped":  # every centre on the lowest point: all clusters but the first and last empty
+        monkeypatch.setattr(kmeans_mod, "_seed", lambda points, weights, k, rng: np.full(k, points[0]))
+    for case in range(60):
+        rng = np.random.default_rng(case)
+        m = int(rng.integers(5, 4000))
+        points = rng.standard_normal(m) * 10.0 ** rng.uniform(-4, 2)
+        if case % 3 == 0:  # heavy tails, and repeated points
+            points = np.round(rng.standard_t(2, m), 1)
+        weights = rng.random(m) * (rng.random(m) > 0.1)
+        k, max_iter = int(rng.integers(1, 40)), (300 if case % 4 else int(rng.integers(1, 5)))
+        ours = weighted_kmeans(points, weights, k, seed=case, max_iter=max_iter)
+        monkeypatch.setattr(kmeans_mod, "native", None)  # the numpy reference
+        reference = weighted_kmeans(points, weights, k, seed=case, max_iter=max_iter)
+        monkeypatch.setattr(kmeans_mod, "native", native)
+        assert ours.dtype == reference.dtype and np.array_equal(ours.view(np.int64), reference.view(np.int64)), case
+    with pytest.raises(ValueError, match="wrong size"):
+        native.lloyd_f64(np.zeros(3), np.zeros(2), np.zeros(4), np.zeros(4), np.zeros(2), 10)
+
+
+def test_seeding_draws_what_generator_choice_draws() -> None:
+    """k-means++ draws its indices as ``Generator.choice(n, p=p)`` does, without its checks."""
+    for case in range(300):
+        rng = np.random.default_rng(case)
+        p = rng.random(int(rng.integers(1, 3000))) ** rng.uniform(0.5, 8)
+        p = p / p.sum()
+        assert kmeans_mod._draw(p, np.random.default_rng(case)) == np.random.default_rng(case).choice(p.size, p=p)
 
 
 @pytest.mark.parametrize("k", [4, 6, 12, 32])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels import native
 from .sketch import LogSketch
 
 __all__ = ["weighted_kmeans", "approximate_kmeans", "bucket_weights", "assign", "KMEANS_ALPHA"]
@@ -31,16 +32,25 @@ def assign(values: np.ndarray, centres: np.ndarray) -> np.ndarray:
     return np.searchsorted((centres[1:] + centres[:-1]) / 2, values, side="left")
 
 
+def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn with probabilities ``p`` (summing to 1): the draw ``rng.choice(p.size,
+    p=p)`` makes (its cumulative sum, normalised, searched for one uniform number), without
+    choice's checks of ``p``, which cost as much again."""
+    cdf = p.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
 def _seed(points: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """Weighted k-means++: each next centre drawn with probability proportional to w * D^2."""
-    chosen = [int(rng.choice(points.size, p=weights / weights.sum()))]
+    chosen = [_draw(weights / weights.sum(), rng)]
     d2 = (points - points[chosen[0]]) ** 2
     for _ in range(1, k):
         score = weights * d2
         total = score.sum()
         if total <= 0:  # every point already is a centre
             break
-        nxt = int(rng.choice(points.size, p=score / total))
+        nxt = _draw(score / total, rng)
         chosen.append(nxt)
         d2 = np.minimum(d2, (points - points[nxt]) ** 2)
     return np.sort(points[chosen])
@@ -53,7 +63,9 @@ def weighted_kmeans(
     distinct points with positive weight. Deterministic for a given ``seed``.
 
     Points are sorted once, so a cluster is a contiguous run of points and one Lloyd iteration
-    is ``k - 1`` binary searches plus prefix-sum differences: O(k log m), not O(m).
+    is ``k - 1`` binary searches plus prefix-sum differences: O(k log m), not O(m). The
+    iterations run in the C kernels where they are built (``lloyd_f64``, the same centres bit
+    for bit, with the GIL released); this loop is their reference.
     """
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
@@ -70,6 +82,9 @@ def weighted_kmeans(
     cum_w = np.concatenate(([0.0], np.cumsum(weights)))
     cum_wx = np.concatenate(([0.0], np.cumsum(weights * points)))
     centres = _seed(points, weights, k, np.random.default_rng(seed))
+    if native is not None:
+        native.lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter)
+        return centres
     bounds = None
     for _ in range(max_iter):
         # cluster j holds points[bounds[j]:bounds[j+1]]: those nearer to centre j than to its neighbours

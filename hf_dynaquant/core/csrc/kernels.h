@@ -14,6 +14,7 @@
  *                previous codes (delta.py; AVX-512 VBMI2 where the CPU has it, chosen at run
  *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
+ *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
 #define HF_DYNAQUANT_KERNELS_H
@@ -52,6 +53,7 @@ PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
+PyObject *py_lloyd_f64(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_codes_f32(PyObject *self, PyObject *args);
