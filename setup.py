@@ -40,7 +40,8 @@ setup(
         Extension(
             "hf_dynaquant.core._kernels",
             sources=[
-                f"{CSRC}/{name}.c" for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta", "ans", "kmeans")
+                f"{CSRC}/{name}.c"
+                for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta", "ans", "kmeans")
             ],
             depends=[f"{CSRC}/kernels.h"],
             # sqrt, log and exp never set errno (nothing reads it), so sqrtf vectorises; the

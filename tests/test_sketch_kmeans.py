@@ -7,8 +7,8 @@ import pytest
 import torch
 from ddsketch import DDSketch
 
-from hf_dynaquant.core import sketch as sketch_mod
 from hf_dynaquant.core import kmeans as kmeans_mod
+from hf_dynaquant.core import sketch as sketch_mod
 from hf_dynaquant.core.kmeans import approximate_kmeans, assign, bucket_weights, weighted_kmeans
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization, remaining_sketch
 from hf_dynaquant.core.sketch import SAMPLE_FROM, SAMPLE_WEIGHT, LogSketch, sample
@@ -243,6 +243,13 @@ def test_weights_act_like_repeated_points_and_seed_determinism() -> None:
     assert weighted_kmeans(np.array([1.0, 1.0, 2.0]), np.ones(3), 5).tolist() == [1.0, 2.0]  # fewer distinct points
 
 
+def reference_kmeans(points: np.ndarray, weights: np.ndarray, k: int, monkeypatch, **options) -> np.ndarray:
+    """``weighted_kmeans`` by its numpy loop."""
+    with monkeypatch.context() as patch:
+        patch.setattr(kmeans_mod, "native", None)
+        return weighted_kmeans(points, weights, k, **options)
+
+
 @pytest.mark.parametrize("seeding", ["k-means++", "clumped"])
 def test_lloyd_kernel_gives_the_numpy_loops_centres(seeding: str, monkeypatch) -> None:
     """The compiled Lloyd iterations (``lloyd_f64``) are the numpy loop's, bit for bit: over
@@ -256,17 +263,26 @@ def test_lloyd_kernel_gives_the_numpy_loops_centres(seeding: str, monkeypatch) -
         rng = np.random.default_rng(case)
         m = int(rng.integers(5, 4000))
         points = rng.standard_normal(m) * 10.0 ** rng.uniform(-4, 2)
+        weights = rng.random(m) * (rng.random(m) > 0.1)
         if case % 3 == 0:  # heavy tails, and repeated points
             points = np.round(rng.standard_t(2, m), 1)
-        weights = rng.random(m) * (rng.random(m) > 0.1)
+        if case % 5 == 1:  # whole numbers of unit weight: ties in the worst served points' errors
+            points, weights = rng.integers(-50, 50, m).astype(float), np.ones(m)
         k, max_iter = int(rng.integers(1, 40)), (300 if case % 4 else int(rng.integers(1, 5)))
         ours = weighted_kmeans(points, weights, k, seed=case, max_iter=max_iter)
-        monkeypatch.setattr(kmeans_mod, "native", None)  # the numpy reference
-        reference = weighted_kmeans(points, weights, k, seed=case, max_iter=max_iter)
-        monkeypatch.setattr(kmeans_mod, "native", native)
+        reference = reference_kmeans(points, weights, k, monkeypatch, seed=case, max_iter=max_iter)
         assert ours.dtype == reference.dtype and np.array_equal(ours.view(np.int64), reference.view(np.int64)), case
     with pytest.raises(ValueError, match="wrong size"):
         native.lloyd_f64(np.zeros(3), np.zeros(2), np.zeros(4), np.zeros(4), np.zeros(2), 10)
+    with pytest.raises(ValueError, match="wrong size"):  # no fewer points than centres
+        native.lloyd_f64(np.zeros(2), np.ones(2), np.zeros(3), np.zeros(3), np.zeros(2), 10)
+    # more centres than a byte's codes, and prefix sums past float64's range (the numpy loop then)
+    many = weighted_kmeans(np.arange(1000.0), np.ones(1000), 300)
+    assert many.size == 300 and np.array_equal(many, reference_kmeans(np.arange(1000.0), np.ones(1000), 300, monkeypatch))
+    huge = np.array([1e308, 1.5e308, 1.7e308, -1e308, 0.0])
+    with np.errstate(over="ignore", invalid="ignore"):
+        ours, reference = weighted_kmeans(huge, np.ones(5), 2), reference_kmeans(huge, np.ones(5), 2, monkeypatch)
+    assert np.array_equal(ours, reference, equal_nan=True)
 
 
 def test_seeding_draws_what_generator_choice_draws() -> None:

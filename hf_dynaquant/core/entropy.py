@@ -75,7 +75,7 @@ def encode_stream(data: np.ndarray | bytes, level: int = 1) -> tuple[str, bytes]
     where it lies, with the GIL released; only a stream stored raw is copied (a copy holds the
     GIL, which a background save shares with the training loop).
     """
-    buf = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+    buf = memoryview(np.ascontiguousarray(data).reshape(-1) if isinstance(data, np.ndarray) else data).cast("B")
     if not buf.nbytes:
         return RAW, b""
     packed = _compressor(level).compress(buf)

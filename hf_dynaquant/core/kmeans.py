@@ -35,7 +35,8 @@ def assign(values: np.ndarray, centres: np.ndarray) -> np.ndarray:
 def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
     """An index drawn with probabilities ``p`` (summing to 1): the draw ``rng.choice(p.size,
     p=p)`` makes (its cumulative sum, normalised, searched for one uniform number), without
-    choice's checks of ``p``, which cost as much again."""
+    choice's checks of ``p``, which cost as much again (so a ``p`` that is not a distribution,
+    which ``choice`` refuses, draws something; the weights here are finite and positive)."""
     cdf = p.cumsum()
     cdf /= cdf[-1]
     return int(cdf.searchsorted(rng.random(), side="right"))
@@ -82,7 +83,7 @@ def weighted_kmeans(
     cum_w = np.concatenate(([0.0], np.cumsum(weights)))
     cum_wx = np.concatenate(([0.0], np.cumsum(weights * points)))
     centres = _seed(points, weights, k, np.random.default_rng(seed))
-    if native is not None:
+    if native is not None and np.isfinite(cum_w[-1]) and np.isfinite(cum_wx[-1]):  # (finite: no NaN centre)
         native.lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter)
         return centres
     bounds = None

@@ -532,7 +532,8 @@ def plan_quantization(
     ``sample_weights`` names tensors given as a sample the caller took (:func:`~.sketch.sample`
     of a larger tensor), each value counting that many times: they are sketched as they are.
 
-    ``codebooks=False`` plans the thresholds only, each plan's ``centres`` left empty, for a
+    ``codebooks=False`` plans the thresholds only, each plan's ``centres`` left empty (and no
+    rare rows' codebook), for a
     caller that clusters sketches of its own (:func:`~hf_dynaquant.training.sharded.plan_sharded`
     merges every rank's sketch of a tensor's remaining values first).
     """

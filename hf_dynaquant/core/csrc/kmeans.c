@@ -56,11 +56,11 @@ static void sort_doubles(double *c, Py_ssize_t k) { /* k is a codebook's size: i
 static Py_ssize_t lloyd(const double *p, const double *w, const double *cum_w, const double *cum_wx, Py_ssize_t m,
                         double *c, Py_ssize_t k, Py_ssize_t max_iter) {
     Py_ssize_t *bounds = malloc(sizeof(Py_ssize_t) * (size_t)(k + 1) * 2), *assigned = NULL;
+    Py_ssize_t *chosen = malloc(sizeof(Py_ssize_t) * (size_t)k);
     double *mids = malloc(sizeof(double) * (size_t)(k > 1 ? k - 1 : 1)), *err = NULL;
     unsigned char *empty = malloc((size_t)k), *taken = NULL;
-    Py_ssize_t it = 0, have_bounds = 0;
-    if (bounds == NULL || mids == NULL || empty == NULL) goto fail;
-    Py_ssize_t *old = bounds, *now = bounds + k + 1;
+    Py_ssize_t it = 0, have_bounds = 0, *old = bounds, *now = bounds + k + 1;
+    if (bounds == NULL || chosen == NULL || mids == NULL || empty == NULL) goto fail;
     for (; it < max_iter; it++) {
         midpoints(c, k, mids);
         now[0] = 0;
@@ -93,8 +93,8 @@ static Py_ssize_t lloyd(const double *p, const double *w, const double *cum_w, c
                 const double d = p[i] - c[assigned[i]];
                 err[i] = w[i] * (d * d);
             }
-            Py_ssize_t j = 0, chosen[256], n_chosen = 0;
-            for (Py_ssize_t e = 0; e < n_empty && e < 256; e++) { /* (k <= 256: codes are bytes) */
+            Py_ssize_t j = 0, n_chosen = 0;
+            for (Py_ssize_t e = 0; e < n_empty; e++) { /* (m > k points: there is always one left) */
                 Py_ssize_t best = -1;
                 for (Py_ssize_t i = 0; i < m; i++)
                     if (!taken[i] && (best < 0 || err[i] > err[best])) best = i;
@@ -109,22 +109,23 @@ static Py_ssize_t lloyd(const double *p, const double *w, const double *cum_w, c
         }
         sort_doubles(c, k);
     }
-    free(bounds), free(mids), free(empty), free(err), free(assigned), free(taken);
+    free(bounds), free(chosen), free(mids), free(empty), free(err), free(assigned), free(taken);
     return it;
 fail:
-    free(bounds), free(mids), free(empty), free(err), free(assigned), free(taken);
+    free(bounds), free(chosen), free(mids), free(empty), free(err), free(assigned), free(taken);
     return -1;
 }
 
 /* lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter) -> iterations; centres (float64,
- * k of them, 1 <= k <= 256, seeded) are updated in place. */
+ * k of them, seeded, fewer than the points) are updated in place. The points and prefix sums must
+ * be finite: numpy orders NaN last, this code does not compare them at all. */
 PyObject *py_lloyd_f64(PyObject *self, PyObject *args) {
     Py_buffer p, w, cw, cwx, c;
     Py_ssize_t max_iter, it = 0;
     if (!PyArg_ParseTuple(args, "y*y*y*y*w*n", &p, &w, &cw, &cwx, &c, &max_iter)) return NULL;
     const Py_ssize_t m = p.len / 8, k = c.len / 8;
     PyObject *result = NULL;
-    if (w.len != p.len || cw.len != (m + 1) * 8 || cwx.len != (m + 1) * 8 || k < 1 || k > 256 || m < 1) {
+    if (w.len != p.len || cw.len != (m + 1) * 8 || cwx.len != (m + 1) * 8 || k < 1 || m <= k) {
         PyErr_SetString(PyExc_ValueError, "lloyd_f64: points, weights, prefix sums or centres of the wrong size");
     } else {
         Py_BEGIN_ALLOW_THREADS
