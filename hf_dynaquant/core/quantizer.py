@@ -533,9 +533,9 @@ def plan_quantization(
     of a larger tensor), each value counting that many times: they are sketched as they are.
 
     ``codebooks=False`` plans the thresholds only, each plan's ``centres`` left empty (and no
-    rare rows' codebook), for a
-    caller that clusters sketches of its own (:func:`~hf_dynaquant.training.sharded.plan_sharded`
-    merges every rank's sketch of a tensor's remaining values first).
+    rare rows' codebook), for a caller that clusters sketches of its own
+    (:func:`~hf_dynaquant.training.sharded.plan_sharded` merges every rank's sketch of a
+    tensor's remaining values first).
     """
     cache = sketch_cache if sketch_cache is not None else {}
     presampled = sample_weights or {}

@@ -12,9 +12,8 @@
  * their centre, the lowest index first among equals: a stable argsort of -err), and the centres
  * are sorted. The iterations stop when the bounds repeat, or after max_iter. */
 
-/* numpy's binary search (npysort/binsearch.cpp), kept exactly: where the array is not sorted
- * (the centres between an empty cluster's update and the sort) its answer depends on how the
- * search walks, and the result must be numpy's. right: side="right", else side="left". */
+/* numpy's binary search (npysort/binsearch.cpp), walked the same way, so that it answers as
+ * numpy does on any array, sorted or not. right: side="right", else side="left". */
 static void searchsorted(const double *arr, Py_ssize_t n, const double *keys, Py_ssize_t n_keys, int right,
                          Py_ssize_t *out) {
     Py_ssize_t lo = 0, hi = n;
@@ -52,8 +51,8 @@ static void sort_doubles(double *c, Py_ssize_t k) { /* k is a codebook's size: i
     }
 }
 
-/* Returns the iterations made, or -1 when memory ran out. */
-static Py_ssize_t lloyd(const double *p, const double *w, const double *cum_w, const double *cum_wx, Py_ssize_t m,
+/* Returns 0, or -1 when memory ran out. */
+static int lloyd(const double *p, const double *w, const double *cum_w, const double *cum_wx, Py_ssize_t m,
                         double *c, Py_ssize_t k, Py_ssize_t max_iter) {
     Py_ssize_t *bounds = malloc(sizeof(Py_ssize_t) * (size_t)(k + 1) * 2), *assigned = NULL;
     Py_ssize_t *chosen = malloc(sizeof(Py_ssize_t) * (size_t)k);
@@ -110,28 +109,34 @@ static Py_ssize_t lloyd(const double *p, const double *w, const double *cum_w, c
         sort_doubles(c, k);
     }
     free(bounds), free(chosen), free(mids), free(empty), free(err), free(assigned), free(taken);
-    return it;
+    return 0;
 fail:
     free(bounds), free(chosen), free(mids), free(empty), free(err), free(assigned), free(taken);
     return -1;
 }
 
-/* lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter) -> iterations; centres (float64,
- * k of them, seeded, fewer than the points) are updated in place. The points and prefix sums must
+/* lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter): centres (float64, k of them,
+ * seeded, fewer than the points) are updated in place. The points and prefix sums must
  * be finite: numpy orders NaN last, this code does not compare them at all. */
 PyObject *py_lloyd_f64(PyObject *self, PyObject *args) {
     Py_buffer p, w, cw, cwx, c;
-    Py_ssize_t max_iter, it = 0;
+    Py_ssize_t max_iter;
     if (!PyArg_ParseTuple(args, "y*y*y*y*w*n", &p, &w, &cw, &cwx, &c, &max_iter)) return NULL;
     const Py_ssize_t m = p.len / 8, k = c.len / 8;
     PyObject *result = NULL;
     if (w.len != p.len || cw.len != (m + 1) * 8 || cwx.len != (m + 1) * 8 || k < 1 || m <= k) {
         PyErr_SetString(PyExc_ValueError, "lloyd_f64: points, weights, prefix sums or centres of the wrong size");
     } else {
+        int failed;
         Py_BEGIN_ALLOW_THREADS
-        it = lloyd(p.buf, w.buf, cw.buf, cwx.buf, m, c.buf, k, max_iter);
+        failed = lloyd(p.buf, w.buf, cw.buf, cwx.buf, m, c.buf, k, max_iter);
         Py_END_ALLOW_THREADS
-        result = it < 0 ? PyErr_NoMemory() : PyLong_FromSsize_t(it);
+        if (failed) {
+            PyErr_NoMemory();
+        } else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
     }
     PyBuffer_Release(&p), PyBuffer_Release(&w), PyBuffer_Release(&cw), PyBuffer_Release(&cwx), PyBuffer_Release(&c);
     return result;

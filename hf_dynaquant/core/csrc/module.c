@@ -51,7 +51,7 @@ static PyMethodDef methods[] = {
     {"ans_decode", py_ans_decode, METH_VARARGS,
      "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out, hist) -> every lane ended empty"},
     {"lloyd_f64", py_lloyd_f64, METH_VARARGS,
-     "lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter) -> iterations: weighted 1-D k-means, in place"},
+     "lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter): weighted 1-D k-means's iterations, in place"},
     {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
     {NULL, NULL, 0, NULL}};
 
