@@ -30,8 +30,10 @@ loop on a save step, the Trainer's save and every ``on_save`` included, after a
 ``torch.cuda.synchronize()`` so that no queued training kernel is counted), the training's wall
 time up to the last optimizer step and the **final wait** after it (``train()`` returns once the
 last checkpoint is written: DynaQuant's ``on_train_end`` waits for the encoder; for DCP the
-bench awaits the last ``async_save``), the **background seconds** per checkpoint (DCP: from ``async_save``'s return until its
-write is done; DynaQuant: the encoder's time, and the configuration search's part of it), the
+bench awaits the last ``async_save``), the **step time** (each optimizer step's, median: over the
+steps that began while a save worked in the background, and over the others), the **background
+seconds** per checkpoint (DCP: from ``async_save``'s return until its write is done; DynaQuant:
+the encoder's time, and the configuration search's part of it), the
 stored bytes against the plain checkpoint (fp32 weights + AdamW state), the **peak extra host
 memory** (the resident set sampled every 20 ms, above its value after the first optimizer step,
 in units of the plain checkpoint's bytes), peak GPU memory, the final eval loss and, for
@@ -143,6 +145,24 @@ class EvalAtSave(TrainerCallback):
         self.seconds += time.perf_counter() - started
 
 
+class StepTimes(TrainerCallback):
+    """Each optimizer step's seconds, from ``on_step_begin`` to ``on_step_end`` (the save after
+    a step is not in it), with when it began: against the windows in which a save was encoding in
+    the background, they tell how much a save slows the steps that run beside it."""
+
+    def __init__(self) -> None:
+        self.began: list[float] = []
+        self.seconds: list[float] = []
+        self._at = float("nan")
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._at = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.began.append(self._at)
+        self.seconds.append(time.perf_counter() - self._at)
+
+
 class LastStep(TrainerCallback):
     """Records when the last optimizer step ended (before the last save and the final wait)."""
 
@@ -169,6 +189,7 @@ def timed(cls: type[Trainer]) -> type[Trainer]:
 
     class Timed(cls):
         stalls: list[float] = []
+        saved_at: dict[int, float] = {}  # step -> when its save returned to the loop
         evaluator = EvalAtSave()
 
         def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> Any:
@@ -179,6 +200,7 @@ def timed(cls: type[Trainer]) -> type[Trainer]:
             started, evaluating = time.perf_counter(), Timed.evaluator.seconds
             result = super()._maybe_log_save_evaluate(*args, **kwargs)
             Timed.stalls.append(time.perf_counter() - started - (Timed.evaluator.seconds - evaluating))
+            Timed.saved_at[self.state.global_step] = time.perf_counter()
             return result
 
     return Timed
@@ -251,8 +273,8 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     memory.start()
     out = Path(a.workdir) / a.arm
     shutil.rmtree(out, ignore_errors=True)
-    last_step = LastStep(a.steps)
-    callbacks: list[TrainerCallback] = [Baseline(memory), last_step]  # (the evaluation at saves goes last)
+    last_step, step_times = LastStep(a.steps), StepTimes()
+    callbacks: list[TrainerCallback] = [Baseline(memory), last_step, step_times]  # (the evaluation at saves goes last)
     search_seconds: list[float] = []
     search_devices: list[str] = []
     if a.arm in OURS:
@@ -304,9 +326,12 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
         "disk_bytes": folder_bytes(out),
         "saves": len(cls.stalls),
         "eval_at_save": cls.evaluator.losses,
+        "step_seconds": list(step_times.seconds),
     }
     if a.arm == "dcp":
         result["background"] = list(DCPTrainer.background)
+        windows = [(cls.saved_at[s], cls.saved_at[s] + b) for s, b in zip(sorted(cls.saved_at), DCPTrainer.background)]
+        result["busy_steps"] = busy(step_times, windows)
     if a.arm in OURS:
         from _runs import load_final_checkpoint, store_figures
 
@@ -319,6 +344,11 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
             evaluations=[r.get("dynaquant/search_evaluations", 0) for r in reports],
             plain_steps=callback.plain_steps,
             compressed_steps=[r["step"] for r in reports],
+            busy_steps=busy(
+                step_times,
+                [(cls.saved_at[r["step"]], cls.saved_at[r["step"]] + r["dynaquant/background_seconds"])
+                 for r in reports],
+            ),
             **{k: v for k, v in store_figures(out).items() if k != "per_checkpoint"},
         )
         fresh = make_model(a, vocab).to(trainer.model.device)
@@ -334,6 +364,21 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def busy(steps: StepTimes, windows: list[tuple[float, float]]) -> list[bool]:
+    """For each step, whether it began while a save was encoding in the background (a window
+    from the save's return to the loop until its background work ended)."""
+    return [any(lo <= t < hi for lo, hi in windows) for t in steps.began]
+
+
+def step_ms(r: dict[str, Any]) -> str:
+    """Median step in ms; where saves worked in the background, beside one / with none."""
+    steps, flags = r.get("step_seconds", []), r.get("busy_steps")
+    if not flags or not any(flags):
+        return median_ms(steps)
+    return (f"{median_ms(steps)} ({median_ms([s for s, f in zip(steps, flags) if f])} / "
+            f"{median_ms([s for s, f in zip(steps, flags) if not f])})")
+
+
 def median_ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.0f}" if xs else "-"
 
@@ -346,8 +391,9 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
         f"{'fp32 on the CPU' if first['device'] == 'cpu' else 'bf16 mixed precision'}, {a.steps} steps, a save every {a.save_steps}; checkpoint (fp32 weights + AdamW) "
         f"{ckpt / 1e9:.2f} GB; hf_dynaquant from {first.get('package')}\n"
     )
-    header = ("arm", "stall/save ms (median)", "stall max ms", "train s (steps + final wait)", "background s/ckpt", "stored GB",
-              "ratio", "peak extra host (x ckpt)", "peak GPU GB", "eval loss")
+    header = ("arm", "stall/save ms (median)", "stall max ms", "train s (steps + final wait)",
+              "step ms (median; beside a background save / not)", "background s/ckpt", "stored GB", "ratio",
+              "peak extra host (x ckpt)", "peak GPU GB", "eval loss")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     plain = next((r for r in results if r["arm"] == "plain"), None)
     for r in results:
@@ -359,6 +405,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
             median_ms(r["stalls"]),
             f"{max(r['stalls']) * 1e3:.0f}" if r["stalls"] else "-",
             f"{r['train_seconds']:.1f} ({r['steps_seconds']:.1f} + {r['final_wait_seconds']:.1f})",
+            step_ms(r),
             f"{statistics.median(r['background']):.1f}" if r.get("background") else "-",
             f"{stored / 1e9:.3f}",
             f"{raw / stored:.1f}x" if raw else "-",

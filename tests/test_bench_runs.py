@@ -53,3 +53,6 @@ def test_gpu_bench_runs_every_arm_on_a_toy_model(tmp_path):
     dq = results["dynaquant"]
     assert dq["compressed_steps"] and dq["decoded_step"] in dq["compressed_steps"] and dq["total_bytes"] > 0
     assert "| dynaquant |" in done.stdout and (tmp_path / "gpu.png").is_file()
+    # every step timed; the steps beside a background save marked, for the arms that save in the background
+    assert all(len(r["step_seconds"]) == 20 for r in results.values())
+    assert len(dq["busy_steps"]) == 20 and len(results["dcp"]["busy_steps"]) == 20
