@@ -51,7 +51,17 @@ from .dtypes import all_finite
 from .histogram import byte_counts
 from .kernels import native
 from .pool import ForkSafePool
-from .quantizer import PROTECTED, Coded, TensorPlan, code_table, coded_values, decoded_values, flat_f32, quantize
+from .quantizer import (
+    PROTECTED,
+    Coded,
+    TensorPlan,
+    code_table,
+    coded_values,
+    decoded_values,
+    flat_f32,
+    midpoints,
+    quantize,
+)
 
 __all__ = [
     "MAX_SCALE_LEVELS",
@@ -286,8 +296,7 @@ def scale_plan(top: float, eps: float, step: float) -> TensorPlan:
     levels = int(math.floor(span / step + 0.5)) + 1
     centres = (origin + step * np.arange(levels, dtype=np.float64)).astype(np.float32)
     plan = TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
-    mids = ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
-    plan.thresholds = _second_moment_thresholds(float(eps), mids.tobytes())
+    plan.thresholds = _second_moment_thresholds(float(eps), midpoints(centres).tobytes())
     return plan
 
 

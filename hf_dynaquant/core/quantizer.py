@@ -91,6 +91,8 @@ __all__ = [
     "TensorPlan",
     "QuantPlan",
     "remaining_sketch",
+    "codebook_of",
+    "midpoints",
     "PRUNED",
     "PROTECTED",
     "FIRST_CENTRE",
@@ -386,7 +388,7 @@ class TensorPlan:
         ``thresholds``), the sensitivity protection threshold (inf: unused), the pruning
         threshold (-1: none) and whether pruning goes by sensitivity."""
         own = self.thresholds is not None and centres is self.centres  # (thresholds are of the plan's own grid)
-        mids = self.thresholds if own else ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
+        mids = self.thresholds if own else midpoints(centres)
         tau_sens = self.protect_sensitivity if self.protect_sensitivity is not None else float("inf")
         tau_prune = self.prune_threshold if self.prune_threshold is not None else -1.0
         return mids, tau_sens, tau_prune, self.prune_by == "sensitivity" and has_sens
@@ -488,6 +490,19 @@ def remaining_sketch(
     s = None if sens is None else sample(torch.from_numpy(sens), total, offset, given=weight)[0].numpy()
     codes, _ = plan._partition(x.numpy(), s, np.zeros(0, np.float32))
     return LogSketch(KMEANS_ALPHA).add(x, where=(codes, FIRST_CENTRE), weight=counts)
+
+
+def codebook_of(rest: LogSketch, k: int, config: QuantConfig) -> np.ndarray:
+    """``k`` float32 K-means centres (Alg. 1) of a :func:`remaining_sketch`, a single 0 when it
+    holds no value (every value pruned or protected)."""
+    centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
+    return centres.astype(np.float32)
+
+
+def midpoints(centres: np.ndarray) -> np.ndarray:
+    """The float32 midpoints between consecutive sorted centres: where the partition's codes
+    change from one centre to the next."""
+    return ((centres[1:] + centres[:-1]) / 2).astype(np.float32)
 
 
 def flat_f32(t: torch.Tensor) -> torch.Tensor:
@@ -701,8 +716,7 @@ def plan_quantization(
         rest = cache.get(key)
         if rest is None:
             rest = cache[key] = rest_sketch(plan, n, rare)
-        centres = approximate_kmeans(rest, k, sigma=config.sigma, seed=config.seed) if rest.count else np.zeros(1)
-        return centres.astype(np.float32)
+        return codebook_of(rest, k, config)
 
     device = on_accelerator(tensors[n] for n in names) if names and codebooks and not rare_rows else None
     if device is not None:

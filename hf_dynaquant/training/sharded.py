@@ -62,11 +62,11 @@ from torch.optim import Optimizer
 
 from ..core.collectives import all_gather, all_max, all_sum, barrier, rank_world
 from ..core.dtypes import all_finite
-from ..core.kmeans import approximate_kmeans
 from ..core.quantizer import (
     EMBEDDING,
     QuantConfig,
     QuantPlan,
+    codebook_of,
     flat_f32,
     infer_layer_type,
     is_quantizable,
@@ -300,7 +300,7 @@ def plan_sharded(
     rest = {
         n: remaining_sketch(
             tp,
-            flat_f32(selected[n]).numpy(),
+            tp.target(selected[n]),
             None if tp.sensitivity is None else flat_f32(tp.sensitivity).numpy(),
             total[n],
             offsets[n],
@@ -310,9 +310,7 @@ def plan_sharded(
     }
     for n, merged in merge_sketches(rest).items():
         tp = plan.tensors[n]
-        k = config.embedding_bins if tp.layer_type == EMBEDDING else config.bins
-        centres = approximate_kmeans(merged, k, sigma=config.sigma, seed=config.seed) if merged.count else np.zeros(1)
-        tp.centres = centres.astype(np.float32)
+        tp.centres = codebook_of(merged, config.embedding_bins if tp.layer_type == EMBEDDING else config.bins, config)
     if config.rounding == "stochastic":  # a shard draws the random numbers of its rows of the full tensor
         for n, tp in plan.tensors.items():
             tp.dither_offset = offsets[n]
