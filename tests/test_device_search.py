@@ -52,7 +52,7 @@ def _random_plan(rng: np.random.Generator, w: np.ndarray, sens: np.ndarray | Non
         threshold(0.9, sens) if sens is not None and rng.random() < 0.7 else None,
         threshold(rng.uniform(0.0, 0.5), magnitudes) if rng.random() < 0.7 else None,
         "sensitivity" if sens is not None and rng.random() < 0.5 else "magnitude",
-        sensitivity=None if sens is None else torch.from_numpy(sens),
+        sensitivity=None if sens is None else (lambda: torch.from_numpy(sens)),
         dither_seed=int(rng.integers(0, 2**63)) if rng.random() < 0.5 else None,
         dither_offset=int(rng.integers(0, 10**6)),
     )

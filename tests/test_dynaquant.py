@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
+import weakref
+from collections.abc import Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -102,6 +105,49 @@ def test_sensitivity_protection_and_pruning() -> None:
     codes, _ = quantize(state["w"], plan.tensors["w"])
     assert np.all(codes.reshape(100, 100)[0, :50] == PROTECTED)
     assert abs((codes == PRUNED).mean() - 0.2) < 0.02
+
+
+def test_plans_read_sensitivities_when_they_make_codes_and_hold_none() -> None:
+    """``plan_quantization`` reads a sensitivity mapping when it needs the values (checks,
+    sketches, codes), a few tensors at a time, and its plans hold none of them: a mapping that
+    computes each on access (as a snapshot's does) costs no memory between reads, and gives the
+    plan and the codes that materialised sensitivities give."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(6)}  # sampled sketches
+    weights["small"] = torch.randn(64, 300, generator=g)  # sketched whole
+    grads = {n: torch.randn(w.shape, generator=g) for n, w in weights.items()}
+    made: list[weakref.ref] = []
+    most_alive = 0
+
+    class Computed(Mapping):
+        def __getitem__(self, name: str) -> torch.Tensor:
+            nonlocal most_alive
+            t = (grads[name] * weights[name]).abs()
+            made.append(weakref.ref(t))
+            most_alive = max(most_alive, sum(r() is not None for r in made))
+            return t
+
+        def __iter__(self):
+            return iter(weights)
+
+        def __len__(self) -> int:
+            return len(weights)
+
+    for config in (
+        QuantConfig(bins=8, prune=0.2, prune_by="sensitivity", protect=0.01, min_numel=100),
+        QuantConfig(bins=6, prune=0.1, protect=0.002, rounding="stochastic", min_numel=100),
+    ):
+        lazy = plan_quantization(weights, config, sensitivity=Computed())
+        held = plan_quantization(weights, config, sensitivity={n: (grads[n] * weights[n]).abs() for n in weights})
+        gc.collect()
+        assert len(made) > 2 * len(weights) and not [r for r in made if r() is not None]  # read, and not held
+        for name, w in weights.items():
+            a, b = lazy.tensors[name], held.tensors[name]
+            assert np.array_equal(a.centres, b.centres) and a.protect_sensitivity == b.protect_sensitivity
+            assert a.prune_threshold == b.prune_threshold
+            (codes_a, prot_a), (codes_b, prot_b) = quantize(w, a), quantize(w, b)
+            assert np.array_equal(codes_a, codes_b) and np.array_equal(prot_a, prot_b), name
+    assert most_alive < len(weights)
 
 
 def test_config_validation() -> None:

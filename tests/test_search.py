@@ -7,11 +7,14 @@ tests the z rule)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import os
 import random
 import socket
+import weakref
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -340,6 +343,38 @@ def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
     assert rec["config"]["prune_by"] in ("magnitude", "sensitivity")
     table = inspect_table(tmp_path, ref="step-30")
     assert "search:" in table and "degradation" in table
+
+
+def test_a_searched_write_lets_go_of_its_snapshot_without_the_garbage_collector(tmp_path) -> None:
+    """Once a background-style write (detached snapshot, search on a copy of the model, every
+    residual kind offered) is done and the snapshot released, its optimizer state and its
+    quantized weights are freed at once, not when the cyclic garbage collector next runs; and
+    the plan's sensitivities are computed when read, not held by the search's result."""
+    model, train, held = digits_mlp(steps=20)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    space = replace(SMALL, prune_by=("magnitude", "sensitivity"), residuals=("none", "previous"))
+    comp = Compressor(model, tmp_path, BASE, optimizer=opt, threshold=0.01, metric=accuracy(held), search_space=space)
+    for step in range(1, 7):
+        xb, yb = train[step % len(train)]
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()
+        comp.on_backward_pass_end()
+        opt.step()
+        comp.before_gradient_flush()
+        opt.zero_grad()
+        if step % 3:
+            continue
+        snap = comp.snapshot(step, detach_model=True, copy=True)
+        watched = [weakref.ref(snap.optimizer["state"][0]["exp_avg"]), weakref.ref(snap.state["0.weight"])]
+        gc.collect()
+        gc.disable()
+        try:
+            report = comp.write(snap)
+            snap.release()
+            del snap
+            assert [w() is None for w in watched] == [True, True], step
+        finally:
+            gc.enable()
+        assert report.search is not None and comp.last_search.plan is None
 
 
 def _free_port() -> int:

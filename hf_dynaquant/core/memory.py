@@ -90,15 +90,16 @@ def on_accelerator(tensors: Iterable[torch.Tensor]) -> torch.device | None:
 
 
 def cached_on_device(
-    cache: dict[Any, Any], key: tuple, host: np.ndarray | torch.Tensor, device: torch.device
+    cache: dict[Any, Any], key: tuple, host: Callable[[], np.ndarray | torch.Tensor], device: torch.device
 ) -> torch.Tensor | None:
-    """A flat copy of ``host`` on ``device`` (floating point as float32), kept in ``cache`` under
-    ``("on device", *key)`` (a checkpoint's search keeps one per tensor, residual kind and
-    what it is, and frees them with the cache); None when a CUDA device has no room for it
-    besides its reserve (:func:`has_room`)."""
+    """A flat copy of ``host()`` on ``device`` (floating point as float32), kept in ``cache``
+    under ``("on device", *key)`` (a checkpoint's search keeps one per tensor, residual kind
+    and what it is, and frees them with the cache); None when a CUDA device has no room for it
+    besides its reserve (:func:`has_room`). ``host`` is called only when the key is not cached
+    (a sensitivity is computed from the weights each time it is asked for)."""
     key = ("on device", *key)
     if key not in cache:
-        t = torch.as_tensor(host)
+        t = torch.as_tensor(host())
         t = t.float() if t.is_floating_point() else t
         fits = device.type != "cuda" or has_room(device, t.numel() * t.element_size())
         cache[key] = t.to(device).reshape(-1) if fits else None

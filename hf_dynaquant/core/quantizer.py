@@ -264,7 +264,9 @@ class TensorPlan:
     protect_sensitivity: float | None  # sensitivity above this is protected (None: unused)
     prune_threshold: float | None  # the pruning criterion below this is pruned (None: no pruning)
     prune_by: str
-    sensitivity: torch.Tensor | None = field(default=None, repr=False)
+    # computes this tensor's sensitivity (|EMA(g) * w|, or of its residual) when its codes are
+    # made: as large as the weights in float32, so a plan holds the recipe, not the values
+    sensitivity: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
     dither_seed: int | None = None  # stochastic rounding's seed for this tensor (None: nearest)
     dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
     residual: str = "none"  # "none", or the kind of reference the codes are a residual against
@@ -287,7 +289,7 @@ class TensorPlan:
         that is neither pruned nor protected gets code ``FIRST_CENTRE``. Rounding is to the
         nearest centre, or stochastic when the plan has a ``dither_seed``."""
         centres = self.centres if centres is None else centres
-        sens = None if self.sensitivity is None else flat_f32(self.sensitivity).numpy()
+        sens = self.sensitivity_values()
         if self.rare_rows is not None and centres.size:
             return self._rows_partition(w, sens, centres)
         codes, nprot = self._partition(w, sens, centres)
@@ -295,6 +297,10 @@ class TensorPlan:
             u = uniform(self.dither_seed, self.dither_offset, w.size)
             stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
         return codes, nprot
+
+    def sensitivity_values(self) -> np.ndarray | None:
+        """This tensor's sensitivity, flat float32 on the host, computed now (None: unused)."""
+        return None if self.sensitivity is None else flat_f32(self.sensitivity()).numpy()
 
     def partitions_on_device(self) -> bool:
         """Whether :meth:`device_codes` takes this plan (error feedback and rare rows: host only)."""
@@ -335,9 +341,9 @@ class TensorPlan:
         cols = factor.shape[0]
         rows = w.size // cols
         codes = np.empty((cols, rows), dtype=np.uint8)  # in rounding order, a column per row
-        sens = None
-        if self.sensitivity is not None:
-            sens = np.ascontiguousarray(flat_f32(self.sensitivity).numpy().reshape(rows, cols)[:, order].T)
+        sens = self.sensitivity_values()
+        if sens is not None:
+            sens = np.ascontiguousarray(sens.reshape(rows, cols)[:, order].T)
         table = code_table(self.centres)
         if native is not None:
             mids, tau_sens, tau_prune, by_sens = self.rules(self.centres, sens is not None)
@@ -527,7 +533,9 @@ def plan_quantization(
 
     ``types`` maps names to layer types (see :func:`layer_types`; inferred when missing);
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
-    Each tensor is read a few times, a few tensors at a time, so a lazily loading mapping works.
+    Each tensor is read a few times, a few tensors at a time, so a lazily loading mapping works;
+    a sensitivity is read again whenever codes are made, never held by the plan (a
+    :class:`~hf_dynaquant.core.ranking.Sensitivities` computes each on access).
     ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
     sketches, which do not depend on the configuration: the configuration search plans many
     candidates for one checkpoint.
@@ -592,9 +600,12 @@ def plan_quantization(
         numel[n] = t.numel()
         on_host[n] = t.device.type == "cpu" and (n not in refs or refs[n].device.type == "cpu")
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
-    sens = {n: flat_f32(sensitivity[n]) for n in names if sensitivity is not None and n in sensitivity}
+    # each tensor's sensitivity, flat float32, made when read (see the docstring)
+    sens: dict[str, Callable[[], torch.Tensor]] = {
+        n: (lambda n=n: flat_f32(sensitivity[n])) for n in names if sensitivity is not None and n in sensitivity
+    }
     sens_checked: list[tuple[tuple, bool]] = []
-    sens = {n: s for n, s in sens.items() if _finite(cache, (n, "finite sensitivity"), lambda s=s: s, sens_checked)}
+    sens = {n: s for n, s in sens.items() if _finite(cache, (n, "finite sensitivity"), s, sens_checked)}
     if bad_sens := [k[0] for k, ok in sens_checked if not ok]:
         warnings.warn(
             f"the sensitivity (|EMA(g) * w|) of {', '.join(map(repr, bad_sens))} holds NaN or infinite values"
@@ -636,7 +647,7 @@ def plan_quantization(
     tau_mag = float("inf") if no_protection else merged([magnitudes(n) for n in names]).quantile(1 - share)
     tau_sens = None
     if use_sens and not no_protection:
-        tau_sens = merged([sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in names]).quantile(1 - share)
+        tau_sens = merged([sketch_of(n, "sensitivity", sens[n], False) for n in names]).quantile(1 - share)
 
     # pruning thresholds, one per layer type
     prune_tau: dict[str, float | None] = {}
@@ -645,7 +656,7 @@ def plan_quantization(
         if kind == EMBEDDING or config.prune <= 0:
             prune_tau[kind] = None
         elif prune_by == "sensitivity":
-            sketches = [sketch_of(n, "sensitivity", lambda n=n: sens[n], False) for n in members]
+            sketches = [sketch_of(n, "sensitivity", sens[n], False) for n in members]
             prune_tau[kind] = merged(sketches).quantile(config.prune)
         else:
             prune_tau[kind] = merged([magnitudes(n) for n in members]).quantile(config.prune)
@@ -703,11 +714,25 @@ def plan_quantization(
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
     def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
-        """That sketch, made on the host."""
-        w, s = plan.target(tensors[n]), sens[n].numpy() if n in sens else None
+        """That sketch, made on the host from the sample of the values it reads."""
+        w = plan.target(tensors[n])
         if rare is not None:
-            w, s = plan.row_values(w, rare), None if s is None else plan.row_values(s, rare)
-        return remaining_sketch(plan, w, s, w.size, weight=presampled.get(n))
+            w = plan.row_values(w, rare)
+        x, weight = sample(torch.from_numpy(w), w.size, given=presampled.get(n))
+        return remaining_sketch(plan, x.numpy(), sensitivity_sample(plan, n, rare), x.numel(), weight=weight)
+
+    def sensitivity_sample(plan: TensorPlan, n: str, rare: bool | None) -> np.ndarray | None:
+        """The sample of the sensitivity of ``n`` (of its common or rare rows) that its rest
+        sketches read, kept in the cache: every candidate's thresholds read the same one, and a
+        sensitivity is otherwise computed anew each time it is read."""
+        if n not in sens:
+            return None
+        key = (n, "sensitivity sample", config.residual if n in refs else "none", rare)
+        if key not in cache:
+            s = sens[n]().numpy()
+            s = s if rare is None else plan.row_values(s, rare)
+            cache[key] = sample(torch.from_numpy(s), s.size, given=presampled.get(n))[0].numpy()
+        return cache[key]
 
     def codebook(plan: TensorPlan, n: str, k: int, rare: bool | None = None) -> np.ndarray:
         """``k`` K-means centres of the values of ``n`` neither pruned nor protected (of its

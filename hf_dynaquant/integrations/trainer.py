@@ -533,6 +533,18 @@ def trainer_metric(trainer: Trainer, batches: Sequence[Any]) -> QualityMetric:
     return _PredictionMetric(trainer, list(batches), key, bool(args.greater_is_better))
 
 
+def _rows_of(x: Any, rows: np.ndarray | None) -> Any:
+    """The examples ``rows`` of arrays nested in lists, tuples and dicts (all for ``None``).
+    A module-level function: a nested one that recurses is a reference cycle."""
+    if x is None or rows is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_rows_of(v, rows) for v in x)
+    if isinstance(x, dict):
+        return {k: _rows_of(v, rows) for k, v in x.items()}
+    return x[rows]
+
+
 class _PredictionMetric(QualityMetric):
     """:func:`trainer_metric` with ``compute_metrics``: a measurement's evidence is the per-batch
     losses and the gathered predictions; :meth:`compare` gives the metric's and the loss's
@@ -587,22 +599,12 @@ class _PredictionMetric(QualityMetric):
     def _score(self, evidence: dict[str, Any], rows: np.ndarray | None) -> float:
         """``compute_metrics`` on the examples ``rows`` (all of them for ``None``): the value under
         ``metric_for_best_model``."""
-
-        def take(x: Any) -> Any:
-            if x is None or rows is None:
-                return x
-            if isinstance(x, (list, tuple)):
-                return type(x)(take(v) for v in x)
-            if isinstance(x, dict):
-                return {k: take(v) for k, v in x.items()}
-            return x[rows]
-
         include = self.trainer.args.include_for_metrics
         prediction = EvalPrediction(
-            predictions=take(evidence["predictions"]),
-            label_ids=take(evidence["label_ids"]),
-            inputs=take(evidence["inputs"]) if "inputs" in include else None,
-            losses=take(evidence["example_losses"]) if "loss" in include else None,
+            predictions=_rows_of(evidence["predictions"], rows),
+            label_ids=_rows_of(evidence["label_ids"], rows),
+            inputs=_rows_of(evidence["inputs"], rows) if "inputs" in include else None,
+            losses=_rows_of(evidence["example_losses"], rows) if "loss" in include else None,
         )
         metrics = self.trainer.compute_metrics(prediction)
         for name in (self.key, f"eval_{self.key}"):

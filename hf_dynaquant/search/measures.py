@@ -150,11 +150,12 @@ class DeviceTensors:
         base = self.base_codes.get(name)
         exact = self.exact[name]
         device = exact.device
-        # what the plan holds on the host that the device needs: each is copied there once
+        # what the plan holds (or computes) on the host that the device needs: each is copied there once
+        codes_of_base = base if base is not None and base.size == exact.numel() else None
         hosts = {
             (name, "sensitivity", tp.residual): tp.sensitivity,
-            (name, "reference", tp.residual): tp.reference,
-            (name, "base codes"): base if base is not None and base.size == exact.numel() else None,
+            (name, "reference", tp.residual): None if tp.reference is None else lambda: tp.reference,
+            (name, "base codes"): None if codes_of_base is None else lambda: codes_of_base,
         }
         parts = None
         if device.type != "cuda" or has_room(device, exact.numel() * _DEVICE_BYTES_PER_VALUE):

@@ -48,56 +48,60 @@ class DeferredTensor:
 def flatten_tree(tree: Any, where: str = "tree") -> tuple[Any, dict[str, torch.Tensor | DeferredTensor]]:
     """Split ``tree`` into a JSON-serialisable skeleton and ``{key: tensor}`` (deferred leaves as they are)."""
     tensors: dict[str, torch.Tensor | DeferredTensor] = {}
+    return _encode(tree, "", tensors, where), tensors
 
-    def enc(obj: Any, path: str) -> Any:
-        if isinstance(obj, (torch.Tensor, DeferredTensor)):
-            key = path if path not in tensors else f"{path}#{len(tensors)}"
-            tensors[key] = obj
-            return {"__tensor__": key}
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if isinstance(obj, numbers.Integral):
-            return int(obj)
-        if isinstance(obj, numbers.Real):
-            value = float(obj)
-            return value if math.isfinite(value) else {"__float__": repr(value)}
-        if isinstance(obj, tuple):
-            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [enc(v, f"{path}/{i}") for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
-            if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-                return {k: enc(v, f"{path}/{k}") for k, v in obj.items()}
-            return {
-                "__dict__": [[enc(k, f"{path}/key{i}"), enc(v, f"{path}/{k}")] for i, (k, v) in enumerate(obj.items())]
-            }
-        raise UnsupportedTensorError(
-            f"{where}: value of type {type(obj).__name__} at {path or '/'} cannot be stored without pickle; "
-            "store it as bytes in 'extras' or convert it to tensors, numbers and strings"
-        )
 
-    return enc(tree, ""), tensors
+# The recursions below are module-level functions, not closures: a nested function that calls
+# itself is a reference cycle (function -> closure cell -> function) holding everything else it
+# closes over, here a whole optimizer state's tensors, until the cyclic garbage collector happens
+# to run: measured, 0.66x of a checkpoint kept between checkpoints.
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor | DeferredTensor], where: str) -> Any:
+    """``obj``'s skeleton, its tensors added to ``tensors`` (see :func:`flatten_tree`)."""
+    if isinstance(obj, (torch.Tensor, DeferredTensor)):
+        key = path if path not in tensors else f"{path}#{len(tensors)}"
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        value = float(obj)
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, where) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", tensors, where) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, f"{path}/{k}", tensors, where) for k, v in obj.items()}
+        return {
+            "__dict__": [
+                [_encode(k, f"{path}/key{i}", tensors, where), _encode(v, f"{path}/{k}", tensors, where)]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
+    raise UnsupportedTensorError(
+        f"{where}: value of type {type(obj).__name__} at {path or '/'} cannot be stored without pickle; "
+        "store it as bytes in 'extras' or convert it to tensors, numbers and strings"
+    )
 
 
 def unflatten_tree(skeleton: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
     """Rebuild the tree; ``tensor(key)`` supplies each tensor."""
-
-    def dec(obj: Any) -> Any:
-        if isinstance(obj, list):
-            return [dec(v) for v in obj]
-        if isinstance(obj, dict):
-            if "__tensor__" in obj:
-                return tensor(obj["__tensor__"])
-            if "__float__" in obj:
-                return float(obj["__float__"])
-            if "__tuple__" in obj:
-                return tuple(dec(v) for v in obj["__tuple__"])
-            if "__dict__" in obj:
-                return {_hashable(dec(k)): dec(v) for k, v in obj["__dict__"]}
-            return {k: dec(v) for k, v in obj.items()}
-        return obj
-
-    return dec(skeleton)
+    if isinstance(skeleton, list):
+        return [unflatten_tree(v, tensor) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensor(skeleton["__tensor__"])
+        if "__float__" in skeleton:
+            return float(skeleton["__float__"])
+        if "__tuple__" in skeleton:
+            return tuple(unflatten_tree(v, tensor) for v in skeleton["__tuple__"])
+        if "__dict__" in skeleton:
+            return {_hashable(unflatten_tree(k, tensor)): unflatten_tree(v, tensor) for k, v in skeleton["__dict__"]}
+        return {k: unflatten_tree(v, tensor) for k, v in skeleton.items()}
+    return skeleton
 
 
 def _hashable(key: Any) -> Any:

@@ -67,7 +67,6 @@ from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
     codebook_of,
-    flat_f32,
     infer_layer_type,
     is_quantizable,
     layer_types,
@@ -255,9 +254,9 @@ def plan_sharded(
         refuse_or_warn_non_finite(map(repr, non_finite), config.non_finite, where)
     selected = {n: t for n, t in selected.items() if n not in non_finite}
     kinds = {n: (types or {}).get(n) or infer_layer_type(n, shapes[n]) for n in selected}
-    sens = {n: sensitivity[n] for n in selected if sensitivity is not None and n in sensitivity}
+    sens = [n for n in selected if sensitivity is not None and n in sensitivity]  # (computed when read)
     if (sens_ok := cache.get("finite sensitivity")) is None:  # NaN/inf sensitivity on any rank: magnitude everywhere
-        bad = [n for n, t in sens.items() if not all_finite(t)]
+        bad = [n for n in sens if not all_finite(sensitivity[n])]
         sens_ok = cache["finite sensitivity"] = all_sum(np.array([float(bool(bad))]))[0] == 0
         if not sens_ok:
             warnings.warn(
@@ -268,7 +267,7 @@ def plan_sharded(
                 stacklevel=2,
             )
     if not sens_ok:
-        sens, config = {}, replace(config, prune_by="magnitude")  # (warned above: no second warning)
+        sens, config = [], replace(config, prune_by="magnitude")  # (warned above: no second warning)
     # where this rank's rows begin in each flat full tensor: a shard samples the values of its
     # sketches (and draws stochastic rounding's random numbers) where the full tensor would
     presampled = sample_weights or {}
@@ -278,10 +277,11 @@ def plan_sharded(
     offsets = dict.fromkeys(selected, 0)
     if config.rounding == "stochastic" or any(t >= SAMPLE_FROM for n, t in total.items() if n not in presampled):
         offsets = _rank_offsets({n: t.numel() for n, t in selected.items()})
-    wanted = {(n, "magnitude", config.alpha): (n, t, True) for n, t in selected.items()}
-    wanted.update({(n, "sensitivity", config.alpha): (n, s, False) for n, s in sens.items()})
+    wanted = {(n, "magnitude", config.alpha): (n, True) for n in selected}
+    wanted.update({(n, "sensitivity", config.alpha): (n, False) for n in sens})
 
-    def sketch(name: str, values: torch.Tensor, magnitude: bool) -> LogSketch:
+    def sketch(name: str, magnitude: bool) -> LogSketch:
+        values = selected[name] if magnitude else sensitivity[name]
         x, weight = sample(values, total[name], offsets[name], given=presampled.get(name))
         return LogSketch(config.alpha).add(x, magnitude=magnitude, weight=weight)
 
@@ -292,7 +292,7 @@ def plan_sharded(
         selected,
         replace(config, min_numel=0),
         types=kinds,
-        sensitivity=sens or None,
+        sensitivity=sensitivity if sens else None,
         sketch_cache=cache,
         sample_weights=presampled,
         codebooks=False,
@@ -301,7 +301,7 @@ def plan_sharded(
         n: remaining_sketch(
             tp,
             tp.target(selected[n]),
-            None if tp.sensitivity is None else flat_f32(tp.sensitivity).numpy(),
+            tp.sensitivity_values(),
             total[n],
             offsets[n],
             weight=presampled.get(n),

@@ -40,7 +40,7 @@ import torch
 
 from ..core.dtypes import check_storable
 from ..core.memory import release_freed
-from ..core.ranking import sensitivity
+from ..core.ranking import Sensitivities
 from ..store.tree import flatten_tree
 
 __all__ = [
@@ -116,20 +116,13 @@ class Snapshot:
         self.state, self.optimizer, self.gradient_ema, self.device_state = {}, None, {}, None
         release_freed()
 
-    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> Sensitivities | None:
         """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
         with ``reference``, ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape
-        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``)."""
-        out = {}
-        for name, p in self.params.items():
-            if p not in self.gradient_ema:
-                continue
-            w = self.state[name]
-            ref = (reference or {}).get(name)
-            if ref is not None and ref.shape == w.shape:
-                w = w.float() - ref.float()
-            out[name] = sensitivity(w, self.gradient_ema[p].view(w.shape))
-        return out or None
+        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``). Computed
+        when read (:class:`~hf_dynaquant.core.ranking.Sensitivities`)."""
+        ema = {name: self.gradient_ema[p] for name, p in self.params.items() if p in self.gradient_ema}
+        return Sensitivities(self.state, ema, reference) if ema else None
 
     @contextmanager
     def search_model(self) -> Iterator[torch.nn.Module | None]:
