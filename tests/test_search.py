@@ -377,6 +377,41 @@ def test_a_searched_write_lets_go_of_its_snapshot_without_the_garbage_collector(
         assert report.search is not None and comp.last_search.plan is None
 
 
+def test_background_saves_with_the_search_leave_no_cyclic_garbage(tmp_path) -> None:
+    """Background saves (search, residual kinds, optimizer state) create no reference cycles:
+    what a cycle holds waits for the garbage collector, which can be a whole checkpoint's
+    worth of tensors (``flatten_tree``'s recursive closure was one)."""
+    from hf_dynaquant import CheckpointManager
+
+    model, train, held = digits_mlp(steps=20)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    space = replace(SMALL, prune_by=("magnitude", "sensitivity"), residuals=("none", "previous"))
+    comp = Compressor(model, tmp_path, BASE, optimizer=opt, threshold=0.01, metric=accuracy(held), search_space=space)
+    manager = CheckpointManager(comp)
+    try:
+        for step in range(1, 13):
+            xb, yb = train[step % len(train)]
+            torch.nn.functional.cross_entropy(model(xb), yb).backward()
+            comp.on_backward_pass_end()
+            opt.step()
+            comp.before_gradient_flush()
+            opt.zero_grad()
+            if step % 3 == 0:
+                manager.save(step)
+                manager.wait()
+            if step == 3:  # after a first save (pools, caches made once): collect everything from here
+                gc.collect()
+                gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cycles = [type(o).__qualname__ for o in gc.garbage]
+        assert not cycles, cycles[:20]
+        assert len(manager.reports) == 4
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        manager.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
