@@ -25,13 +25,22 @@ must leave training's next step its memory: :func:`has_room`, :func:`cached_on_d
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["RESERVE", "TRIM_EVERY", "ReleaseFreed", "cached_on_device", "has_room", "on_accelerator", "release_freed"]
+__all__ = [
+    "RESERVE",
+    "TRIM_EVERY",
+    "Computed",
+    "ReleaseFreed",
+    "cached_on_device",
+    "has_room",
+    "on_accelerator",
+    "release_freed",
+]
 
 RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
@@ -104,3 +113,27 @@ def cached_on_device(
         fits = device.type != "cuda" or has_room(device, t.numel() * t.element_size())
         cache[key] = t.to(device).reshape(-1) if fits else None
     return cache[key]
+
+
+class Computed(Mapping[str, torch.Tensor]):
+    """Named tensors made each time one is read and never held: for values as large as the
+    weights that a checkpoint's planning and search read a tensor at a time (the sensitivities
+    ``|EMA(g) * w|`` of :meth:`~hf_dynaquant.training.snapshot.Snapshot.sensitivity`). Holding
+    them all took the weights' size in float32 for each residual kind (measured: 0.37x a
+    checkpoint apiece, on top of the snapshot); making one again costs a pass over its values.
+    ``makers`` maps each name to what makes it."""
+
+    def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._makers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would make the tensor)
+        return name in self._makers

@@ -535,7 +535,7 @@ def plan_quantization(
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
     Each tensor is read a few times, a few tensors at a time, so a lazily loading mapping works;
     a sensitivity is read again whenever codes are made, never held by the plan (a
-    :class:`~hf_dynaquant.core.ranking.Sensitivities` computes each on access).
+    :class:`~hf_dynaquant.core.memory.Computed` makes each on access).
     ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
     sketches, which do not depend on the configuration: the configuration search plans many
     candidates for one checkpoint.

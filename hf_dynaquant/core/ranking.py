@@ -12,11 +12,11 @@ gradients are folded in directly.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["GradientEMA", "Sensitivities", "magnitude", "sensitivity"]
+__all__ = ["GradientEMA", "magnitude", "sensitivity"]
 
 _STAGING = 1 << 24  # pinned staging elements (64 MB) reused for device->host gradient copies
 
@@ -30,41 +30,6 @@ def sensitivity(weight: torch.Tensor, ema_grad: torch.Tensor | None) -> torch.Te
     if ema_grad is None:
         return magnitude(weight)
     return torch.mul(ema_grad.to(weight.device, torch.float32), weight.detach().float()).abs_()  # (one new tensor)
-
-
-class Sensitivities(Mapping[str, torch.Tensor]):
-    """The sensitivity of named weights, ``|EMA(g) * w|`` (with ``reference``, of the residual:
-    ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape), computed each time a
-    tensor is read and never held: a checkpoint's planning and search read a tensor's a few
-    times, while holding all of them took the weights' size in float32 for each residual kind
-    (measured: 0.37x of a checkpoint each, on top of the snapshot).
-
-    ``ema`` maps weight names to the flat EMA of their gradient (the names without one have no
-    sensitivity); ``weights`` and ``reference`` may be lazy mappings too."""
-
-    def __init__(
-        self,
-        weights: Mapping[str, torch.Tensor],
-        ema: Mapping[str, torch.Tensor],
-        reference: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        self._weights, self._ema, self._reference = weights, ema, reference or {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        w = self._weights[name]
-        ref = self._reference.get(name)
-        if ref is not None and ref.shape == w.shape:
-            w = w.float() - ref.float()
-        return sensitivity(w, self._ema[name].view(w.shape))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._ema)
-
-    def __len__(self) -> int:
-        return len(self._ema)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._ema
 
 
 class GradientEMA:

@@ -29,6 +29,7 @@ longer stall) and the search evaluates a CPU copy.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,8 +40,8 @@ from typing import Any
 import torch
 
 from ..core.dtypes import check_storable
-from ..core.memory import release_freed
-from ..core.ranking import Sensitivities
+from ..core.memory import Computed, release_freed
+from ..core.ranking import sensitivity
 from ..store.tree import flatten_tree
 
 __all__ = [
@@ -116,13 +117,23 @@ class Snapshot:
         self.state, self.optimizer, self.gradient_ema, self.device_state = {}, None, {}, None
         release_freed()
 
-    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> Sensitivities | None:
+    def sensitivity(self, reference: Mapping[str, torch.Tensor] | None = None) -> Computed | None:
         """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
         with ``reference``, ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape
-        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``). Computed
-        when read (:class:`~hf_dynaquant.core.ranking.Sensitivities`)."""
-        ema = {name: self.gradient_ema[p] for name, p in self.params.items() if p in self.gradient_ema}
-        return Sensitivities(self.state, ema, reference) if ema else None
+        (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``). Each is
+        computed when read (:class:`~hf_dynaquant.core.memory.Computed`), from this snapshot's
+        tensors as they are now."""
+        state, ema, refs = self.state, self.gradient_ema, reference or {}
+
+        def of(name: str, param: str) -> torch.Tensor:
+            w = state[name]
+            ref = refs.get(name)
+            if ref is not None and ref.shape == w.shape:
+                w = w.float() - ref.float()
+            return sensitivity(w, ema[param].view(w.shape))
+
+        makers = {name: functools.partial(of, name, p) for name, p in self.params.items() if p in ema}
+        return Computed(makers) if makers else None
 
     @contextmanager
     def search_model(self) -> Iterator[torch.nn.Module | None]:
