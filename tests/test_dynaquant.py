@@ -123,7 +123,7 @@ def test_plans_read_sensitivities_when_they_make_codes_and_hold_none() -> None:
         def __getitem__(self, name: str) -> torch.Tensor:
             nonlocal most_alive
             t = (grads[name] * weights[name]).abs()
-            made.append(weakref.ref(t))
+            made.append(weakref.ref(t.untyped_storage()))  # (the memory: a plan may hold a view of it)
             most_alive = max(most_alive, sum(r() is not None for r in made))
             return t
 

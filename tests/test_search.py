@@ -313,6 +313,16 @@ def test_a_time_bound_from_the_environment(monkeypatch) -> None:
     assert CheckpointSettings.from_env().search_seconds is None
 
 
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, comp: Compressor, batch: tuple) -> None:
+    """One optimizer step of the digits MLP with the compressor's gradient hooks (Listing 1)."""
+    xb, yb = batch
+    torch.nn.functional.cross_entropy(model(xb), yb).backward()
+    comp.on_backward_pass_end()
+    opt.step()
+    comp.before_gradient_flush()
+    opt.zero_grad()
+
+
 def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
     model, train, held = digits_mlp(steps=60)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -328,12 +338,7 @@ def test_compressor_with_threshold_records_the_search(tmp_path) -> None:
         ema_steps=5,
     )
     for step in range(1, 31):
-        xb, yb = train[step % len(train)]
-        torch.nn.functional.cross_entropy(model(xb), yb).backward()
-        comp.on_backward_pass_end()
-        opt.step()
-        comp.before_gradient_flush()
-        opt.zero_grad()
+        _train_step(model, opt, comp, train[step % len(train)])
         if step % 10 == 0:
             comp.compress(step)
     modes = [comp.store.open(f"step-{s}").metadata["search"]["mode"] for s in (10, 20, 30)]
@@ -355,12 +360,7 @@ def test_a_searched_write_lets_go_of_its_snapshot_without_the_garbage_collector(
     space = replace(SMALL, prune_by=("magnitude", "sensitivity"), residuals=("none", "previous"))
     comp = Compressor(model, tmp_path, BASE, optimizer=opt, threshold=0.01, metric=accuracy(held), search_space=space)
     for step in range(1, 7):
-        xb, yb = train[step % len(train)]
-        torch.nn.functional.cross_entropy(model(xb), yb).backward()
-        comp.on_backward_pass_end()
-        opt.step()
-        comp.before_gradient_flush()
-        opt.zero_grad()
+        _train_step(model, opt, comp, train[step % len(train)])
         if step % 3:
             continue
         snap = comp.snapshot(step, detach_model=True, copy=True)
@@ -390,12 +390,7 @@ def test_background_saves_with_the_search_leave_no_cyclic_garbage(tmp_path) -> N
     manager = CheckpointManager(comp)
     try:
         for step in range(1, 13):
-            xb, yb = train[step % len(train)]
-            torch.nn.functional.cross_entropy(model(xb), yb).backward()
-            comp.on_backward_pass_end()
-            opt.step()
-            comp.before_gradient_flush()
-            opt.zero_grad()
+            _train_step(model, opt, comp, train[step % len(train)])
             if step % 3 == 0:
                 manager.save(step)
                 manager.wait()

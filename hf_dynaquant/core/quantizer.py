@@ -719,7 +719,8 @@ def plan_quantization(
         if rare is not None:
             w = plan.row_values(w, rare)
         x, weight = sample(torch.from_numpy(w), w.size, given=presampled.get(n))
-        return remaining_sketch(plan, x.numpy(), sensitivity_sample(plan, n, rare), x.numel(), weight=weight)
+        s = None if plan.keeps_every_value(n in sens) else sensitivity_sample(plan, n, rare)  # (read only then)
+        return remaining_sketch(plan, x.numpy(), s, x.numel(), weight=weight)
 
     def sensitivity_sample(plan: TensorPlan, n: str, rare: bool | None) -> np.ndarray | None:
         """The sample of the sensitivity of ``n`` (of its common or rare rows) that its rest

@@ -121,18 +121,19 @@ class Snapshot:
         """``|EMA(g) * w|`` of every parameter with a recorded gradient (``None``: none recorded);
         with ``reference``, ``|EMA(g) * (w - ref)|`` for the tensors it holds one of their shape
         (the sensitivity of a residual: zeroing it moves the weight by ``w - ref``). Each is
-        computed when read (:class:`~hf_dynaquant.core.memory.Computed`), from this snapshot's
-        tensors as they are now."""
-        state, ema, refs = self.state, self.gradient_ema, reference or {}
+        computed when read (:class:`~hf_dynaquant.core.memory.Computed`) from the snapshot's
+        tensors as they are then: its host copies once settled; a read after :meth:`release`
+        is a ``KeyError``, never a read of tensors the snapshot let go."""
+        refs = reference or {}
 
         def of(name: str, param: str) -> torch.Tensor:
-            w = state[name]
+            w = self.state[name]
             ref = refs.get(name)
             if ref is not None and ref.shape == w.shape:
                 w = w.float() - ref.float()
-            return sensitivity(w, ema[param].view(w.shape))
+            return sensitivity(w, self.gradient_ema[param].view(w.shape))
 
-        makers = {name: functools.partial(of, name, p) for name, p in self.params.items() if p in ema}
+        makers = {name: functools.partial(of, name, p) for name, p in self.params.items() if p in self.gradient_ema}
         return Computed(makers) if makers else None
 
     @contextmanager
