@@ -140,7 +140,8 @@ def test_plans_read_sensitivities_when_they_make_codes_and_hold_none() -> None:
         lazy = plan_quantization(weights, config, sensitivity=Computed())
         held = plan_quantization(weights, config, sensitivity={n: (grads[n] * weights[n]).abs() for n in weights})
         gc.collect()
-        assert len(made) > 2 * len(weights) and not [r for r in made if r() is not None]  # read, and not held
+        assert not [r for r in made if r() is not None]  # not held by the plans
+        assert len(made) > 2 * len(weights)  # read when needed (checks, sketches, codebooks)
         for name, w in weights.items():
             a, b = lazy.tensors[name], held.tensors[name]
             assert np.array_equal(a.centres, b.centres) and a.protect_sensitivity == b.protect_sensitivity
