@@ -4,13 +4,16 @@ compressor and search."""
 
 from __future__ import annotations
 
+import gc
 import shutil
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
 from hf_dynaquant import Compressor, QuantConfig
+from hf_dynaquant.core.memory import Computed
 from hf_dynaquant.core.quantizer import PRUNED, decoded_values, dequantize, plan_quantization, quantize
 from hf_dynaquant.errors import ChecksumMismatchError, MissingBaseError, UnsupportedSetupError
 from hf_dynaquant.search import ConfigurationSearch, Reference, SearchSpace, mean_loss
@@ -32,15 +35,49 @@ def _drift(model: torch.nn.Module, scale: float, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def test_residual_plans_read_their_references_when_they_need_them_and_hold_none() -> None:
+    """A residual plan reads its reference (the previous checkpoint's decoded weights, made from
+    their codes on each read: a :class:`Computed` mapping) when it makes or decodes codes, and
+    holds none of them; the plans and codes equal those of references held in memory, and a
+    reference of another shape or with a NaN is not used."""
+    g = torch.Generator().manual_seed(0)
+    refs = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(4)}
+    weights = {n: r + 0.01 * torch.randn(r.shape, generator=g) for n, r in refs.items()}
+    weights["other shape"], refs["other shape"] = torch.randn(64, 64, generator=g), torch.randn(32, 64, generator=g)
+    weights["nan"], refs["nan"] = torch.randn(64, 64, generator=g), torch.full((64, 64), float("nan"))
+    made: list[weakref.ref] = []
+
+    def make(name: str) -> torch.Tensor:
+        t = refs[name].clone()
+        made.append(weakref.ref(t))
+        return t
+
+    config = QuantConfig(bins=6, prune=0.2, protect=0.01, min_numel=100, residual="previous")
+    lazy = plan_quantization(weights, config, reference=Computed({n: (lambda n=n: make(n)) for n in refs}))
+    held = plan_quantization(weights, config, reference=refs)
+    gc.collect()
+    assert made and not [r for r in made if r() is not None]  # read, and not held
+    assert [n for n, tp in lazy.tensors.items() if tp.residual == "previous"] == [f"w{i}" for i in range(4)]
+    for name, w in weights.items():
+        a, b = lazy.tensors[name], held.tensors[name]
+        assert a.residual == b.residual and np.array_equal(a.centres, b.centres)
+        (codes_a, prot_a), (codes_b, prot_b) = quantize(w, a), quantize(w, b)
+        assert np.array_equal(codes_a, codes_b) and np.array_equal(prot_a, prot_b), name
+        assert np.array_equal(
+            decoded_values(codes_a, a.centres, prot_a, a.reference_values()),
+            decoded_values(codes_b, b.centres, prot_b, b.reference_values()),
+        )
+
+
 def test_residual_plan_decodes_to_reference_plus_centres():
     gen = torch.Generator().manual_seed(1)
     ref = torch.randn(128, 96, generator=gen)
     w = ref + 0.01 * torch.randn(128, 96, generator=gen)
     config = QuantConfig(bins=4, prune=0.3, protect=0.01, residual="previous")
     plan = plan_quantization({"w": w}, config, reference={"w": ref}).tensors["w"]
-    assert plan.residual == "previous" and np.array_equal(plan.reference, ref.reshape(-1).numpy())
+    assert plan.residual == "previous" and np.array_equal(plan.reference_values(), ref.reshape(-1).numpy())
     codes, protected = quantize(w, plan)
-    values = decoded_values(codes, plan.centres, protected, plan.reference)
+    values = decoded_values(codes, plan.centres, protected, plan.reference_values())
     assert np.array_equal(values, ref.reshape(-1).numpy() + dequantize(codes, plan.centres, protected))
     pruned = codes == PRUNED
     assert 0.25 < pruned.mean() < 0.35

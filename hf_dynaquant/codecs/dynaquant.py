@@ -183,7 +183,7 @@ class DynaQuantCodec(Codec):
             tensor.dtype,
             tensor.shape,
             plan.residual,
-            plan.reference,
+            plan.reference_values(),
             plan.rare_rows,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})

@@ -118,10 +118,11 @@ def cached_on_device(
 class Computed(Mapping[str, torch.Tensor]):
     """Named tensors made each time one is read and never held: for values as large as the
     weights that a checkpoint's planning and search read a tensor at a time (the sensitivities
-    ``|EMA(g) * w|`` of :meth:`~hf_dynaquant.training.snapshot.Snapshot.sensitivity`). Holding
-    them all took the weights' size in float32 for each residual kind (measured: 0.37x a
-    checkpoint apiece, on top of the snapshot); making one again costs a pass over its values.
-    ``makers`` maps each name to what makes it."""
+    ``|EMA(g) * w|`` of :meth:`~hf_dynaquant.training.snapshot.Snapshot.sensitivity`, the
+    previous checkpoint's weights decoded from its kept codes). Holding them all took the
+    weights' size in float32 each (measured: 0.37x a checkpoint per sensitivity kind, 0.33x for
+    the previous weights, on top of the snapshot); making one again costs a pass over its
+    values. ``makers`` maps each name to what makes it."""
 
     def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
         self._makers = makers

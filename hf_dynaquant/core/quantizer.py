@@ -25,7 +25,7 @@ Decisions where the paper is silent (also in FORMAT.md):
   against reference values the decoder already has: the previous checkpoint's *decoded* weights
   (``"previous"``: closed loop, so quantization errors never accumulate along a chain) or the
   pre-trained weights a fine-tune started from (``"pretrained"``). A tensor with a reference of its
-  shape is planned on its residual (sketches, thresholds, K-means); ``TensorPlan.reference`` holds
+  shape is planned on its residual (sketches, thresholds, K-means); ``TensorPlan.reference`` reads
   the reference; the decoded value is ``ref + dequantized code`` in float32
   (:func:`decoded_values`), so a pruned residual keeps the reference value. Sensitivity of a
   residual is ``|EMA(g) * r|`` (zeroing it moves the weight by ``r``, the loss by about ``g * r``),
@@ -270,7 +270,9 @@ class TensorPlan:
     dither_seed: int | None = None  # stochastic rounding's seed for this tensor (None: nearest)
     dither_offset: int = 0  # index of the first value in the whole tensor (a shard's offset)
     residual: str = "none"  # "none", or the kind of reference the codes are a residual against
-    reference: np.ndarray | None = field(default=None, repr=False)  # flat float32 reference values
+    # computes the flat float32 reference values (a residual's), read when the codes are made or
+    # decoded: as large as the weights, so a plan holds the recipe, not the values
+    reference: Callable[[], np.ndarray] | None = field(default=None, repr=False)
     feedback: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)  # (factor, order), see .feedback
     rare_rows: np.ndarray | None = field(default=None, repr=False)  # uint8 per row, 1: a rare row (rare_bins)
     common: int = 0  # with rare_rows: how many of the centres are the common rows' (the rest are the rare rows')
@@ -282,7 +284,7 @@ class TensorPlan:
     def target(self, w: torch.Tensor) -> np.ndarray:
         """The flat float32 values the codes quantize: the weights, or their residual."""
         flat = flat_f32(w).numpy()
-        return flat if self.reference is None else flat - self.reference
+        return flat if self.reference is None else flat - self.reference_values()
 
     def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """``(codes, protected count)`` of flat float32 weights; without centres every value
@@ -297,6 +299,10 @@ class TensorPlan:
             u = uniform(self.dither_seed, self.dither_offset, w.size)
             stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
         return codes, nprot
+
+    def reference_values(self) -> np.ndarray | None:
+        """The flat float32 reference values of a residual plan, made now (None: direct coding)."""
+        return None if self.reference is None else self.reference()
 
     def sensitivity_values(self) -> np.ndarray | None:
         """This tensor's sensitivity, flat float32 on the host, computed now (None: unused)."""
@@ -535,7 +541,7 @@ def plan_quantization(
     ``sensitivity`` maps names to ``|EMA(g) * w|`` tensors (absent: magnitude only).
     Each tensor is read a few times, a few tensors at a time, so a lazily loading mapping works;
     a sensitivity is read again whenever codes are made, never held by the plan (a
-    :class:`~hf_dynaquant.core.memory.Computed` makes each on access).
+    :class:`~hf_dynaquant.core.memory.Computed` makes each on access); so is a ``reference``.
     ``sketch_cache`` (any dict, reused across calls on the same weights) keeps the per-tensor
     sketches, which do not depend on the configuration: the configuration search plans many
     candidates for one checkpoint.
@@ -562,7 +568,16 @@ def plan_quantization(
     """
     cache = sketch_cache if sketch_cache is not None else {}
     presampled = sample_weights or {}
-    refs = _references(tensors, reference, config.residual, cache)
+    refs = _references(tensors, reference, config.residual, cache)  # name -> where its reference lives
+
+    def reference_of(name: str) -> torch.Tensor | None:
+        """The reference of ``name``, read now (never held: a lazy mapping makes it on each read)."""
+        return reference[name] if name in refs else None
+
+    def flat_reference(name: str) -> Callable[[], np.ndarray] | None:
+        """How a plan reads the flat float32 reference of ``name`` (None: coded directly)."""
+        return (lambda: flat_f32(reference[name]).numpy()) if name in refs else None
+
     checked: list[tuple[tuple, bool]] = []  # finiteness checks made by this call (reported once per cache)
 
     def sketch_of(name: str, kind: str, values: Callable[[], torch.Tensor], magnitude: bool) -> LogSketch:
@@ -598,7 +613,7 @@ def plan_quantization(
         names.append(n)
         kinds[n] = kind
         numel[n] = t.numel()
-        on_host[n] = t.device.type == "cpu" and (n not in refs or refs[n].device.type == "cpu")
+        on_host[n] = t.device.type == "cpu" and (n not in refs or refs[n].type == "cpu")
     refuse_or_warn_non_finite([repr(k[0]) for k, ok in checked if not ok], config.non_finite, where)
     # each tensor's sensitivity, flat float32, made when read (see the docstring)
     sens: dict[str, Callable[[], torch.Tensor]] = {
@@ -624,7 +639,7 @@ def plan_quantization(
 
     def magnitudes(n: str) -> LogSketch:
         """The sketch of the magnitudes of ``n`` (of its residual), made only when a threshold needs it."""
-        return sketch_of(n, "magnitude", lambda: _residual(tensors[n], refs.get(n)), True)
+        return sketch_of(n, "magnitude", lambda: _residual(tensors[n], reference_of(n)), True)
 
     def merged(sketches: list[LogSketch]) -> LogSketch:
         out = LogSketch(config.alpha)
@@ -678,7 +693,6 @@ def plan_quantization(
         return tensor_seed(config.rounding_seed, name) if config.rounding == "stochastic" else None
 
     def plan_of(n: str) -> TensorPlan:
-        ref = refs.get(n)
         plan = TensorPlan(
             kinds[n],
             np.zeros(0, np.float32),
@@ -688,8 +702,8 @@ def plan_quantization(
             prune_by,
             sens.get(n),
             dither(n),
-            residual=config.residual if ref is not None else "none",
-            reference=None if ref is None else flat_f32(ref).numpy(),
+            residual=config.residual if n in refs else "none",
+            reference=flat_reference(n),
         )
         if config.error_feedback and n in grams and n not in rare_rows and tensors[n].dim() == 2:
             if (n, "feedback") not in cache:
@@ -756,11 +770,11 @@ def plan_quantization(
             with contextlib.suppress(torch.OutOfMemoryError):
                 s = cached_on_device(cache, (n, "sensitivity", key[2]), sens[n], device) if n in sens else None
                 if n not in sens or s is not None:
-                    w, weight = sampled(n, _residual(tensors[n], refs.get(n)).reshape(-1).float())
+                    w, weight = sampled(n, _residual(tensors[n], reference_of(n)).reshape(-1).float())
                     codes, _ = probe.device_codes(w, None if s is None else sampled(n, s)[0])
                     cache[key] = LogSketch(KMEANS_ALPHA).add(w[codes == FIRST_CENTRE], weight=weight)
             if key not in cache:  # no room on the device: sketched on the host, in this thread too
-                probe.reference = flat_f32(refs[n]).numpy() if n in refs else None
+                probe.reference = flat_reference(n)
                 cache[key] = rest_sketch(probe, n)
 
     # each tensor's codebook on its own (seeded, so the same on any thread), a few tensors at a time
@@ -770,15 +784,22 @@ def plan_quantization(
 
 def _references(
     tensors: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor] | None, residual: str, cache: dict
-) -> dict[str, torch.Tensor]:
-    """The usable references of a residual configuration: of the tensor's shape and finite."""
+) -> dict[str, torch.device]:
+    """The tensors whose reference a residual configuration uses (one of the tensor's shape,
+    finite), with the device each reference is on. Each reference is read once per ``cache``
+    for these checks, and not held (a lazy mapping makes it again when a plan reads it)."""
     if residual == "none" or not reference:
         return {}
     out = {}
-    for n, ref in reference.items():
-        if n in tensors and tuple(ref.shape) == tuple(tensors[n].shape):
-            if _finite(cache, (n, "finite reference", residual), lambda ref=ref: ref, []):
-                out[n] = ref
+    for n in reference:
+        if n not in tensors:
+            continue
+        key = (n, "usable reference", residual)
+        if key not in cache:
+            ref = reference[n]
+            cache[key] = ref.device if tuple(ref.shape) == tuple(tensors[n].shape) and all_finite(ref) else None
+        if cache[key] is not None:
+            out[n] = cache[key]
     return out
 
 

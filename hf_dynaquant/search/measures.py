@@ -91,7 +91,7 @@ def host_measure(
     sums = np.array([code_bits(counts, protected.size, joint, given), codes.size, 0.0, 0.0])
     if not decode:
         return name, None, sums
-    values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference)).view(exact.shape)
+    values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference_values())).view(exact.shape)
     sums[2:] = squared_error(values.to(exact.dtype), exact)
     return name, values, sums
 
@@ -154,7 +154,7 @@ class DeviceTensors:
         codes_of_base = base if base is not None and base.size == exact.numel() else None
         hosts = {
             (name, "sensitivity", tp.residual): tp.sensitivity,
-            (name, "reference", tp.residual): None if tp.reference is None else lambda: tp.reference,
+            (name, "reference", tp.residual): tp.reference,
             (name, "base codes"): None if codes_of_base is None else lambda: codes_of_base,
         }
         parts = None

@@ -27,6 +27,7 @@ there (and ``"pretrained"`` without pre-trained weights likewise).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -42,7 +43,7 @@ from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
-from ..core.memory import has_room, release_freed
+from ..core.memory import Computed, has_room, release_freed
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -548,26 +549,18 @@ class Compressor:
             return None
         return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
 
-    def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
-        process kept when it wrote the entry (:meth:`_keep_previous`), else read back from the store."""
+        process kept when it wrote the entry (:meth:`_keep_previous`) each time one is read
+        (:class:`~hf_dynaquant.core.memory.Computed`: the search reads them a tensor at a time),
+        else read back from the store once."""
         if self._previous is None:
             assert self.last_entry is not None
             with self._writable().open(self.last_entry) as entry:
                 stored = set(entry.names(MODEL)) if MODEL in entry.sections else set()
                 floats = [n for n, t in weights.items() if n in stored and t.is_floating_point()]
                 self._previous = {n: entry.tensor(MODEL, n).float() for n in floats}
-        codec, decoded = DynaQuantCodec(), {}
-
-        def value(kept: QuantState | torch.Tensor) -> torch.Tensor:
-            if not isinstance(kept, QuantState):
-                return kept
-            if id(kept) not in decoded:  # a tied weight's codes are decoded once
-                decoded[id(kept)] = from_raw(codec.to_raw(kept)).float()
-            return decoded[id(kept)]
-
-        self._previous = {n: value(v) for n, v in self._previous.items()}
-        return self._previous
+        return Computed({n: functools.partial(_decoded, kept) for n, kept in self._previous.items()})
 
     def _keep_previous(self, snap: Snapshot, states: Mapping[tuple[str, str], Any]) -> None:
         """Keep what the next ``"previous"`` residuals need of the checkpoint just written: a
@@ -787,6 +780,11 @@ class Compressor:
         if model is self.model:
             self.resumed_from(entry_id)
         return meta
+
+
+def _decoded(kept: QuantState | torch.Tensor) -> torch.Tensor:
+    """A kept tensor of the last checkpoint as a restore decodes it (float32)."""
+    return from_raw(DynaQuantCodec().to_raw(kept)).float() if isinstance(kept, QuantState) else kept
 
 
 def _is_quantized(record: Mapping[str, Any]) -> bool:
