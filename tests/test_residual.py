@@ -49,7 +49,7 @@ def test_residual_plans_read_their_references_when_they_need_them_and_hold_none(
 
     def make(name: str) -> torch.Tensor:
         t = refs[name].clone()
-        made.append(weakref.ref(t))
+        made.append(weakref.ref(t.untyped_storage()))  # (the memory: a plan may hold a view of it)
         return t
 
     config = QuantConfig(bins=6, prune=0.2, protect=0.01, min_numel=100, residual="previous")
