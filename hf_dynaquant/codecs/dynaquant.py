@@ -173,8 +173,8 @@ class DynaQuantCodec(Codec):
                 "the dynaquant codec quantizes with a plan made for the whole checkpoint; use "
                 "hf_dynaquant.Compressor or compress_state_dict rather than the bare codec"
             )
-        codes, protected = quantize(from_raw(tensor), self.plan)
-        plan = self.plan
+        plan, reference = self.plan.with_reference()
+        codes, protected = quantize(from_raw(tensor), plan)
         state = QuantState(
             codes,
             FIRST_CENTRE + len(plan.centres),
@@ -183,7 +183,7 @@ class DynaQuantCodec(Codec):
             tensor.dtype,
             tensor.shape,
             plan.residual,
-            plan.reference_values(),
+            reference,
             plan.rare_rows,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})

@@ -69,7 +69,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -303,6 +303,13 @@ class TensorPlan:
     def reference_values(self) -> np.ndarray | None:
         """The flat float32 reference values of a residual plan, made now (None: direct coding)."""
         return None if self.reference is None else self.reference()
+
+    def with_reference(self) -> tuple[TensorPlan, np.ndarray | None]:
+        """This plan with its reference made once (its recipe then returns that array), and the
+        array: for a caller that codes and then decodes or keeps one tensor's values, which
+        would otherwise make the reference twice."""
+        ref = self.reference_values()
+        return (self if ref is None else replace(self, reference=lambda: ref)), ref
 
     def sensitivity_values(self) -> np.ndarray | None:
         """This tensor's sensitivity, flat float32 on the host, computed now (None: unused)."""

@@ -79,6 +79,7 @@ def host_measure(
     """One tensor of a candidate on the host: ``(name, decoded values or None, [bits, values,
     squared error, squared norm])`` (without ``decode``, a size only: error and norm 0, and
     error feedback left out, see :func:`~.configuration.measured_bits`)."""
+    tp, reference = tp.with_reference()
     codes, protected = quantize(exact, tp)
     if tp.rare_rows is None:
         counts = byte_counts(codes)
@@ -91,7 +92,7 @@ def host_measure(
     sums = np.array([code_bits(counts, protected.size, joint, given), codes.size, 0.0, 0.0])
     if not decode:
         return name, None, sums
-    values = torch.from_numpy(decoded_values(codes, tp.centres, protected, tp.reference_values())).view(exact.shape)
+    values = torch.from_numpy(decoded_values(codes, tp.centres, protected, reference)).view(exact.shape)
     sums[2:] = squared_error(values.to(exact.dtype), exact)
     return name, values, sums
 
