@@ -54,7 +54,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from hf_dynaquant.core.dtypes import from_raw, to_raw
 from hf_dynaquant.core.quantizer import QuantConfig, is_quantizable
 from hf_dynaquant.errors import DynaQuantError
 from hf_dynaquant.pipeline import compress_state_dict
+from hf_dynaquant.pretrained.calibration import PRETRAINED_BASE
 
 OUT = Path(__file__).resolve().parent / "out"
 CNR_CUBE = [(s, r) for s in (10, 25, 50, 100) for r in (0.1, 0.2, 0.3, 0.4, 0.5)]  # Table 9
@@ -189,10 +190,11 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     return {"seeds": seeds, "rows": rows}
 
 
-def calibrated(bins: int, embedding_bins: int, rare_bins: int, protect: float) -> QuantConfig:
-    """A snapshot configuration with calibration: error feedback and rare embedding rows."""
+def calibrated(bins: int, embedding_bins: int, rare_bins: int, protect: float, trellis: bool = False) -> QuantConfig:
+    """A snapshot configuration with calibration: error feedback and rare embedding rows, rounded
+    to K-means codebooks or (``trellis``) by trellis-coded quantization."""
     return QuantConfig(bins=bins, embedding_bins=embedding_bins, rare_bins=rare_bins, protect=protect, prune=0.0,
-                       sigma=1.0, error_feedback=True)  # fmt: skip
+                       sigma=1.0, error_feedback=True, trellis=trellis)  # fmt: skip
 
 
 SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
@@ -205,10 +207,19 @@ SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("dynaquant+cal", {"config": calibrated(16, 12, 2, 0.002)}),
     ("dynaquant+cal", {"config": calibrated(12, 16, 3, 0.005)}),
     ("dynaquant+cal", {"config": calibrated(8, 16, 3, 0.005)}),
+    ("dynaquant+tcq", {"config": calibrated(24, 16, 3, 0.005, trellis=True)}),
+    ("dynaquant+tcq", {"config": calibrated(16, 16, 3, 0.005, trellis=True)}),
+    ("dynaquant+tcq", {"config": calibrated(16, 12, 3, 0.002, trellis=True)}),
+    ("dynaquant+tcq", {"config": calibrated(12, 16, 3, 0.005, trellis=True)}),
+    ("dynaquant+tcq", {"config": calibrated(12, 12, 3, 0.002, trellis=True)}),
+    ("dynaquant+tcq", {"config": calibrated(8, 16, 3, 0.005, trellis=True)}),
     # the search at several thresholds of output cosine distance (0.015: compress_pretrained's
-    # default); 0.002 is beyond the cube's best and must be refused quickly
+    # default); 0.002 is beyond the cube's best and must be refused quickly; and with K-means
+    # codebooks in place of the default's trellis
     ("dynaquant+search", {"threshold": 0.03}), ("dynaquant+search", {"threshold": 0.015}),
     ("dynaquant+search", {"threshold": 0.005}), ("dynaquant+search", {"threshold": 0.002}),
+    ("dynaquant+search", {"threshold": 0.03, "config": replace(PRETRAINED_BASE, trellis=False)}),
+    ("dynaquant+search", {"threshold": 0.015, "config": replace(PRETRAINED_BASE, trellis=False)}),
     ("qd", {"bits": 8}), ("qd", {"bits": 6}), ("qd", {"bits": 4}),
     ("cnr", {"bins": 32}), ("cnr", {"bins": 16}), ("cnr", {"bins": 8}),
     ("gobo", {"bins": 32}), ("gobo", {"bins": 16}), ("gobo", {"bins": 8}),
@@ -306,7 +317,9 @@ def setting_label(options: dict[str, Any]) -> str:
     embedding rows/rare rows``, protect), or the options as given."""
     parts = []
     for key, value in options.items():
-        if isinstance(value, QuantConfig) and value.rare_bins is not None:
+        if isinstance(value, QuantConfig) and "threshold" in options:  # a search's base
+            parts.append("tcq" if value.trellis else "k-means")
+        elif isinstance(value, QuantConfig) and value.rare_bins is not None:
             parts.append(f"bins={value.bins}/{value.embedding_bins}/{value.rare_bins} protect={value.protect:g}")
         else:
             parts.append(f"{key}={value.bins if isinstance(value, QuantConfig) else value}")

@@ -6,15 +6,17 @@ bfloat16. The codec's *state* of a tensor is those codes, the centres and the pr
 a later checkpoint codes its codes as a delta on the base's (section 6 of the paper, see
 :mod:`hf_dynaquant.core.delta`) and falls back to a keyframe when the delta would be larger.
 
-Blobs: ``codes`` (keyframe) or ``delta``; ``p.c<i>`` the protected values (``lossless`` BF16;
-absent when there are none).
+Blobs: ``codes`` (keyframe), ``symbols`` (a trellis keyframe's) or ``delta``; ``p.c<i>`` the
+protected values (``lossless`` BF16; absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
 under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others),
 ``protected`` (the lossless params of the protected values, with their count ``n``),
 ``layer_type``, ``residual`` (``previous`` | ``pretrained``; absent: the codes are of the
-weights themselves).
+weights themselves), ``trellis`` (``tcq8``: a keyframe's codes are trellis symbols, put back
+into codes by following the trellis down each column, :func:`~hf_dynaquant.core.trellis.unpack`;
+absent: the codes themselves).
 
 A residual tensor decodes to ``reference + dequantized codes`` in float32
 (:func:`~hf_dynaquant.core.quantizer.decoded_values`), then cast to its dtype; the store hands
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core import trellis
 from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from ..core.delta import (
     apply_delta,
@@ -69,6 +72,7 @@ _SLACK = 64  # bytes by which an rANS payload may exceed its estimate (ans_bytes
 DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
 ROWS_ANS = "ans-rows"  # keyframe codes coded by rANS, the common and the rare rows each with a model
+TRELLIS = "tcq8"  # the trellis a keyframe's symbols follow (core.trellis: 8 states, Ungerboeck's)
 
 
 @dataclass
@@ -84,6 +88,8 @@ class QuantState:
     residual: str = "none"  # the kind of reference the codes are a residual against
     reference: np.ndarray | None = None  # its flat float32 values (None: direct coding)
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
+    trellis: bool = False  # whether the codes follow the trellis down each column (QuantConfig.trellis)
+    common: int = 0  # with rare_rows: how many of the centres are the common rows' grid or codebook
 
 
 def _delta_payload(
@@ -156,7 +162,9 @@ class DynaQuantCodec(Codec):
     """Quantize with a plan (encode); decode needs only the stored params and blobs."""
 
     name = "dynaquant"
-    version = 2  # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only
+    # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only. 3: trellis
+    # symbols (blob "symbols"); records without the "trellis" param read as version 2's
+    version = 3
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
@@ -185,6 +193,8 @@ class DynaQuantCodec(Codec):
             plan.residual,
             reference,
             plan.rare_rows,
+            plan.trellis_steps is not None,
+            plan.common,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
@@ -216,7 +226,8 @@ class DynaQuantCodec(Codec):
         delta_params: dict[str, Any] = {}
         key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
         key_counts: np.ndarray | None = None  # their histogram, where a delta's pair counts gave it
-        if isinstance(base, QuantState) and base.codes.size == state.codes.size:
+        # (a trellis keyframe's symbols take a bit less a value than its codes; its deltas are not tried)
+        if isinstance(base, QuantState) and base.codes.size == state.codes.size and not state.trellis:
             levels = max(base.levels, state.levels)
             pairs: np.ndarray | None = None
             if self.delta_coding == "ans":  # regrouped as coded; the pair counts hold every histogram needed
@@ -240,8 +251,16 @@ class DynaQuantCodec(Codec):
         else:
             # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
             # zstd keyframes, which decode several times faster
+            symbols = state.codes
+            if state.trellis:
+                symbols = trellis.pack(state.codes, state.rare_rows, state.common)
+                params["trellis"] = TRELLIS
+                if state.rare_rows is not None:
+                    params["trellis_levels"] = [state.common, len(state.centres) - state.common]
             if state.rare_rows is not None:
-                codes_coding, codes_payload = ROWS_ANS, _rows_encode(state.codes, state.rare_rows)
+                codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
+            elif state.trellis:
+                codes_coding, codes_payload = encode_codes(symbols)
             else:
                 codes_coding, codes_payload = (
                     encode_codes(state.codes, key_counts) if self.delta_coding == "ans" else encode_stream(state.codes)
@@ -251,7 +270,9 @@ class DynaQuantCodec(Codec):
             if delta is not None and len(delta) < len(codes_payload):
                 blobs, params = {"delta": delta}, {**params, **delta_params}
             else:
-                blobs, params = {"codes": codes_payload}, {**params, "mode": "keyframe", "codes_stream": codes_coding}
+                # (trellis symbols under a name of their own: a reader that knows no trellis finds no codes)
+                key = "symbols" if state.trellis else "codes"
+                blobs, params = {key: codes_payload}, {**params, "mode": "keyframe", "codes_stream": codes_coding}
                 if codes_coding == ROWS_ANS:
                     rows_coding, blobs["rows"] = encode_stream(state.rare_rows)
                     params["rows_stream"] = rows_coding
@@ -295,7 +316,11 @@ class DynaQuantCodec(Codec):
                 f"{where}: a {residual!r} residual, but its reference values are missing or differ in size"
             )
         rare_rows = None
+        kind = params.get("trellis")
+        stored = "codes" if kind is None else "symbols"  # a keyframe's blob
         if params["mode"] == "delta":
+            if kind is not None:
+                raise CorruptCheckpointError(f"{where}: a delta with trellis symbols, which only keyframes store")
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
             codes = _undo_delta(base.codes, blobs("delta"), params, n, where)
@@ -305,9 +330,11 @@ class DynaQuantCodec(Codec):
             rare_rows = decode_stream(params["rows_stream"], blobs("rows"), shape[0], where)
             if rare_rows.size != shape[0] or (rare_rows.size and int(rare_rows.max()) > 1):
                 raise CorruptCheckpointError(f"{where}: the row map does not hold a 0 or 1 for each of {shape[0]} rows")
-            codes = _rows_decode(blobs("codes"), rare_rows, n, where)
+            codes = _rows_decode(blobs(stored), rare_rows, n, where)
         else:
-            codes = decode_stream(params["codes_stream"], blobs("codes"), n, where)
+            codes = decode_stream(params["codes_stream"], blobs(stored), n, where)
+        if kind is not None:
+            codes = _unpack(codes, kind, shape, params.get("trellis_levels", [len(params["centres"])]), rare_rows, where)
         prot_params = params["protected"]
         m = int(prot_params["n"])
         protected = (
@@ -330,6 +357,8 @@ class DynaQuantCodec(Codec):
             residual,
             reference if residual != "none" else None,
             rare_rows,
+            kind is not None,
+            int(params["trellis_levels"][0]) if kind is not None and rare_rows is not None else 0,
         )
 
     def coded(self, state: QuantState) -> QuantState | None:
@@ -343,6 +372,23 @@ class DynaQuantCodec(Codec):
             raise CorruptCheckpointError(str(exc)) from None
         tensor = torch.from_numpy(values).to(torch_dtype(state.dtype)).reshape(state.shape)
         return to_raw(tensor)
+
+
+def _unpack(
+    stored: np.ndarray, kind: Any, shape: tuple[int, ...], levels: Any, rare_rows: np.ndarray | None, where: str
+) -> np.ndarray:
+    """The codes of a keyframe's trellis symbols (``kind``: the ``trellis`` param; ``levels``: each
+    grid's level count, the ``trellis_levels`` param with a row map, else the centres')."""
+    if kind != TRELLIS:
+        raise CorruptCheckpointError(f"{where}: trellis {kind!r} is not one this version decodes (it writes {TRELLIS!r})")
+    if len(shape) < 2:
+        raise CorruptCheckpointError(f"{where}: trellis-coded, but the tensor has no columns")
+    try:
+        if not isinstance(levels, list) or not all(isinstance(k, int) for k in levels):
+            raise ValueError(f"trellis grids of {levels!r} levels")
+        return trellis.unpack(stored, shape[0], tuple(levels), rare_rows)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
 
 
 def _row_keys(rare_rows: np.ndarray, n: int) -> np.ndarray:

@@ -148,8 +148,8 @@ def _code_totals(
     device: DeviceTensors | None = None,
 ) -> np.ndarray:
     """``[bits, quantized values]`` of ``plan`` on ``snapshot`` (summable over shards), error
-    feedback left out (see :func:`measured_bits`); measured as :func:`_measured` does."""
-    plan = QuantPlan(plan.config, {n: replace(tp, feedback=None) for n, tp in plan.tensors.items()})
+    feedback and the trellis left out (see :func:`measured_bits`); measured as :func:`_measured` does."""
+    plan = QuantPlan(plan.config, {n: replace(tp, nearest=True) for n, tp in plan.tensors.items()})
     totals = np.zeros(2)
     for _, _, sums in _measured(plan, snapshot, base_codes, device, decode=False):
         totals += sums[:2]
@@ -162,10 +162,14 @@ def _measured(
     base_codes: Mapping[str, np.ndarray] | None,
     device: DeviceTensors | None,
     decode: bool,
+    kept: dict[str, tuple[TensorPlan, Measured]] | None = None,
 ) -> Iterator[Measured]:
     """Each of the plan's tensors measured (:func:`~.measures.host_measure`), in order: on the
     accelerator that holds the model, one after another (``device``, when it takes the plan), or
-    on the host, a few tensors at a time on the search's pool. The same results either way."""
+    on the host, a few tensors at a time on the search's pool. The same results either way.
+    ``kept``: a tensor rounded by the trellis by kind of row (an input embedding's, whose plan
+    the planner gives every candidate that shares its thresholds: the same object) is measured
+    once while its plan stays the same, and kept there."""
     base_codes = base_codes or {}
     if device is not None and device.takes(plan):
         for name, tp in plan.tensors.items():
@@ -174,7 +178,13 @@ def _measured(
 
     def measure(item: tuple[str, TensorPlan]) -> Measured:
         name, tp = item
-        return host_measure(name, tp, snapshot[name], base_codes.get(name), decode)
+        keep = kept is not None and tp.trellis_steps is not None and tp.rare_rows is not None and name not in base_codes
+        if keep and name in kept and kept[name][0] is tp:
+            return kept[name][1]
+        result = host_measure(name, tp, snapshot[name], base_codes.get(name), decode)
+        if keep:
+            kept[name] = (tp, result)
+        return result
 
     yield from _on_pool(measure, plan, snapshot)
 
@@ -201,7 +211,8 @@ def measured_bits(
     tensor's code delta where that is smaller. Error feedback (``QuantConfig.error_feedback``) is
     left out of the sizes: it changes which centre a value gets, not how many values each centre
     gets (sizes within 0.1% on MiniLM), and costs a pass per column, too much for every point
-    the search sizes; :func:`evaluate_plan` measures with it."""
+    the search sizes; :func:`evaluate_plan` measures with it. So is the trellis
+    (``QuantConfig.trellis``): its symbols are sized as nearest rounding's."""
     bits, total = _code_totals(snapshot, plan, base_codes)
     return bits / max(total, 1.0)
 
@@ -231,16 +242,18 @@ def _evaluate(
     preserve_rng: bool,
     base_codes: Mapping[str, np.ndarray] | None = None,
     device: DeviceTensors | None = None,
+    kept: dict[str, tuple[TensorPlan, Measured]] | None = None,
 ) -> tuple[Measurement, np.ndarray]:
     """:func:`evaluate_plan` with the metric's :class:`Measurement` and ``[bits, quantized values,
     squared error, squared norm]`` of the quantized tensors (the sizes as :func:`_code_totals`;
     the error of the decoded values against the exact ones), which sum over the shards of a
     sharded model. Each tensor is measured (on ``device`` when given, see :func:`_measured`)
-    before its decoded values are written into the model."""
+    before its decoded values are written into the model. ``kept``: measurements an earlier
+    evaluation of the same search kept (see :func:`_measured`)."""
     totals = np.zeros(4)
 
     def decoded() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, values, sums in _measured(plan, snapshot, base_codes, device, decode=True):
+        for name, values, sums in _measured(plan, snapshot, base_codes, device, decode=True, kept=kept):
             totals[:] += sums
             yield name, values
 
@@ -602,6 +615,8 @@ class _Context:
         self._plans: dict[QuantConfig, QuantPlan] = {}  # made on this rank
         self._bits: dict[QuantConfig, float] = {}
         self._cache: dict[QuantConfig, Candidate] = {}
+        # tensors measured once while their plan stays the same (see _measured)
+        self.measured: dict[str, tuple[TensorPlan, Measured]] = {}
         self.has_embeddings = any((types or {}).get(n) == EMBEDDING for n in snapshot) or any(
             "embed" in n.lower() for n in snapshot
         )
@@ -677,7 +692,9 @@ class _Context:
             if rank < len(batch):
                 plan = self.plan(batch[rank])
                 metric, rng = self.owner.metric, self.owner.owns_rng()
-                value, totals = _evaluate(self.model, self.snapshot, plan, metric, rng, self.base_codes, self.device)
+                value, totals = _evaluate(
+                    self.model, self.snapshot, plan, metric, rng, self.base_codes, self.device, self.measured
+                )
                 measures = metric.compare(self.baseline, value)
                 if self.lockstep is not None:
                     measures, totals = self.agreed(measures, value.value), self.lockstep.all_sum(totals)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ..core import trellis
 from ..core.entropy import ans_bytes, entropy_bits
 from ..core.histogram import byte_counts
 from ..core.memory import cached_on_device, has_room, on_accelerator
@@ -78,14 +79,18 @@ def host_measure(
 ) -> Measured:
     """One tensor of a candidate on the host: ``(name, decoded values or None, [bits, values,
     squared error, squared norm])`` (without ``decode``, a size only: error and norm 0, and
-    error feedback left out, see :func:`~.configuration.measured_bits`)."""
+    error feedback and the trellis left out when the plan says ``nearest``, see
+    :func:`~.configuration.measured_bits`)."""
     tp, reference = tp.with_reference()
     codes, protected = quantize(exact, tp)
+    symbols = codes
+    if tp.trellis_steps is not None:  # sized as stored: trellis symbols (of nearest rounding, when sized)
+        symbols = trellis.pack(codes, tp.rare_rows, tp.common)
     if tp.rare_rows is None:
-        counts = byte_counts(codes)
+        counts = byte_counts(symbols)
     else:
         keys = np.repeat(tp.rare_rows.astype(np.int64), codes.size // tp.rare_rows.size)
-        counts = np.bincount(keys * 256 + codes, minlength=512).reshape(2, 256)
+        counts = np.bincount(keys * 256 + symbols, minlength=512).reshape(2, 256)
     joint = given = None
     if base is not None and base.size == codes.size:
         joint, given = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1), byte_counts(base)

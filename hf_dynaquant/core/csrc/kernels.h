@@ -15,6 +15,8 @@
  *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
  *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
+ *   trellis.c    trellis-coded quantization: the Viterbi search inside a block of error feedback,
+ *                and the decoder's state machine (trellis.py);
  *   module.c     the module's method table. */
 #ifndef HF_DYNAQUANT_KERNELS_H
 #define HF_DYNAQUANT_KERNELS_H
@@ -55,6 +57,10 @@ PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
 PyObject *py_lloyd_f64(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
+PyObject *py_trellis_unpack_u8(PyObject *self, PyObject *args);
+PyObject *py_trellis_round_f32(PyObject *self, PyObject *args);
+void trellis_round_f32(const float *x, Py_ssize_t n, double c0, double step, const float *table, Py_ssize_t levels,
+                       uint8_t *codes, uint8_t *scratch);
 PyObject *py_fidelity_f32(PyObject *self, PyObject *args);
 PyObject *py_fidelity_codes_f32(PyObject *self, PyObject *args);
 PyObject *py_adam_update(PyObject *self, PyObject *args);

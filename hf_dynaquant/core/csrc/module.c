@@ -17,7 +17,11 @@ static PyMethodDef methods[] = {
      " -> protected count"},
     {"feedback_block_f32", py_feedback_block_f32, METH_VARARGS,
      "feedback_block_f32(block, sens, has_sens, rows, u, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints,"
-     " table, codes, errors): one block of error feedback, columns one after the other"},
+     " table, codes, errors[, trellis, c0, step]): one block of error feedback, columns one after the other"},
+    {"trellis_unpack_u8", py_trellis_unpack_u8, METH_VARARGS,
+     "trellis_unpack_u8(codes, kinds, levels0, levels1): stored trellis symbols back to codes in place (0, or -1: corrupt)"},
+    {"trellis_round_f32", py_trellis_round_f32, METH_VARARGS,
+     "trellis_round_f32(x, codes, length, c0, step, table): the Viterbi search over each sequence of length values"},
     {"regroup_u8", py_regroup_u8, METH_VARARGS,
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
     {"ungroup_cyclic_u8", py_ungroup_cyclic_u8, METH_VARARGS,

@@ -170,16 +170,19 @@ static float bf16_round(float x) {
  * errors). Column j is partitioned and rounded as partition_f32 does (protected values to their
  * bfloat16, the rest to table[code]: 0, 0, then the centres); its error e = (w - q) / u[j][j]
  * goes to errors, and every later column k of the block takes w -= e * u[j][k]; the column is
- * left holding q. u is the block's b x b corner of the factor, row-major. */
+ * left holding q. u is the block's b x b corner of the factor, row-major. With a trellis scratch
+ * (16 * rows bytes; trellis.c), the values the partition gives a centre are rounded instead by the
+ * trellis down the column, on the grid that table holds (first level c0, spacing step). */
 static void feedback_block_f32(float *block, const float *sens, Py_ssize_t rows, Py_ssize_t b, const float *u,
                                double tau_mag, double tau_sens, double tau_prune, int prune_by_sens,
                                const float *mids, Py_ssize_t nmids, const float *table, uint8_t *codes,
-                               float *errors) {
+                               float *errors, uint8_t *trellis, double c0, double step) {
     for (Py_ssize_t j = 0; j < b; j++) {
         float *col = block + j * rows, *err = errors + j * rows;
         uint8_t *code = codes + j * rows;
         partition_f32(col, sens ? sens + j * rows : NULL, rows, tau_mag, tau_sens, tau_prune, prune_by_sens, mids,
                       nmids, code);
+        if (trellis) trellis_round_f32(col, rows, c0, step, table, nmids + 1, code, trellis);
         const float pivot = u[j * b + j];
         for (Py_ssize_t r = 0; r < rows; r++) {
             const float q = code[r] == 1 ? bf16_round(col[r]) : table[code[r]];
@@ -197,23 +200,29 @@ static void feedback_block_f32(float *block, const float *sens, Py_ssize_t rows,
 
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args) {
     Py_buffer block, sens, u, mids, table, codes, errors;
-    double tau_mag, tau_sens, tau_prune;
-    int prune_by_sens, has_sens;
+    double tau_mag, tau_sens, tau_prune, c0 = 0.0, step = 0.0;
+    int prune_by_sens, has_sens, trellis = 0;
     Py_ssize_t rows;
-    if (!PyArg_ParseTuple(args, "w*y*pny*dddpy*y*w*w*", &block, &sens, &has_sens, &rows, &u, &tau_mag, &tau_sens,
-                          &tau_prune, &prune_by_sens, &mids, &table, &codes, &errors))
+    if (!PyArg_ParseTuple(args, "w*y*pny*dddpy*y*w*w*|pdd", &block, &sens, &has_sens, &rows, &u, &tau_mag, &tau_sens,
+                          &tau_prune, &prune_by_sens, &mids, &table, &codes, &errors, &trellis, &c0, &step))
         return NULL;
     const Py_ssize_t n = block.len / 4, b = rows > 0 ? n / rows : 0;
     int ok = rows > 0 && b * rows == n && codes.len == n && errors.len == block.len && u.len == 4 * b * b &&
-             (!has_sens || sens.len == block.len) && mids.len / 4 <= 253 && table.len == mids.len + 12;
+             (!has_sens || sens.len == block.len) && mids.len / 4 <= 253 && table.len == mids.len + 12 &&
+             (!trellis || (mids.len / 4 + 1 >= 4 && (mids.len / 4 + 1) % 4 == 0 && step > 0));
+    uint8_t *scratch = NULL;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "feedback_block: buffers disagree in length or too many centres");
-    else {
+    else if (trellis && !(scratch = malloc((size_t)(16 * rows)))) {
+        PyErr_NoMemory();
+        ok = 0;
+    } else {
         Py_BEGIN_ALLOW_THREADS
         feedback_block_f32(block.buf, has_sens ? sens.buf : NULL, rows, b, u.buf, tau_mag, tau_sens, tau_prune,
-                           prune_by_sens, mids.buf, mids.len / 4, table.buf, codes.buf, errors.buf);
+                           prune_by_sens, mids.buf, mids.len / 4, table.buf, codes.buf, errors.buf, scratch, c0, step);
         Py_END_ALLOW_THREADS
     }
+    free(scratch);
     PyBuffer_Release(&block); PyBuffer_Release(&sens); PyBuffer_Release(&u); PyBuffer_Release(&mids);
     PyBuffer_Release(&table); PyBuffer_Release(&codes); PyBuffer_Release(&errors);
     if (!ok) return NULL;
