@@ -58,6 +58,9 @@ def test_grid_is_uniform_holds_zero_and_spans_the_codebook() -> None:
     assert levels[0] <= trellis.REACH * -0.3 and levels[-1] >= 0.3
     with pytest.raises(ValueError, match="two distinct"):
         trellis.grid(np.array([0.1, 0.1], dtype=np.float32))
+    # past about 80 bins the finest grid a byte allows, still reaching past the codebook
+    levels, step = trellis.grid(np.linspace(-1, 1, 200, dtype=np.float32))
+    assert levels.size <= trellis.MAX_LEVELS and levels[0] <= -trellis.REACH * 0.999 and levels[-1] >= 1.0
 
 
 def test_trellis_rounds_with_feedback_to_fewer_bits_and_less_output_error(layer) -> None:
@@ -167,6 +170,10 @@ def test_damaged_trellis_symbols_are_named(layer) -> None:
         codec.decode("F32", tuple(w.shape), {**encoded.params, "codes_stream": coding}, MemoryBlobs({"symbols": payload}, "tensor 'w'"))
     with pytest.raises(CorruptCheckpointError, match="tensor 'w'.*trellis 'tcq16'"):
         codec.decode("F32", tuple(w.shape), {**encoded.params, "trellis": "tcq16"}, blobs)
+    with pytest.raises(CorruptCheckpointError, match="tensor 'w'.*grids of \\[200, 100\\] levels"):
+        codec.decode("F32", tuple(w.shape), {**encoded.params, "trellis_levels": [200, 100]}, blobs)
+    with pytest.raises(CorruptCheckpointError, match="tensor 'w'.*only keyframes"):
+        codec.decode("F32", tuple(w.shape), {**encoded.params, "mode": "delta"}, blobs, base=None)
     with pytest.raises(CorruptCheckpointError, match="tensor 'w'.*no columns"):
         codec.decode("F32", (w.numel(),), encoded.params, blobs)
 
@@ -264,3 +271,15 @@ def test_minilm_snapshot_by_trellis_is_smaller_at_the_same_fidelity(tmp_path, mi
     (ratio_k, d_k), (ratio_t, d_t) = results[False], results[True]
     assert ratio_t > 1.05 * ratio_k  # RESULTS: 12.1x against 11.3x
     assert d_t < 1.25 * d_k  # at about the outputs' fidelity
+
+
+def test_embedding_grids_past_one_byte_keep_their_codebooks() -> None:
+    table, used = _embedding()
+    config = QuantConfig(
+        bins=8, embedding_bins=200, rare_bins=40, prune=0, protect=0.01, sigma=1.0, error_feedback=True, trellis=True
+    )
+    tp = plan_quantization({"embed.weight": table}, config, calibration=Calibration(rows={"embed.weight": used}))
+    plan = tp.tensors["embed.weight"]
+    assert plan.trellis_steps is None and plan.centres.size <= 254  # K-means codebooks: the two grids need more
+    codes, kept = quantize(table, plan)
+    assert codes.max() < 2 + plan.centres.size

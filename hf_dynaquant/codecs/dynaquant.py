@@ -89,7 +89,7 @@ class QuantState:
     reference: np.ndarray | None = None  # its flat float32 values (None: direct coding)
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
     trellis: bool = False  # whether the codes follow the trellis down each column (QuantConfig.trellis)
-    common: int = 0  # with rare_rows: how many of the centres are the common rows' grid or codebook
+    common: int = 0  # with rare_rows under the trellis: how many of the centres are the common rows' grid
 
 
 def _delta_payload(
@@ -194,7 +194,7 @@ class DynaQuantCodec(Codec):
             reference,
             plan.rare_rows,
             plan.trellis_steps is not None,
-            plan.common,
+            plan.common if plan.trellis_steps is not None else 0,
         )
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
@@ -260,7 +260,7 @@ class DynaQuantCodec(Codec):
             if state.rare_rows is not None:
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
             elif state.trellis:
-                codes_coding, codes_payload = encode_codes(symbols)
+                codes_coding, codes_payload = encode_codes(symbols) if self.delta_coding == "ans" else encode_stream(symbols)
             else:
                 codes_coding, codes_payload = (
                     encode_codes(state.codes, key_counts) if self.delta_coding == "ans" else encode_stream(state.codes)
@@ -334,7 +334,8 @@ class DynaQuantCodec(Codec):
         else:
             codes = decode_stream(params["codes_stream"], blobs(stored), n, where)
         if kind is not None:
-            codes = _unpack(codes, kind, shape, params.get("trellis_levels", [len(params["centres"])]), rare_rows, where)
+            count = len(params["centres"])
+            codes = _unpack(codes, kind, shape, params.get("trellis_levels", [count]), count, rare_rows, where)
         prot_params = params["protected"]
         m = int(prot_params["n"])
         protected = (
@@ -375,17 +376,24 @@ class DynaQuantCodec(Codec):
 
 
 def _unpack(
-    stored: np.ndarray, kind: Any, shape: tuple[int, ...], levels: Any, rare_rows: np.ndarray | None, where: str
+    stored: np.ndarray,
+    kind: Any,
+    shape: tuple[int, ...],
+    levels: Any,
+    centres: int,
+    rare_rows: np.ndarray | None,
+    where: str,
 ) -> np.ndarray:
     """The codes of a keyframe's trellis symbols (``kind``: the ``trellis`` param; ``levels``: each
-    grid's level count, the ``trellis_levels`` param with a row map, else the centres')."""
+    grid's level count, the ``trellis_levels`` param with a row map, else the centres'; together
+    they must be the ``centres`` stored)."""
     if kind != TRELLIS:
         raise CorruptCheckpointError(f"{where}: trellis {kind!r} is not one this version decodes (it writes {TRELLIS!r})")
     if len(shape) < 2:
         raise CorruptCheckpointError(f"{where}: trellis-coded, but the tensor has no columns")
     try:
-        if not isinstance(levels, list) or not all(isinstance(k, int) for k in levels):
-            raise ValueError(f"trellis grids of {levels!r} levels")
+        if not isinstance(levels, list) or not all(isinstance(k, int) for k in levels) or sum(levels) != centres:
+            raise ValueError(f"trellis grids of {levels!r} levels for {centres} centres")
         return trellis.unpack(stored, shape[0], tuple(levels), rare_rows)
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None

@@ -40,7 +40,7 @@ for _s in range(8):
     for _b in range(2):
         _AFTER[_s, SUB[_s, _b]] = NEXT[_s, _b]
 
-FIRST = 2  # codes 0 (pruned) and 1 (protected) are not grid levels (as in the quantizer)
+FIRST = 2  # codes 0 (pruned) and 1 (protected) are not grid levels (quantizer.FIRST_CENTRE, which imports this module)
 MAX_LEVELS = 252  # grid levels a one-byte code can name after the two special codes, a multiple of 4
 # how far past the K-means codebook's outer centres the grid reaches: error feedback moves the
 # values it has yet to round by the errors of those already rounded, past the range they began in
@@ -52,13 +52,16 @@ def grid(centres: np.ndarray, step: float | None = None) -> tuple[np.ndarray, fl
     centres (sorted). Unless ``step`` is given, each parity's levels (the subsets one state
     allows) lie ``(c[-1] - c[0]) / (k - 1)`` apart, so ``bins`` keeps its meaning: that many of
     them span the codebook's range. The grid reaches :data:`REACH` times the outer centres'
-    magnitude on each side (at most :data:`MAX_LEVELS` levels, centred on 0), and holds 0
-    (level ``L / 2``)."""
+    magnitude on each side (at most :data:`MAX_LEVELS` levels, centred on 0; a finer spacing is
+    widened until it reaches), and holds 0 (level ``L / 2``)."""
     if centres.size < 2 or not centres[-1] > centres[0]:
         raise ValueError("a trellis grid needs at least two distinct centres")
     step = float(centres[-1] - centres[0]) / (2 * (centres.size - 1)) if step is None else step
     reach = REACH * max(abs(float(centres[0])), abs(float(centres[-1])))
-    half = 4 * min(MAX_LEVELS // 8, max(1, math.ceil(reach / step / 4)))  # a multiple of 4
+    half = 4 * max(1, math.ceil(reach / step / 4))  # a multiple of 4
+    if half > MAX_LEVELS // 2:  # (past about 80 bins) the finest grid that still reaches
+        half = 4 * (MAX_LEVELS // 8)
+        step = reach / half
     return (np.arange(-half, half, dtype=np.float64) * step).astype(np.float32), step
 
 
@@ -71,18 +74,19 @@ def matched_grid(sequences: np.ndarray, centres: np.ndarray, limit: float = math
     passes over the sample."""
     kept = np.abs(sequences) <= limit
     target = _nearest_error(sequences[kept], centres)
-    _, step = grid(centres)
-    previous: tuple[float, float] | None = None
+    _, start = grid(centres)
+    step, tried, previous = start, [], None
     for _ in range(6):
         error = _tcq_error(sequences, kept, centres, step)
-        if target <= 0.0 or error <= 0.0 or abs(math.log(error / target)) < 0.01:
+        tried.append((abs(math.log(error / target)) if error > 0 and target > 0 else math.inf, step))
+        if target <= 0.0 or error <= 0.0 or tried[-1][0] < 0.01:
             break
         slope = 2.0
         if previous is not None and previous[1] != error and previous[0] != step:
             slope = min(max(math.log(error / previous[1]) / math.log(step / previous[0]), 0.5), 4.0)
         previous = (step, error)
-        step *= math.exp(math.log(target / error) / slope)
-    return grid(centres, step)
+        step = min(max(step * math.exp(math.log(target / error) / slope), start / 4), start * 4)
+    return grid(centres, min(tried)[1])  # the closest step tried
 
 
 def _nearest_error(values: np.ndarray, centres: np.ndarray) -> float:
@@ -130,8 +134,10 @@ def unpack(stored: np.ndarray, rows: int, levels: tuple[int, ...], kinds: np.nda
     stored = np.ascontiguousarray(stored, dtype=np.uint8).reshape(-1)
     if rows <= 0 or stored.size % rows or (kinds is not None and kinds.size != rows):
         raise ValueError(f"{stored.size} codes do not make {rows} rows")
-    if len(levels) != (1 if kinds is None else 2) or min(levels) < 4 or max(levels) > MAX_LEVELS:
-        raise ValueError(f"trellis grids of {list(levels)} levels, not one a writer makes")
+    if len(levels) != (1 if kinds is None else 2) or min(levels) < 4 or sum(levels) > MAX_LEVELS or any(
+        k % 4 for k in levels
+    ):
+        raise ValueError(f"trellis grids of {list(levels)} levels, not ones a writer makes")
     kinds = np.zeros(rows, dtype=np.uint8) if kinds is None else np.ascontiguousarray(kinds, dtype=np.uint8)
     sizes = (levels[0], levels[-1])
     out = stored.copy()

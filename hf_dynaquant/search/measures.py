@@ -92,7 +92,7 @@ def host_measure(
         keys = np.repeat(tp.rare_rows.astype(np.int64), codes.size // tp.rare_rows.size)
         counts = np.bincount(keys * 256 + symbols, minlength=512).reshape(2, 256)
     joint = given = None
-    if base is not None and base.size == codes.size:
+    if base is not None and base.size == codes.size and tp.trellis_steps is None:  # (trellis codes: keyframes only)
         joint, given = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1), byte_counts(base)
     sums = np.array([code_bits(counts, protected.size, joint, given), codes.size, 0.0, 0.0])
     if not decode:
@@ -113,7 +113,7 @@ class DeviceTensors:
     :func:`~hf_dynaquant.core.quantizer.plan_quantization`, so one copy each), when the device
     has room for it besides its reserve (:func:`~hf_dynaquant.core.memory.has_room`; training's
     next step must still fit).
-    A tensor the device has no room for, or a plan with error feedback or rare rows, is measured
+    A tensor the device has no room for, or a plan with error feedback, trellis grids or rare rows, is measured
     on the host (:func:`host_measure`), with the same result.
     """
 
