@@ -168,7 +168,7 @@ class QuantConfig:
         trellis: where calibration text informs the rounding (a linear layer that error feedback
             rounds; the input embedding's common and rare rows, with ``rare_bins``), round by
             trellis-coded quantization on a uniform grid instead of to K-means centres
-            (:mod:`.trellis`): on MiniLM about 7% fewer bytes at the same held-out fidelity.
+            (:mod:`.trellis`): on MiniLM 4-7% fewer bytes at about the same held-out cosine.
             A linear layer's ``bins`` set its grid's spacing (that many levels of one parity
             span the range the K-means centres would); an embedding's grids are spaced to match
             the error of its codebooks at ``embedding_bins`` and ``rare_bins``. Needs

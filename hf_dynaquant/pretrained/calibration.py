@@ -67,7 +67,7 @@ PRETRAINED_SPACE = SearchSpace(
 # the layers' outputs closer at the same bins, and the input embedding's rows that calibration
 # text never uses get 3 levels. Trellis-coded quantization in place of the K-means codebooks
 # where calibration informs the rounding (the linear layers and the embedding's rows) stores
-# the same held-out fidelity in about 7% fewer bytes (benchmarks/RESULTS.md, issue 19).
+# about the same held-out cosine in 4-7% fewer bytes (benchmarks/RESULTS.md, issue 19).
 PRETRAINED_BASE = QuantConfig(sigma=1.0, error_feedback=True, rare_bins=3, trellis=True)
 
 
