@@ -259,11 +259,9 @@ class DynaQuantCodec(Codec):
                     params["trellis_levels"] = [state.common, len(state.centres) - state.common]
             if state.rare_rows is not None:
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
-            elif state.trellis:
-                codes_coding, codes_payload = encode_codes(symbols) if self.delta_coding == "ans" else encode_stream(symbols)
-            else:
+            else:  # (key_counts: the codes' histogram, made beside a delta, which a trellis tensor never tries)
                 codes_coding, codes_payload = (
-                    encode_codes(state.codes, key_counts) if self.delta_coding == "ans" else encode_stream(state.codes)
+                    encode_codes(symbols, key_counts) if self.delta_coding == "ans" else encode_stream(symbols)
                 )
             if delta is None and estimate is not None and estimate < len(codes_payload):
                 delta = code_delta()
