@@ -194,6 +194,30 @@ def _embedding() -> tuple[torch.Tensor, np.ndarray]:
     return torch.randn(300, 48, generator=g) * 0.1, used
 
 
+@pytest.mark.skipif(quantizer.native is None, reason="the compiled kernels are not built")
+def test_columns_rounded_in_place_as_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Down the columns of a row-major matrix (transposed views, many columns in lockstep, the
+    last block short) the compiled search gives the codes it gives the columns copied out as
+    contiguous sequences, and the numpy reference's."""
+    rng = np.random.default_rng(3)
+    m = (rng.standard_normal((500, 70)) * 0.5).astype(np.float32)
+    levels, step = trellis.grid(np.linspace(-1.0, 1.0, 9, dtype=np.float32))
+    table = code_table(levels)
+    codes = np.where(rng.random(m.shape) < 0.1, PRUNED, FIRST_CENTRE).astype(np.uint8)
+    codes[rng.random(m.shape) < 0.02] = PROTECTED
+    in_place = codes.copy()
+    trellis.round_sequences(m.T, in_place.T, float(levels[0]), step, table)
+    copied = np.ascontiguousarray(codes.T)
+    trellis.round_sequences(np.ascontiguousarray(m.T), copied, float(levels[0]), step, table)
+    with monkeypatch.context() as patch:
+        patch.setattr(trellis, "native", None)
+        reference = codes.copy()
+        trellis.round_sequences(m.T, reference.T, float(levels[0]), step, table)
+    np.testing.assert_array_equal(in_place, copied.T)
+    np.testing.assert_array_equal(in_place, reference)
+    assert ((in_place == PRUNED) == (codes == PRUNED)).all() and (in_place >= FIRST_CENTRE).sum() > 25000
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_rare_and_common_rows_each_follow_their_own_trellis(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if compiled and quantizer.native is None:

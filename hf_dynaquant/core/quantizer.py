@@ -419,11 +419,11 @@ class TensorPlan:
         for kind, (first, stop) in enumerate(((0, self.common), (self.common, self.centres.size))):
             which = self.rare_rows == kind
             grid = self.centres[first:stop]
-            seqs = np.ascontiguousarray(table[which].T)
-            trellis.round_sequences(np.ascontiguousarray(matrix[which].T), seqs, float(grid[0]),
-                                    self.trellis_steps[kind], code_table(grid))  # fmt: skip
-            seqs[seqs >= FIRST_CENTRE] += first
-            table[which] = seqs.T
+            group = table[which]  # (the trellis runs down the columns of these rows: transposed views)
+            trellis.round_sequences(matrix[which].T, group.T, float(grid[0]), self.trellis_steps[kind],
+                                    code_table(grid))  # fmt: skip
+            group[group >= FIRST_CENTRE] += first
+            table[which] = group
 
     def row_values(self, w: np.ndarray, rare: bool) -> np.ndarray:
         """The flat values of the common (or the rare) rows of flat ``w``, in order."""

@@ -119,6 +119,16 @@ def pack(codes: np.ndarray, rare_rows: np.ndarray | None = None, common: int = 0
     return symbols
 
 
+def symbol_counts(code_counts: np.ndarray, common: int = 0) -> np.ndarray:
+    """The counts of :func:`pack`'s symbols from the counts of the codes (256 of them; with rare
+    rows a second row of 256 for the rare rows, whose grid follows the ``common`` levels): what
+    the symbols would count, without packing them."""
+    out = np.zeros(code_counts.shape, dtype=np.int64)
+    for row, counts, offset in zip(np.atleast_2d(out), np.atleast_2d(code_counts), (0, common)):
+        np.add.at(row, _symbol_table(offset)[: counts.size], counts)
+    return out
+
+
 def _symbol_table(offset: int) -> np.ndarray:
     """Each code's symbol, for a grid that starts ``offset`` levels into the centres."""
     codes = np.arange(256)
@@ -163,10 +173,14 @@ def round_sequences(x: np.ndarray, codes: np.ndarray, c0: float, step: float, ta
     values whose ``codes`` (uint8, the same shape) are ``>= 2`` (the others are skipped and leave
     the state alone) to the path of grid levels of least squared error from state 0, writing
     ``2 + i`` into ``codes``. ``table``: each code's float32 value (``code_table`` of the grid);
-    ``c0`` and ``step``: the grid's first level and spacing, which place a value on it. In the
-    compiled kernel when there is one, else in numpy (the reference it follows, bit for bit)."""
+    ``c0`` and ``step``: the grid's first level and spacing, which place a value on it. ``x`` and
+    ``codes`` may instead both be transposed views of row-major matrices (``m.T``): the trellis
+    then runs down each column of ``m``, without a copy. In the compiled kernel when there is
+    one (the columns many at a time), else in numpy (the reference it follows, bit for bit)."""
     if native is not None:
-        native.trellis_round_f32(np.ascontiguousarray(x, dtype=np.float32), codes, x.shape[1], c0, step, table)
+        across = codes.T.flags.c_contiguous and not codes.flags.c_contiguous
+        xs = np.ascontiguousarray(x.T if across else x, dtype=np.float32)
+        native.trellis_round_f32(xs, codes.T if across else codes, x.shape[1], across, c0, step, table)
         return
     nseq, length = x.shape
     levels = table.size - FIRST

@@ -83,14 +83,13 @@ def host_measure(
     :func:`~.configuration.measured_bits`)."""
     tp, reference = tp.with_reference()
     codes, protected = quantize(exact, tp)
-    symbols = codes
-    if tp.trellis_steps is not None:  # sized as stored: trellis symbols (of nearest rounding, when sized)
-        symbols = trellis.pack(codes, tp.rare_rows, tp.common)
     if tp.rare_rows is None:
-        counts = byte_counts(symbols)
+        counts = byte_counts(codes)
     else:
-        keys = np.repeat(tp.rare_rows.astype(np.int64), codes.size // tp.rare_rows.size)
-        counts = np.bincount(keys * 256 + symbols, minlength=512).reshape(2, 256)
+        rows = codes.reshape(tp.rare_rows.size, -1)
+        counts = np.stack([byte_counts(rows[tp.rare_rows == kind], 256) for kind in (0, 1)])
+    if tp.trellis_steps is not None:  # sized as stored: trellis symbols (of nearest rounding, when sized)
+        counts = trellis.symbol_counts(counts, tp.common)
     joint = given = None
     if base is not None and base.size == codes.size and tp.trellis_steps is None:  # (trellis codes: keyframes only)
         joint, given = np.bincount(base.astype(np.int64) * 256 + codes, minlength=1), byte_counts(base)
