@@ -216,7 +216,8 @@ SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     # the search at several thresholds of output cosine distance (0.015: compress_pretrained's
     # default); 0.002 is beyond the cube's best and must be refused quickly; and with K-means
     # codebooks in place of the default's trellis
-    ("dynaquant+search", {"threshold": 0.03}), ("dynaquant+search", {"threshold": 0.015}),
+    ("dynaquant+search", {"threshold": 0.03}), ("dynaquant+search", {"threshold": 0.02}),
+    ("dynaquant+search", {"threshold": 0.015}),
     ("dynaquant+search", {"threshold": 0.005}), ("dynaquant+search", {"threshold": 0.002}),
     ("dynaquant+search", {"threshold": 0.03, "config": replace(PRETRAINED_BASE, trellis=False)}),
     ("dynaquant+search", {"threshold": 0.015, "config": replace(PRETRAINED_BASE, trellis=False)}),
