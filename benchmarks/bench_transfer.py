@@ -21,8 +21,9 @@ minutes on 2 cores). More seeds can run in several processes (``--first-seed``, 
 ``--threads 1``) and be joined with ``--seeds 0 --merge a.json b.json``, which checks that every
 run fine-tuned the same snapshot. The original arm does not depend on the snapshot: when the
 default snapshot changes, ``--original-from`` takes that arm's accuracies from earlier reports or
-their logs, and refuses them unless every seed this run also fine-tuned from the original gives the
-same accuracy (a fine-tune is deterministic for its seed on the same machine and thread count).
+their logs, and refuses them unless every seed this run (or a report it merges) also fine-tuned
+from the original gives the same accuracy (a fine-tune is deterministic for its seed on the same
+machine and thread count).
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def main() -> None:
     raw = (src / "model.safetensors").stat().st_size
     train, test, labels = topics_dataset()
     print(f"task: {len(train)} train / {len(test)} test sentences, {len(labels)} areas")
+    if len(test) != TEST:
+        raise SystemExit(f"the task has {len(test)} test sentences, not the {TEST} accuracies are counted in")
+    if args.original_from and "original" not in arms and not args.merge:
+        raise SystemExit("--original-from needs the original arm fine-tuned again here, or merged reports that did")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -216,8 +221,9 @@ def main() -> None:
 
 
 def check_original(ran: dict[int, float], earlier: dict[int, float]) -> None:
-    """Refuse earlier original-arm accuracies unless the seeds run again here reproduce them, and
-    unless at least one was (a fine-tune must be deterministic for the pairing to hold)."""
+    """Refuse earlier original-arm accuracies unless the seeds run again (by this run or by a
+    report it merges) reproduce them, and unless at least one was: a fine-tune must be
+    deterministic for the pairing to hold."""
     if not earlier:
         return
     common = sorted(set(ran) & set(earlier))

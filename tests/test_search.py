@@ -132,6 +132,20 @@ def test_guided_search_reaches_brute_force_with_fewer_evaluations(threshold: flo
     assert len({(c.config.bins, c.config.prune, c.config.protect) for c in result.candidates}) == result.evaluations
 
 
+def test_weight_error_sums_in_float64_whatever_the_dtype() -> None:
+    """A candidate's squared error and norm (the audit figure ``weight_error``): float32 on the
+    host in one compiled pass, other dtypes a chunk at a time, both the float64 sums."""
+    from hf_dynaquant.search.measures import squared_error
+
+    exact = torch.randn(300, 700, generator=torch.Generator().manual_seed(0))
+    decoded = exact + 0.01 * torch.randn(300, 700, generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        e, d = exact.to(dtype), decoded.to(dtype)
+        error, norm = squared_error(d, e)
+        assert error == pytest.approx(float(((d.double() - e.double()) ** 2).sum()), rel=1e-9)
+        assert norm == pytest.approx(float((e.double() ** 2).sum()), rel=1e-9)
+
+
 def test_measured_bits_need_no_evaluation() -> None:
     model, _, _ = digits_mlp()
     snap = snapshot_of(model)

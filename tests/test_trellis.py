@@ -200,7 +200,7 @@ def test_columns_rounded_in_place_as_sequences(monkeypatch: pytest.MonkeyPatch) 
     last block short) the compiled search gives the codes it gives the columns copied out as
     contiguous sequences, and the numpy reference's."""
     rng = np.random.default_rng(3)
-    m = (rng.standard_normal((500, 70)) * 0.5).astype(np.float32)
+    m = (rng.standard_normal((500, 65)) * 0.5).astype(np.float32)  # blocks of 32, 32 and 1 columns
     levels, step = trellis.grid(np.linspace(-1.0, 1.0, 9, dtype=np.float32))
     table = code_table(levels)
     codes = np.where(rng.random(m.shape) < 0.1, PRUNED, FIRST_CENTRE).astype(np.uint8)
@@ -215,7 +215,20 @@ def test_columns_rounded_in_place_as_sequences(monkeypatch: pytest.MonkeyPatch) 
         trellis.round_sequences(m.T, reference.T, float(levels[0]), step, table)
     np.testing.assert_array_equal(in_place, copied.T)
     np.testing.assert_array_equal(in_place, reference)
-    assert ((in_place == PRUNED) == (codes == PRUNED)).all() and (in_place >= FIRST_CENTRE).sum() > 25000
+    assert ((in_place == PRUNED) == (codes == PRUNED)).all() and ((in_place == PROTECTED) == (codes == PROTECTED)).all()
+    # a value off the trellis is never read, whatever it holds
+    m[codes == PRUNED] = np.nan
+    again = codes.copy()
+    trellis.round_sequences(m.T, again.T, float(levels[0]), step, table)
+    np.testing.assert_array_equal(again, in_place)
+    # the search sizes symbols from the codes' counts: what packing them would count
+    rare = (rng.random(500) < 0.3).astype(np.uint8)
+    counts = np.stack([np.bincount(in_place[rare == k].ravel(), minlength=256) for k in (0, 1)])
+    packed = trellis.pack(in_place.reshape(-1), rare, 8)
+    keys = np.repeat(rare.astype(np.int64), 65) * 256 + packed
+    np.testing.assert_array_equal(trellis.symbol_counts(counts, 8), np.bincount(keys, minlength=512).reshape(2, 256))
+    alone = trellis.symbol_counts(np.bincount(in_place.ravel()))
+    np.testing.assert_array_equal(alone, np.bincount(trellis.pack(in_place.reshape(-1)), minlength=alone.size))
 
 
 @pytest.mark.parametrize("compiled", [True, False])

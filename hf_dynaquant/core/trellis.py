@@ -29,7 +29,7 @@ import numpy as np
 
 from .kernels import native
 
-__all__ = ["NEXT", "SUB", "MAX_LEVELS", "grid", "matched_grid", "pack", "unpack", "round_sequences"]
+__all__ = ["NEXT", "SUB", "MAX_LEVELS", "grid", "matched_grid", "pack", "symbol_counts", "unpack", "round_sequences"]
 
 # the trellis: from state s, subset SUB[s][b] leads to state NEXT[s][b]
 NEXT = np.array([[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3], [4, 5], [6, 7]], dtype=np.int64)
@@ -120,9 +120,9 @@ def pack(codes: np.ndarray, rare_rows: np.ndarray | None = None, common: int = 0
 
 
 def symbol_counts(code_counts: np.ndarray, common: int = 0) -> np.ndarray:
-    """The counts of :func:`pack`'s symbols from the counts of the codes (256 of them; with rare
-    rows a second row of 256 for the rare rows, whose grid follows the ``common`` levels): what
-    the symbols would count, without packing them."""
+    """The counts of :func:`pack`'s symbols from the counts of the codes (one row, as long as
+    the largest code; with rare rows two rows of 256, the rare rows' second, their grid after the
+    ``common`` levels), the same shape: what the symbols would count, without packing them."""
     out = np.zeros(code_counts.shape, dtype=np.int64)
     for row, counts, offset in zip(np.atleast_2d(out), np.atleast_2d(code_counts), (0, common)):
         np.add.at(row, _symbol_table(offset)[: counts.size], counts)

@@ -54,9 +54,11 @@ def code_bits(
 
 def squared_error(decoded: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
     """``(sum (decoded - exact)^2, sum exact^2)`` in float64: the error of the values a resume
-    loads, for the audit figure ``weight_error``. On the host in one compiled pass
-    (:func:`~.moments.fidelity_sums`), on an accelerator a chunk at a time where the tensors are."""
-    if decoded.device.type == "cpu" and exact.device.type == "cpu":
+    loads, for the audit figure ``weight_error``. float32 on the host in one compiled pass
+    (:func:`~.moments.fidelity_sums`, no copies); otherwise a chunk at a time where the tensors
+    are (float64 temporaries of one chunk, not of the tensor)."""
+    host32 = [t.device.type == "cpu" and t.dtype == torch.float32 for t in (decoded, exact)]
+    if all(host32):
         sums = fidelity_sums(exact, decoded)
         return float(sums[3]), float(sums[1])
     d, e = decoded.reshape(-1), exact.reshape(-1)

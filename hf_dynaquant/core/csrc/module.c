@@ -21,7 +21,8 @@ static PyMethodDef methods[] = {
     {"trellis_unpack_u8", py_trellis_unpack_u8, METH_VARARGS,
      "trellis_unpack_u8(codes, kinds, levels0, levels1): stored trellis symbols back to codes in place (0, or -1: corrupt)"},
     {"trellis_round_f32", py_trellis_round_f32, METH_VARARGS,
-     "trellis_round_f32(x, codes, length, c0, step, table): the Viterbi search over each sequence of length values"},
+     "trellis_round_f32(x, codes, length, across, c0, step, table): the Viterbi search over each sequence of length "
+     "values (across: the columns of a length-row matrix)"},
     {"regroup_u8", py_regroup_u8, METH_VARARGS,
      "regroup_u8(values, keys, out, inverse): values stably grouped by key (or, inverse, back)"},
     {"ungroup_cyclic_u8", py_ungroup_cyclic_u8, METH_VARARGS,

@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void round_lanes(const float *restr
             for (Py_ssize_t l = 0; l < lanes; l++) {
                 const double v = (double)xr[l];
                 double i = (double)d + 4.0 * rint(((v - c0) / step - (double)d) / 4.0);
-                i = i < (double)d ? (double)d : i; /* (maxsd, minsd: no branches) */
+                i = !(i >= (double)d) ? (double)d : i; /* (no branches; NaN, off the trellis, to a level) */
                 i = i > top[d] ? top[d] : i;
                 level[d][l] = (int)i;
                 const double e = v - (double)table[2 + (int)i];
