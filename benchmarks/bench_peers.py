@@ -214,13 +214,14 @@ SNAPSHOT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("dynaquant+tcq", {"config": calibrated(12, 12, 3, 0.002, trellis=True)}),
     ("dynaquant+tcq", {"config": calibrated(8, 16, 3, 0.005, trellis=True)}),
     # the search at several thresholds of output cosine distance (0.015: compress_pretrained's
-    # default); 0.002 is beyond the cube's best and must be refused quickly; and with K-means
-    # codebooks in place of the default's trellis
+    # default); 0.002 is beyond the cube's best and must be refused quickly; and with trellis-coded
+    # quantization in place of the default's K-means codebooks
     ("dynaquant+search", {"threshold": 0.03}), ("dynaquant+search", {"threshold": 0.02}),
     ("dynaquant+search", {"threshold": 0.015}),
     ("dynaquant+search", {"threshold": 0.005}), ("dynaquant+search", {"threshold": 0.002}),
-    ("dynaquant+search", {"threshold": 0.03, "config": replace(PRETRAINED_BASE, trellis=False)}),
-    ("dynaquant+search", {"threshold": 0.015, "config": replace(PRETRAINED_BASE, trellis=False)}),
+    ("dynaquant+search", {"threshold": 0.03, "config": replace(PRETRAINED_BASE, trellis=True)}),
+    ("dynaquant+search", {"threshold": 0.02, "config": replace(PRETRAINED_BASE, trellis=True)}),
+    ("dynaquant+search", {"threshold": 0.015, "config": replace(PRETRAINED_BASE, trellis=True)}),
     ("qd", {"bits": 8}), ("qd", {"bits": 6}), ("qd", {"bits": 4}),
     ("cnr", {"bins": 32}), ("cnr", {"bins": 16}), ("cnr", {"bins": 8}),
     ("gobo", {"bins": 32}), ("gobo", {"bins": 16}), ("gobo", {"bins": 8}),

@@ -224,7 +224,8 @@ def test_config_checks() -> None:
         QuantConfig(embedding_bins=200, rare_bins=60)
     with pytest.raises(ValueError, match="rare_bins"):
         QuantConfig(rare_bins=1)
-    assert PRETRAINED_BASE.error_feedback and PRETRAINED_BASE.rare_bins is not None and PRETRAINED_BASE.trellis
+    assert PRETRAINED_BASE.error_feedback and PRETRAINED_BASE.rare_bins is not None
+    assert not PRETRAINED_BASE.trellis  # K-means codebooks: the trellis default fine-tuned worse (RESULTS, issue 19)
 
 
 @pytest.mark.slow  # compresses MiniLM three times (~40 s on 2 cores)
