@@ -131,6 +131,11 @@ def main() -> None:
         raise SystemExit(f"the task has {len(test)} test sentences, not the {TEST} accuracies are counted in")
     if args.original_from and "original" not in arms and not args.merge:
         raise SystemExit("--original-from needs the original arm fine-tuned again here, or merged reports that did")
+    versus: dict[int, float] = {}  # read before hours of fine-tuning, so that a wrong path fails now
+    for path in args.versus:
+        versus.update(read_arm(path, "dynaquant"))
+    if args.versus and not versus:
+        raise SystemExit(f"--versus {args.versus}: no dynaquant accuracies in them")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -168,15 +173,12 @@ def main() -> None:
         vs = f"{100 * s['difference']:+.2f} ± {100 * s['interval']:.2f} points" if arm != "original" else ""
         ratio = f"{s['ratio']:.2f}x" if arm != "original" else "1x"
         print(f"| {arm} | {ratio} | {len(s['runs'])} | {100 * s['mean']:.2f} ± {100 * s['std']:.2f}% | {vs} |")
-    if args.versus:
-        other: dict[int, float] = {}
-        for path in args.versus:
-            other.update(read_arm(path, "dynaquant"))
+    if versus:
         ours = results["dynaquant"]
-        common = sorted(set(ours) & set(other))
+        common = sorted(set(ours) & set(versus))
         if not common:
             raise SystemExit("--versus: no seed in common with this run's dynaquant arm")
-        diff, half = paired_interval([ours[s] - other[s] for s in common])
+        diff, half = paired_interval([ours[s] - versus[s] for s in common])
         print(f"\nthis snapshot ({ratios['dynaquant']:.2f}x) minus the --versus snapshot, paired over "
               f"{len(common)} seeds: {100 * diff:+.2f} ± {100 * half:.2f} points")  # fmt: skip
 

@@ -88,6 +88,8 @@ def test_snapshot_folder_is_hub_ready(snapshot, minilm_dir: Path) -> None:
     assert header["library_name"] == "transformers" and "dynaquant" in header["tags"]
     assert f"{snapshot.ratio:.2f}x" in card and "from_pretrained" in card and f"{snapshot.cosine:.4f}" in card
     assert f"{snapshot.agreement:.3f}" in card
+    assert snapshot.fine_tune is None and "Fine-tuning from this snapshot was not measured" in card
+    assert "Trellis-coded" not in card  # K-means codebooks: the card does not describe the trellis
 
 
 def test_user_metric_and_data_drive_the_search(minilm_dir: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ tokenizer small enough for tiny language models.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -148,7 +149,8 @@ def docstring_topics(splits: tuple[int, int, int] = (240, 40, 100), seed: int = 
     Sentences are the docstrings' sentences of 30-200 characters and at least 5 words (white
     space collapsed); one found in two areas is dropped. Each area contributes ``splits`` =
     (train, validation, test) sentences, drawn with ``seed`` (the same on every machine running
-    the same Python minor version; each area has 460 or more). Returns
+    the same Python minor version, whose standard library it reads: modules a version lacks,
+    such as ``tomllib`` before 3.11, are left out; each area has 460 or more on 3.11). Returns
     ``{"labels": [area names], "train" | "validation" | "test": {"text": [...], "label": [...]}}``,
     each split shuffled with ``seed``. The test split is for a final, held-out figure: tune on
     the validation split.
@@ -156,7 +158,8 @@ def docstring_topics(splits: tuple[int, int, int] = (240, 40, 100), seed: int = 
     per_label = sum(splits)
     found: dict[str, set[str]] = {}
     for label, modules in TOPICS.items():
-        docs = [d for name in modules for d in _module_docstrings(name) if d]
+        present = [name for name in modules if importlib.util.find_spec(name) is not None]  # tomllib: 3.11+
+        docs = [d for name in present for d in _module_docstrings(name) if d]
         found[label] = {s for d in docs for s in _SENTENCE_END.split(" ".join(d.split()))}
         found[label] = {s for s in found[label] if 30 <= len(s) <= 200 and len(s.split()) >= 5}
     shared = {s for a in found for b in found if a < b for s in found[a] & found[b]}
