@@ -193,8 +193,8 @@ def topic_classification(
     def fine_tune(model_dir: Path, seed: int) -> float:
         return _fine_tune_classifier(model_dir, train, test, len(topics["labels"]), seed, epochs=epochs, lr=lr)
 
-    n_train, n_test = len(train["text"]), len(test["text"])
-    task = f"docstring topics (6 classes, {n_train} train / {n_test} test sentences, {epochs} epochs)"
+    sizes = f"{len(topics['labels'])} classes, {len(train['text'])} train / {len(test['text'])} test sentences"
+    task = f"docstring topics ({sizes}, {epochs} epochs)"
     return FineTuneCheck(fine_tune, task=task, metric="accuracy", seeds=seeds)
 
 
