@@ -225,7 +225,7 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match="rare_bins"):
         QuantConfig(rare_bins=1)
     assert PRETRAINED_BASE.error_feedback and PRETRAINED_BASE.rare_bins is not None
-    assert not PRETRAINED_BASE.trellis  # K-means codebooks: the trellis default fine-tuned worse (RESULTS, issue 19)
+    assert not PRETRAINED_BASE.trellis  # the trellis base's default snapshot fine-tuned worse (RESULTS, issue 19)
 
 
 @pytest.mark.slow  # compresses MiniLM three times (~40 s on 2 cores)
