@@ -185,12 +185,15 @@ def package_descriptions(n: int = 600, seed: int = 0) -> list[str]:
     packages, in a seeded order: held-out text for a snapshot calibrated on the standard library's
     docstrings, which never reads them. Sentences of 30-200 characters and 5+ words, nine tenths
     letters and spaces (prose, not code or tables), code blocks dropped. Which sentences depends
-    on the packages installed."""
+    on the packages installed; hf_dynaquant's own description (its README, which changes with
+    every edit of the project) is left out."""
     import random
     from importlib.metadata import distributions
 
     found: set[str] = set()
     for dist in distributions():
+        if re.sub(r"[-_.]+", "_", (dist.metadata["Name"] or "").lower()) == "hf_dynaquant":
+            continue  # our own README: it changes with every edit of this project
         body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
         text = " ".join(re.sub(r"```.*?```", "", body or "", flags=re.S).split())
         for sentence in re.split(r"(?<=[.!?])\s+", text):
