@@ -249,6 +249,66 @@ def test_keyframes_take_zstd_when_repeats_make_it_smaller() -> None:
     assert np.array_equal(decode_stream(coding, payload, periodic.size, "t"), periodic)
 
 
+def test_codes_filling_a_range_evenly_are_packed_from_their_smallest() -> None:
+    """A long stream of codes spread evenly over ``2^N`` neighbours (Adam's update at two bins)
+    is packed, ``N`` bits a code less the smallest: no larger than rANS, and faster to code both
+    ways. Skewed codes, runs (which zstd shrinks) and short streams are not."""
+    rng = np.random.default_rng(12)
+    n = 400_003
+    even = (2 + rng.integers(0, 2, n)).astype(np.uint8)
+    coding, payload = encode_codes(even)
+    assert coding == "pack1+2" and len(payload) == (n + 7) // 8
+    assert len(payload) <= 1.005 * len(ans_encode(even, lanes=LANES))
+    assert np.array_equal(decode_stream(coding, payload, n, "t"), even)
+    four = (5 + rng.integers(0, 4, n)).astype(np.uint8)
+    coding, payload = encode_codes(four)
+    assert coding == "pack2+5" and np.array_equal(decode_stream(coding, payload, n, "t"), four)
+    skewed = (2 + (rng.random(n) < 0.2)).astype(np.uint8)  # 0.72 bits a code: rANS
+    assert encode_codes(skewed)[0] == ans_coding(LANES)
+    runs = np.repeat(even[: n // 500 + 1], 500)[:n]  # the same two codes, in runs: zstd
+    assert encode_codes(runs)[0] == ZSTD
+    gap = np.where(even == 2, 2, 4).astype(np.uint8)  # two codes, not neighbours: 2 bits packed lose
+    assert not encode_codes(gap)[0].startswith("pack")
+    assert not encode_codes(even[:50_000])[0].startswith("pack")  # too short to sample zstd's size
+
+
+def test_packed_codes_that_leave_a_byte_are_refused() -> None:
+    for coding in ("pack1+255", "pack8+1", "pack2+253"):
+        with pytest.raises(CorruptCheckpointError, match="past 255"):
+            decode_stream(coding, np.zeros(8, np.uint8), 16, "t")
+    with pytest.raises(CorruptCheckpointError, match="cannot hold exactly"):
+        decode_stream("pack1+2", np.zeros(3, np.uint8), 16, "t")
+    with pytest.raises(CorruptCheckpointError, match="unknown stream coding"):
+        decode_stream("pack9+0", np.zeros(8, np.uint8), 8, "t")
+    assert decode_stream("pack2+252", np.full(1, 0xFF, np.uint8), 4, "t").tolist() == [255] * 4
+
+
+def test_codec_packs_two_level_keyframes_and_reads_them_back(tmp_path, monkeypatch) -> None:
+    """Weights at two bins keep two neighbouring codes about equally often: the keyframe is stored
+    packed (codec version 4), its delta is coded against it as before, and both read back to
+    what the same chain with rANS keyframes reads to."""
+    import hf_dynaquant.core.entropy as entropy
+
+    torch.manual_seed(0)
+    w = {"layer.weight": torch.randn(1024, 512) * 0.05}
+    moved = {"layer.weight": w["layer.weight"] + 0.002 * torch.randn(1024, 512)}
+    config = QuantConfig(bins=2, prune=0.0, protect=0.0, min_numel=1000)
+    decoded, streams = {}, {}
+    for packs in (True, False):
+        with monkeypatch.context() as patch:
+            if not packs:
+                patch.setattr(entropy, "_packing", lambda counts: None)
+            store = CheckpointStore(tmp_path / str(packs))
+            base = compress_state_dict(store, w, config, ref="k")
+            compress_state_dict(store, moved, config, base=base, ref="d")
+        key, delta = store.open("k").record("model", "layer.weight"), store.open("d").record("model", "layer.weight")
+        streams[packs] = (key["params"]["codes_stream"], delta["params"]["mode"], key["codec_version"])
+        decoded[packs] = [store.open(ref).load_section("model")["layer.weight"] for ref in ("k", "d")]
+        assert store.verify(deep=True) == []
+    assert streams == {True: ("pack1+2", "delta", 4), False: (ans_coding(LANES), "delta", 4)}
+    assert all(torch.equal(a, b) for a, b in zip(decoded[True], decoded[False]))
+
+
 def test_long_streams_skip_zstds_trial_only_where_a_sample_shows_rans_clearly_smaller(monkeypatch) -> None:
     """A stream long enough to sample (16 blocks of 64 KiB) codes as the whole trial would: rANS
     for coarse near-independent codes without coding them with zstd first, zstd where the

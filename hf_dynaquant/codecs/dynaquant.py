@@ -11,7 +11,9 @@ protected values (``lossless`` BF16; absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
-under ``ans``, rANS where it saves 10% over zstd, which decodes faster; zstd under the others),
+under ``ans``, rANS where it saves 10% over zstd, which decodes faster, or the codes packed
+densely where they fill a range of ``2^N`` evenly, :func:`~hf_dynaquant.core.entropy.encode_codes`;
+zstd under the others),
 ``protected`` (the lossless params of the protected values, with their count ``n``),
 ``layer_type``, ``residual`` (``previous`` | ``pretrained``; absent: the codes are of the
 weights themselves), ``trellis`` (``tcq8``: a keyframe's codes are trellis symbols, put back
@@ -163,8 +165,9 @@ class DynaQuantCodec(Codec):
 
     name = "dynaquant"
     # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only. 3: trellis
-    # symbols (blob "symbols"); records without the "trellis" param read as version 2's
-    version = 3
+    # symbols (blob "symbols"); records without the "trellis" param read as version 2's. 4: codes
+    # packed from their smallest ("pack<N>+<B>"), which earlier records never use
+    version = 4
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
