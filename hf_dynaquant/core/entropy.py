@@ -150,8 +150,9 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     A long stream whose codes take every value of a range of ``2^N`` (two codes next to each
     other, say, as Adam's update at two bins has) about equally often is packed instead, ``N``
     bits a code from the smallest on (``"pack<N>+<B>"``): when its entropy is within 0.5% of
-    ``N`` bits a code (what rANS would reach) and zstd's sampled size is not under it, which
-    costs neither a coder's pass nor bytes and decodes several times faster than either.
+    ``N`` bits a code (what rANS would reach) and zstd's sampled size is above it by the margin
+    :data:`_CLEARLY` (runs, which zstd shrinks, stay with zstd). That costs neither a coder's
+    pass nor bytes, and unpacks several times faster than either decodes.
     ``counts``: the codes' histogram where the caller has it (a delta's pair counts hold it).
     """
     counts = byte_counts(codes) if counts is None else counts
@@ -230,8 +231,17 @@ def packed_bits(coding: str) -> int:
     return int(coding[len(PACK) :]) if coding.startswith(PACK) and coding[len(PACK) :].isdigit() else 0
 
 
+def _packed_coding(coding: str) -> tuple[int, int] | None:
+    """``(N, B)`` of a ``pack<N>`` (``B`` = 0) or ``pack<N>+<B>`` coding, else ``None``."""
+    if width := packed_bits(coding):
+        return width, 0
+    offset = _PACK_FROM.fullmatch(coding)
+    return None if offset is None else (int(offset[1]), int(offset[2]))
+
+
 def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: int, where: str) -> np.ndarray:
-    """Inverse of :func:`encode_stream`, :func:`encode_symbols` and :func:`encode_codes`: ``size`` bytes as a uint8 array."""
+    """Inverse of :func:`encode_stream`, :func:`encode_symbols` and :func:`encode_codes`:
+    ``size`` bytes as a uint8 array."""
     if coding == RAW:
         out = np.frombuffer(payload, dtype=np.uint8)
     elif coding == ZSTD:
@@ -241,20 +251,16 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
             out = ans_decode(payload, size, lanes=lanes)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
-    elif packed_bits(coding):
-        try:
-            out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), packed_bits(coding), size)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: {exc}") from None
-    elif offset := _PACK_FROM.fullmatch(coding):
-        width, base = int(offset[1]), int(offset[2])
+    elif (packing := _packed_coding(coding)) is not None:
+        width, base = packing
         if base + (1 << width) - 1 > 255:
             raise CorruptCheckpointError(f"{where}: stream coding {coding!r} holds values past 255")
         try:
             out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), width, size)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
-        out += np.uint8(base)
+        if base:
+            out += np.uint8(base)
     else:
         raise CorruptCheckpointError(f"{where}: unknown stream coding {coding!r}")
     if out.size != size:
