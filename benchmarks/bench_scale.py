@@ -24,8 +24,8 @@ of the checkpoint's bytes. ``--dtype bfloat16`` does the same for a model traine
 (weights and moments stored in bf16). The restored weights' and Adam update's relative L2 error
 are printed (the model is random, so no loss is meaningful here; the fidelity that matters, the
 user's metric after restores, is measured on real fine-tunes in bench_trainer / bench_finetune).
-Prints a markdown table and the growth exponent of each time with
-size (1.0 is linear), and writes ``benchmarks/out/scale.png``.
+Prints a markdown table (and each operation's CPU seconds) and the growth exponent of each time
+with size (1.0 is linear), and writes ``benchmarks/out/scale.png``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import gc
 import json
 import math
 import os
+import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,21 +75,30 @@ def _rss() -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def measure(fn: Callable[[], object]) -> tuple[float, int, object]:
-    """(seconds, peak extra resident bytes, result) of ``fn()``. The dirty pages an earlier
-    measurement left are flushed first (``torch.save`` and safetensors write 1.5 GB at 124M to
-    the page cache and return before the disk has it): their writeback, on this machine's two
-    cores, would be charged to whatever is timed next, not to them."""
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process so far, every thread's."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(fn: Callable[[], object]) -> tuple[float, int, object, float]:
+    """(seconds, peak extra resident bytes, result, CPU seconds) of ``fn()``. The CPU seconds
+    (every thread's, user and system) move less between identical runs on a shared machine than
+    the wall time does, so they show a change in the work done that the wall time hides. The
+    dirty pages an earlier measurement left are flushed first (``torch.save`` and safetensors
+    write 1.5 GB at 124M to the page cache and return before the disk has it): their writeback,
+    on this machine's two cores, would be charged to whatever is timed next, not to them."""
     os.sync()
     gc.collect()
     _libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
     before, _ = _rss()
+    cpu = _cpu_seconds()
     started = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - started
-    return seconds, _rss()[1] - before, result
+    return seconds, _rss()[1] - before, result, _cpu_seconds() - cpu
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -146,6 +156,7 @@ class Row:
     weights_error: float = 0.0  # relative L2 error of the restored weights
     update_error: float = 0.0  # relative L2 error of the restored Adam update m / (sqrt(v) + eps)
     search: dict[str, float] | None = None  # with --search: seconds, evaluations, peak extra memory
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # each operation's, every thread's
 
 
 def plain(
@@ -179,16 +190,17 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     train_step(model, optimizer, 0)
     params = sum(p.numel() for p in model.parameters())
     ckpt = sum(t.numel() * t.element_size() for t in flat(model, optimizer).values())
-    seconds, peak, stored = {}, {}, {}
+    seconds, peak, stored, cpu = {}, {}, {}, {}
 
     def record(name: str, fn: Callable[[], object], path: Path | None = None) -> object:
-        seconds[name], extra, result = measure(fn)
+        seconds[name], extra, result, cpu[name] = measure(fn)
         peak[name] = extra / ckpt
         if path is not None:
             stored[name] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6 if path.is_dir() else (
                 path.stat().st_size / 1e6
             )
-        print(f"  {size} {name}: {seconds[name]:.2f} s, peak extra {peak[name]:.2f}x", flush=True)
+        line = f"  {size} {name}: {seconds[name]:.2f} s (CPU {cpu[name]:.2f} s), peak extra {peak[name]:.2f}x"
+        print(line, flush=True)
         return result
 
     plain(config, model, optimizer, folder, record, dtype)
@@ -209,7 +221,10 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     )
     update_error = relative_error(restored, original)
     print(f"  {size} {str(dtype)[6:]}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
-    return Row(size, params, ckpt / 1e6, seconds, peak, stored, str(dtype)[6:], weights_error, update_error)
+    dtype_name = str(dtype)[6:]
+    row = Row(size, params, ckpt / 1e6, seconds, peak, stored, dtype_name, weights_error, update_error)
+    row.cpu_seconds = cpu
+    return row
 
 
 def combined(runs: list[Row]) -> Row:
@@ -217,6 +232,7 @@ def combined(runs: list[Row]) -> Row:
     +-25% between identical runs, torch.save's the most), the largest of each peak."""
     row = runs[0]
     row.seconds = {op: statistics.median(r.seconds[op] for r in runs) for op in row.seconds}
+    row.cpu_seconds = {op: statistics.median(r.cpu_seconds[op] for r in runs) for op in row.cpu_seconds}
     row.peak_extra = {op: max(r.peak_extra[op] for r in runs) for op in row.peak_extra}
     return row
 
@@ -236,7 +252,7 @@ def search_cost(size: str, batches: int = 16, dtype: torch.dtype = torch.float32
             model, tmp, optimizer=optimizer, threshold=0.01, eval_data=[{"input_ids": x, "labels": x} for x in ids]
         )
         snap = compressor.snapshot(1, detach_model=True)
-        seconds, extra, result = measure(lambda: compressor.search_snapshot(snap))
+        seconds, extra, result, _ = measure(lambda: compressor.search_snapshot(snap))
     checkpoint = snap.nbytes()
     print(f"  {size} search: {seconds:.1f} s, {result.evaluations} candidates, peak extra {extra / checkpoint:.2f}x")
     return {"seconds": seconds, "evaluations": float(result.evaluations), "peak_extra": extra / checkpoint}
@@ -272,6 +288,9 @@ def table(rows: list[Row]) -> str:
             f"{o} {exponent(rows, o):.2f}" for o in ops
         ))
     lines.append("")
+    lines.append("CPU seconds (user + system, every thread's; medians): " + "; ".join(
+        f"{r.size}: " + ", ".join(f"{o} {r.cpu_seconds[o]:.2f}" for o in ops) for r in rows
+    ))
     lines.append("restored (relative L2 error): " + "; ".join(
         f"{r.size} {r.dtype}: weights {r.weights_error:.4f}, Adam update {r.update_error:.4f}" for r in rows
     ))
