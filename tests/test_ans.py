@@ -278,9 +278,22 @@ def test_packed_codes_that_leave_a_byte_are_refused() -> None:
             decode_stream(coding, np.zeros(8, np.uint8), 16, "t")
     with pytest.raises(CorruptCheckpointError, match="cannot hold exactly"):
         decode_stream("pack1+2", np.zeros(3, np.uint8), 16, "t")
-    with pytest.raises(CorruptCheckpointError, match="unknown stream coding"):
-        decode_stream("pack9+0", np.zeros(8, np.uint8), 8, "t")
+    for coding in ("pack9+0", "pack\u00b2", "pack08", "pack1+007", "pack1+"):  # (ASCII digits, no leading zeros)
+        with pytest.raises(CorruptCheckpointError, match="unknown stream coding"):
+            decode_stream(coding, np.zeros(8, np.uint8), 8, "t")
     assert decode_stream("pack2+252", np.full(1, 0xFF, np.uint8), 4, "t").tolist() == [255] * 4
+    assert decode_stream("pack1+0", np.full(1, 0x0F, np.uint8), 8, "t").tolist() == [1] * 4 + [0] * 4
+
+
+def test_packing_refuses_codes_that_their_histogram_does_not_count() -> None:
+    """A histogram given by the caller decides the packing's range: codes past it are refused
+    (as rANS refuses them), never packed into other codes."""
+    rng = np.random.default_rng(13)
+    codes = (2 + rng.integers(0, 2, 400_000)).astype(np.uint8)
+    counts = np.bincount(codes, minlength=256)
+    codes[:400] = 9
+    with pytest.raises(ValueError, match="histogram does not count"):
+        encode_codes(codes, counts)
 
 
 def test_codec_packs_two_level_keyframes_and_reads_them_back(tmp_path, monkeypatch) -> None:

@@ -42,7 +42,8 @@ RAW = "raw"
 ZSTD = "zstd"
 ANS = ans_coding(1)  # order-0 rANS, one group (core/ans.py); ans_coding(L): in L lanes
 PACK = "pack"  # "pack<N>": N-bit symbols packed densely, least significant bit first
-_PACK_FROM = re.compile(r"pack([1-8])\+([0-9]{1,3})")  # "pack<N>+<B>": the same, each value plus B
+# "pack<N>" and "pack<N>+<B>" (the same, each value plus B), in ASCII digits without leading zeros
+_PACKED = re.compile(r"pack([1-8])(?:\+(0|[1-9][0-9]{0,2}))?")
 _SAMPLE = 1 << 16
 
 _PAYS = 0.995  # compress only when it saves at least 0.5%
@@ -138,7 +139,8 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[str, bytes]:
-    """Code a stream of quantization codes: zstd, or rANS where that is clearly smaller.
+    """Code a stream of quantization codes: zstd, or rANS where that is clearly smaller, or the
+    codes packed densely where they fill a range evenly.
 
     zstd decodes faster than rANS (about 1 GB/s against 300-400 M symbols/s in four lanes), and
     at 16 levels and more its Huffman stage is within a few percent of the entropy; at 3-4
@@ -150,9 +152,9 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     A long stream whose codes take every value of a range of ``2^N`` (two codes next to each
     other, say, as Adam's update at two bins has) about equally often is packed instead, ``N``
     bits a code from the smallest on (``"pack<N>+<B>"``): when its entropy is within 0.5% of
-    ``N`` bits a code (what rANS would reach) and zstd's sampled size is above it by the margin
-    :data:`_CLEARLY` (runs, which zstd shrinks, stay with zstd). That costs neither a coder's
-    pass nor bytes, and unpacks several times faster than either decodes.
+    ``N`` bits a code (so the packing is within 0.5% of what rANS would reach) and zstd's
+    sampled size is above it by the margin :data:`_CLEARLY` (runs, which zstd shrinks, stay with
+    zstd). That costs no coder's pass, and unpacks several times faster than either decodes.
     ``counts``: the codes' histogram where the caller has it (a delta's pair counts hold it).
     """
     counts = byte_counts(codes) if counts is None else counts
@@ -164,7 +166,11 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
         width, base = packing
         packed = (codes.size * width + 7) // 8
         if bits >= _PAYS * packed and packed <= _CLEARLY * estimate:
-            return f"{PACK}{width}+{base}", pack_bits(codes - np.uint8(base), width).tobytes()
+            shifted = codes - np.uint8(base)
+            if int(shifted.max()) >= 1 << width:  # (rANS refuses such a histogram too)
+                top = base + (1 << width) - 1
+                raise ValueError(f"codes from {base} past {top}, which their histogram does not count")
+            return f"{PACK}{width}+{base}", pack_bits(shifted, width).tobytes()
     if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
         return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
     coding, payload = encode_stream(codes)
@@ -190,7 +196,8 @@ def codes_size_floor(codes: np.ndarray, bits: float) -> float | None:
     codes under, given their order-0 entropy in ``bits``: rANS takes at least the entropy (a
     bound), zstd about what a sample of the stream measures (:func:`_zstd_estimate`, less the
     margin :data:`_CLEARLY`: an estimate, which structure the sample misses could beat).
-    ``None`` for a stream too short to sample. Lets a delta that is smaller skip coding the
+    ``None`` for a stream too short to sample. (Packed codes take at least their entropy too.)
+    Lets a delta that is smaller skip coding the
     keyframe it would be compared with."""
     estimate = _zstd_estimate(codes)
     return None if estimate is None else min(bits / 8, _CLEARLY * estimate)
@@ -227,16 +234,15 @@ def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int =
 
 
 def packed_bits(coding: str) -> int:
-    """The symbol width of a ``pack<N>`` coding, 0 for any other coding."""
-    return int(coding[len(PACK) :]) if coding.startswith(PACK) and coding[len(PACK) :].isdigit() else 0
+    """The symbol width of a ``pack<N>`` coding, 0 for any other coding (``pack<N>+<B>`` too)."""
+    packed = _PACKED.fullmatch(coding)
+    return int(packed[1]) if packed is not None and packed[2] is None else 0
 
 
 def _packed_coding(coding: str) -> tuple[int, int] | None:
     """``(N, B)`` of a ``pack<N>`` (``B`` = 0) or ``pack<N>+<B>`` coding, else ``None``."""
-    if width := packed_bits(coding):
-        return width, 0
-    offset = _PACK_FROM.fullmatch(coding)
-    return None if offset is None else (int(offset[1]), int(offset[2]))
+    packed = _PACKED.fullmatch(coding)
+    return None if packed is None else (int(packed[1]), int(packed[2] or 0))
 
 
 def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: int, where: str) -> np.ndarray:

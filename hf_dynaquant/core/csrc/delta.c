@@ -7,8 +7,8 @@
 static void count_bytes(const uint8_t *s, Py_ssize_t n, int64_t count[256]) {
     uint32_t part[8][256];
     for (int k = 0; k < 256; k++) count[k] = 0;
-    for (Py_ssize_t at = 0; at < n; at += (Py_ssize_t)1 << 28) {
-        const Py_ssize_t end = n - at > ((Py_ssize_t)1 << 28) ? at + ((Py_ssize_t)1 << 28) : n;
+    for (Py_ssize_t at = 0, end; at < n; at = end) {
+        end = n - at > ((Py_ssize_t)1 << 28) ? at + ((Py_ssize_t)1 << 28) : n;
         Py_ssize_t i = at;
         memset(part, 0, sizeof(part));
         for (; i + 8 <= end; i += 8) {
