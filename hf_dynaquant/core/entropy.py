@@ -196,9 +196,8 @@ def codes_size_floor(codes: np.ndarray, bits: float) -> float | None:
     codes under, given their order-0 entropy in ``bits``: rANS takes at least the entropy (a
     bound), zstd about what a sample of the stream measures (:func:`_zstd_estimate`, less the
     margin :data:`_CLEARLY`: an estimate, which structure the sample misses could beat).
-    ``None`` for a stream too short to sample. (Packed codes take at least their entropy too.)
-    Lets a delta that is smaller skip coding the
-    keyframe it would be compared with."""
+    ``None`` for a stream too short to sample (packed codes take at least their entropy too).
+    Lets a delta that is smaller skip coding the keyframe it would be compared with."""
     estimate = _zstd_estimate(codes)
     return None if estimate is None else min(bits / 8, _CLEARLY * estimate)
 
