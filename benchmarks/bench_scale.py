@@ -220,11 +220,9 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
         {str(pid): _update(st) for pid, st in o.state_dict()["state"].items()} for o in (o3, optimizer)
     )
     update_error = relative_error(restored, original)
-    print(f"  {size} {str(dtype)[6:]}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
-    dtype_name = str(dtype)[6:]
-    row = Row(size, params, ckpt / 1e6, seconds, peak, stored, dtype_name, weights_error, update_error)
-    row.cpu_seconds = cpu
-    return row
+    name = str(dtype)[6:]
+    print(f"  {size} {name}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
+    return Row(size, params, ckpt / 1e6, seconds, peak, stored, name, weights_error, update_error, cpu_seconds=cpu)
 
 
 def combined(runs: list[Row]) -> Row:
