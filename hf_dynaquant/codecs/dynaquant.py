@@ -11,9 +11,9 @@ protected values (``lossless`` BF16; absent when there are none).
 Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_coding``
 (``ans``: regrouped and rANS-coded per group, the default; ``regroup``: the paper's regrouping
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
-under ``ans``, rANS where it saves 10% over zstd, which decodes faster, or the codes packed
-densely where they fill a range of ``2^N`` evenly, :func:`~hf_dynaquant.core.entropy.encode_codes`;
-zstd under the others),
+under ``ans``, codes spanning at most 16 values packed two or more to a byte, then zstd
+where it shrinks them, or rANS where it saves 10% over that, which decodes faster,
+:func:`~hf_dynaquant.core.entropy.encode_codes`; zstd under the others),
 ``protected`` (the lossless params of the protected values, with their count ``n``),
 ``layer_type``, ``residual`` (``previous`` | ``pretrained``; absent: the codes are of the
 weights themselves), ``trellis`` (``tcq8``: a keyframe's codes are trellis symbols, put back
@@ -166,8 +166,9 @@ class DynaQuantCodec(Codec):
     name = "dynaquant"
     # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only. 3: trellis
     # symbols (blob "symbols"); records without the "trellis" param read as version 2's. 4: codes
-    # packed from their smallest ("pack<N>+<B>"), which earlier records never use
-    version = 4
+    # packed from their smallest ("pack<N>+<B>"), which earlier records never use. 5: packed codes
+    # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use
+    version = 5
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
@@ -246,7 +247,7 @@ class DynaQuantCodec(Codec):
                 delta_params["delta_stream"] = [stream_coding, size]
                 return payload
 
-            sure = estimate is not None and self._surely_smaller(estimate, key_bits, state)
+            sure = estimate is not None and key_counts is not None and self._surely_smaller(estimate, key_counts, state)
             if estimate is None or sure:
                 delta = code_delta()
         if delta is not None and (sure or len(delta) * 8 < _SURE_DELTA * key_bits):
@@ -286,17 +287,19 @@ class DynaQuantCodec(Codec):
         return Encoded(blobs, params, uses_base=uses_base, state=state)
 
     @staticmethod
-    def _surely_smaller(estimate: float, key_bits: float, state: QuantState) -> bool:
+    def _surely_smaller(estimate: float, key_counts: np.ndarray, state: QuantState) -> bool:
         """Whether a delta of ``estimate`` bytes (rANS, to a few bytes) is smaller than the
-        keyframe of ``state`` (order-0 entropy ``key_bits``) would be: under :data:`_SURE_DELTA`
-        of that entropy, or, for a long stream coded as :func:`encode_codes` codes it, under the
-        size that coding does not go below (:func:`codes_size_floor`, as a sample of the codes
-        estimates zstd's) by :data:`_SLACK` bytes."""
+        keyframe of ``state`` (whose codes have the histogram ``key_counts``) would be: under
+        :data:`_SURE_DELTA` of their order-0 entropy, or, for a long stream coded as
+        :func:`encode_codes` codes it, under the size that coding does not go below
+        (:func:`codes_size_floor`, as a sample of the codes estimates zstd's) by :data:`_SLACK`
+        bytes."""
+        key_bits = entropy_bits(key_counts)
         if estimate * 8 < _SURE_DELTA * key_bits:
             return True
         if state.rare_rows is not None or estimate + _SLACK >= key_bits / 8:  # (the floor is at most the entropy)
             return False
-        floor = codes_size_floor(state.codes, key_bits)
+        floor = codes_size_floor(state.codes, key_counts)
         return floor is not None and estimate + _SLACK < floor
 
     def decode(

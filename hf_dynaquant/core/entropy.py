@@ -1,8 +1,8 @@
 """Entropy coding of byte streams: zstandard where it pays, rANS for quantization codes.
 
-Quantization codes (a few distinct byte values) are coded by :func:`encode_codes`: zstd, or
-order-0 rANS (:mod:`~hf_dynaquant.core.ans`) where it is clearly smaller, or packed densely
-from their smallest code on where no coder can make them smaller. Everywhere else we
+Quantization codes (a few distinct byte values) are coded by :func:`encode_codes`: packed two
+or more to a byte and then zstd-compressed (or left packed where zstd does not shrink them), or
+order-0 rANS (:mod:`~hf_dynaquant.core.ans`) where it is clearly smaller. Everywhere else we
 use zstd (well-kept, multi-GB/s decode, in every Python environment) as the entropy coder: at
 level 1 its literals are Huffman-coded per 128 KiB block, so a byte stream with a skewed
 histogram compresses close to its order-0 entropy, and its match finder still catches repeated
@@ -139,41 +139,43 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[str, bytes]:
-    """Code a stream of quantization codes: zstd, or rANS where that is clearly smaller, or the
-    codes packed densely where they fill a range evenly.
+    """Code a stream of quantization codes: packed two, four or eight to a byte and then
+    zstd-compressed where their codes span at most 16 values, zstd otherwise, or rANS where
+    that is clearly smaller.
 
-    zstd decodes faster than rANS (about 1 GB/s against 300-400 M symbols/s in four lanes), and
-    at 16 levels and more its Huffman stage is within a few percent of the entropy; at 3-4
-    levels it spends about 1.4x the entropy. So rANS is used when the order-0 entropy of the
-    codes (the size rANS reaches, estimated from their histogram without coding them) is at
-    most :data:`_ANS_PAYS` of zstd's size, and it is smaller in fact. A long stream whose
-    entropy is that far under zstd's size as a sample of it measures (:func:`_zstd_estimate`,
-    with a margin) skips zstd's trial of the whole stream, a sixth of a keyframe's time.
-    A long stream whose codes take every value of a range of ``2^N`` (two codes next to each
-    other, say, as Adam's update at two bins has) about equally often is packed instead, ``N``
-    bits a code from the smallest on (``"pack<N>+<B>"``): when its entropy is within 0.5% of
-    ``N`` bits a code (so the packing is within 0.5% of what rANS would reach) and zstd's
-    sampled size is above it by the margin :data:`_CLEARLY` (runs, which zstd shrinks, stay with
-    zstd). That costs no coder's pass, and unpacks several times faster than either decodes.
+    zstd's literals are Huffman-coded a byte at a time, which on a few skewed levels costs up to
+    a bit a byte over the entropy (at 10 levels about 7%), and its match finder walks every
+    byte. Codes spanning at most ``2^N`` values (``N`` = 1, 2 or 4) are therefore packed ``N``
+    bits a code from the smallest on (``"pack<N>+<B>"``) first: a byte then holds ``8 / N``
+    codes, whose joint Huffman code comes within about 1% of their entropy, and zstd walks
+    ``N / 8`` of the bytes (on a 124M-parameter GPT-2's codes: 10% smaller than zstd of the
+    codes, at a third of its time). Packed codes that zstd does not shrink (codes filling the
+    range evenly, as Adam's update at two bins does) are stored packed. rANS reaches the order-0
+    entropy, but decodes slower than zstd and packing: it is used when the codes' entropy
+    (estimated from their histogram without coding them) is at most :data:`_ANS_PAYS` of
+    zstd's size and it is smaller in fact. For a long stream of wider codes, which zstd takes
+    one a byte, a sample of it estimates zstd's size (:func:`_zstd_estimate`), and codes whose
+    entropy is that far under it, with the margin :data:`_CLEARLY`, skip zstd's trial of the
+    whole stream.
     ``counts``: the codes' histogram where the caller has it (a delta's pair counts hold it).
     """
     counts = byte_counts(codes) if counts is None else counts
     bits = entropy_bits(counts) / 8
     lanes = lanes_for(codes.size)
-    estimate = _zstd_estimate(codes)
     packing = _packing(counts)
-    if packing is not None and estimate is not None:
+    if packing is not None:
         width, base = packing
-        packed = (codes.size * width + 7) // 8
-        if bits >= _PAYS * packed and packed <= _CLEARLY * estimate:
-            shifted = codes - np.uint8(base)
-            if int(shifted.max()) >= 1 << width:  # (rANS refuses such a histogram too)
-                top = base + (1 << width) - 1
-                raise ValueError(f"codes from {base} past {top}, which their histogram does not count")
-            return f"{PACK}{width}+{base}", pack_bits(shifted, width).tobytes()
-    if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
-        return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
-    coding, payload = encode_stream(codes)
+        shifted = codes - np.uint8(base) if base else codes
+        if int(shifted.max()) >= 1 << width:  # (rANS refuses such a histogram too)
+            raise ValueError(f"codes from {base} past {base + (1 << width) - 1}, which their histogram does not count")
+        coding, payload = encode_stream(pack_bits(shifted, width))
+        inner = f"{PACK}{width}+{base}"
+        coding = inner if coding == RAW else f"{ZSTD}:{inner}"
+    else:
+        estimate = _zstd_estimate(codes)
+        if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
+            return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
+        coding, payload = encode_stream(codes)
     if bits <= _ANS_PAYS * len(payload):
         ans = ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         if len(ans) < len(payload):
@@ -182,51 +184,60 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
 
 
 def _packing(counts: np.ndarray) -> tuple[int, int] | None:
-    """``(N, B)``: codes with these counts packed densely take ``N`` bits each, as values less
-    their smallest, ``B``; ``None`` for fewer than two distinct codes (rANS codes one in no bytes)."""
+    """``(N, B)``: codes with these counts packed ``N`` bits each (1, 2 or 4, so that a byte
+    holds whole codes), as values less their smallest, ``B``; ``None`` for fewer than two
+    distinct codes (rANS codes one in no bytes) or codes spanning more than 16 values."""
     present = np.flatnonzero(counts)
     if present.size < 2:
         return None
     base = int(present[0])
-    return int(present[-1] - base).bit_length(), base
+    span = int(present[-1] - base).bit_length()
+    return next(((width, base) for width in (1, 2, 4) if span <= width), None)
 
 
-def codes_size_floor(codes: np.ndarray, bits: float) -> float | None:
+def codes_size_floor(codes: np.ndarray, counts: np.ndarray) -> float | None:
     """An estimate of a size in bytes that :func:`encode_codes` does not code a long stream of
-    codes under, given their order-0 entropy in ``bits``: rANS takes at least the entropy (a
-    bound), zstd about what a sample of the stream measures (:func:`_zstd_estimate`, less the
-    margin :data:`_CLEARLY`: an estimate, which structure the sample misses could beat).
-    ``None`` for a stream too short to sample (packed codes take at least their entropy too).
-    Lets a delta that is smaller skip coding the keyframe it would be compared with."""
-    estimate = _zstd_estimate(codes)
-    return None if estimate is None else min(bits / 8, _CLEARLY * estimate)
+    codes with histogram ``counts`` under: rANS takes at least the order-0 entropy (a bound),
+    zstd about what a sample of the stream, packed as :func:`encode_codes` packs it, measures
+    (:func:`_zstd_estimate`, less the margin :data:`_CLEARLY`: an estimate, which structure the
+    sample misses could beat; packed codes stored as they are take at least the entropy too).
+    ``None`` for a stream too short to sample. Lets a delta that is smaller skip coding the
+    keyframe it would be compared with."""
+    estimate = _zstd_estimate(codes, _packing(counts))
+    return None if estimate is None else min(entropy_bits(counts) / 8, _CLEARLY * estimate)
 
 
-def _zstd_estimate(codes: np.ndarray) -> float | None:
+def _zstd_estimate(codes: np.ndarray, packing: tuple[int, int] | None = None) -> float | None:
     """zstd's size for a stream of codes of at least :data:`_SAMPLE_BLOCKS` x
-    :data:`_ESTIMATE_BLOCK` bytes, from that many blocks of :data:`_ESTIMATE_BLOCK` bytes spread
+    :data:`_ESTIMATE_BLOCK` codes, from that many blocks of :data:`_ESTIMATE_BLOCK` codes spread
     evenly over it, scaled to its length (``None`` for a shorter stream: its whole trial is
-    cheap). The sample is compressed as a stream of unknown size, so zstd keeps the parameters it
-    uses for a long stream (told the sample's size, it picks smaller tables and estimates
-    2.6-6.2% high on average). Quantization codes are near-independent draws, so on a
-    124M-parameter GPT-2's codes the sample's size per byte was the whole stream's to within
-    -1.3% to +2.7% at 10-16 levels (means -0.6% to +0.2%) and -0.3% to +4.6% at 4 (blocks four
-    times larger: -0.1% to +1.6%, at four times the cost;
-    ``benchmarks/scale_session26_zstd_estimate.log``); structure the sample misses (a run of
-    zeros covering less than the gap between two blocks) can make zstd smaller by more, which
-    the margin :data:`_CLEARLY` covers up to 3%."""
+    cheap); with ``packing`` (``(N, B)`` of :func:`_packing`), of the codes packed so first.
+    The sample is compressed as a stream of unknown size, so zstd keeps the parameters it uses
+    for a long stream (told the sample's size, it picks smaller tables and estimates 2.6-6.2%
+    high on average). Quantization codes are near-independent draws, so on a 124M-parameter
+    GPT-2's codes the sample's size per byte was the whole stream's to within -1.3% to +2.7% at
+    10-16 levels (means -0.6% to +0.2%) and -0.3% to +4.6% at 4 (blocks four times larger:
+    -0.1% to +1.6%, at four times the cost; ``benchmarks/scale_session26_zstd_estimate.log``);
+    structure the sample misses (a run of zeros covering less than the gap between two blocks)
+    can make zstd smaller by more, which the margin :data:`_CLEARLY` covers up to 3%."""
     flat = np.ascontiguousarray(codes).reshape(-1)
     if flat.size < _SAMPLE_BLOCKS * _ESTIMATE_BLOCK:
         return None
     starts = np.linspace(0, flat.size - _ESTIMATE_BLOCK, _SAMPLE_BLOCKS).astype(np.int64)
-    sample = np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts]).tobytes()
+    sample = np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts])
+    if packing is not None:
+        width, base = packing
+        sample = pack_bits(sample - np.uint8(base), width)
     stream = _compressor().compressobj()  # (no content size: the parameters of a long stream)
-    return len(stream.compress(sample) + stream.flush()) * flat.size / len(sample)
+    return len(stream.compress(sample.tobytes()) + stream.flush()) * flat.size / (_SAMPLE_BLOCKS * _ESTIMATE_BLOCK)
 
 
 def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int = 0) -> bytes:
-    """One zstd frame (its decoded size is in its header; ``size`` caps it when known)."""
+    """One zstd frame. Its header says how many bytes it decodes to; ``size``, when known, is
+    the most accepted (zstd would allocate what a damaged header claims, whatever the cap)."""
     try:
+        if size and zstandard.frame_content_size(payload) > size:
+            raise CorruptCheckpointError(f"{where}: zstd stream says it holds more than the {size} bytes expected")
         return _decompressor().decompress(payload, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise CorruptCheckpointError(f"{where}: zstd stream cannot be decoded ({exc})") from None
@@ -256,10 +267,12 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
             out = ans_decode(payload, size, lanes=lanes)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
-    elif (packing := _packed_coding(coding)) is not None:
+    elif (packing := _packed_coding(coding.removeprefix(f"{ZSTD}:"))) is not None:
         width, base = packing
         if base + (1 << width) - 1 > 255:
             raise CorruptCheckpointError(f"{where}: stream coding {coding!r} holds values past 255")
+        if coding.startswith(f"{ZSTD}:"):  # zstd of the packed bytes
+            payload = decompress(payload, where, (size * width + 7) // 8)
         try:
             out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), width, size)
         except ValueError as exc:
