@@ -204,6 +204,33 @@ def test_bit_packing_matches_numpy_and_roundtrips(bits: int, monkeypatch) -> Non
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_packing_from_a_base_refuses_values_outside_its_range(bits: int, monkeypatch) -> None:
+    """Values less a base are packed, and unpacked plus it, as the numpy reference does; a value
+    under the base or past ``base + 2^bits - 1`` is refused (checked in the packing's own pass),
+    as is an unpacking that would pass 255."""
+    from hf_dynaquant.core import bitplanes
+
+    rng = np.random.default_rng(bits)
+    base = 255 - (1 << bits) + 1 if bits < 8 else 0
+    for n in (1, 7, 1001):
+        values = (base + rng.integers(0, 1 << bits, n)).astype(np.uint8)
+        for kernel in (bitplanes.native, None):
+            monkeypatch.setattr(bitplanes, "native", kernel)
+            packed = bitplanes.pack_bits(values, bits, base)
+            assert np.array_equal(packed, bitplanes.pack_bits(values - np.uint8(base), bits))
+            assert np.array_equal(bitplanes.unpack_bits(packed, bits, n, base), values)
+            if bits < 8:
+                for outside in (base - 1, 0) if base else (1 << bits, 255):
+                    wrong = values.copy()
+                    wrong[rng.integers(0, n)] = outside
+                    with pytest.raises(ValueError, match="cannot be packed"):
+                        bitplanes.pack_bits(wrong, bits, base)
+                with pytest.raises(ValueError, match="pass 255"):
+                    bitplanes.unpack_bits(packed, bits, n, base + 1)
+        monkeypatch.undo()
+
+
 def test_symbol_streams_pack_uniform_and_zstd_skewed() -> None:
     from hf_dynaquant.core.entropy import decode_stream, encode_symbols
 

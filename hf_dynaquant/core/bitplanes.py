@@ -213,28 +213,39 @@ def join_float(planes: FloatPlanes, layout: FloatLayout, out: np.ndarray | None 
     return x
 
 
-def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
-    """``bits``-bit values (one per byte) packed densely, least significant bit first."""
+def pack_bits(values: np.ndarray, bits: int, base: int = 0) -> np.ndarray:
+    """``bits``-bit values (one per byte) less ``base`` packed densely, least significant bit
+    first. Raises ``ValueError`` for a value outside ``base .. base + 2^bits - 1`` (checked in
+    the packing's own pass)."""
     values = np.ascontiguousarray(values, dtype=np.uint8)
     out = np.empty((values.size * bits + 7) // 8, dtype=np.uint8)
     if native is not None:
-        native.pack(values, bits, out)
-        return out
-    planes = (values[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
-    return np.packbits(planes.reshape(-1), bitorder="little")
+        fits = native.pack(values, bits, out, base)
+    else:
+        shifted = values - np.uint8(base)
+        fits = bits == 8 or not np.any(shifted >> np.uint8(bits))
+        planes = (shifted[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+        out = np.packbits(planes.reshape(-1), bitorder="little")
+    if not fits:
+        raise ValueError(f"values outside {base} .. {base + (1 << bits) - 1} cannot be packed in {bits} bits")
+    return out
 
 
-def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack_bits`: ``count`` values of ``bits`` bits."""
+def unpack_bits(packed: np.ndarray, bits: int, count: int, base: int = 0) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``count`` values of ``bits`` bits, each plus ``base``
+    (``base + 2^bits - 1`` at most 255)."""
     packed = np.ascontiguousarray(packed, dtype=np.uint8)
     if packed.size != (count * bits + 7) // 8:
         raise ValueError(f"{packed.size} packed bytes cannot hold exactly {count} values of {bits} bits")
+    if base + (1 << bits) - 1 > 255:
+        raise ValueError(f"{bits}-bit values plus {base} pass 255")
     if native is not None:
         out = np.empty(count, dtype=np.uint8)
-        native.unpack(packed, bits, out)
+        native.unpack(packed, bits, out, base)
         return out
     planes = np.unpackbits(packed, bitorder="little", count=count * bits).reshape(count, bits)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    out = (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    return out + np.uint8(base) if base else out
 
 
 def split_bytes(bits: np.ndarray) -> list[np.ndarray]:

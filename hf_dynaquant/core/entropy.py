@@ -165,10 +165,12 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     packing = _packing(counts)
     if packing is not None:
         width, base = packing
-        shifted = codes - np.uint8(base) if base else codes
-        if int(shifted.max()) >= 1 << width:  # (rANS refuses such a histogram too)
-            raise ValueError(f"codes from {base} past {base + (1 << width) - 1}, which their histogram does not count")
-        coding, payload = encode_stream(pack_bits(shifted, width))
+        try:
+            packed = pack_bits(codes, width, base)
+        except ValueError:  # (rANS refuses such a histogram too)
+            top = base + (1 << width) - 1
+            raise ValueError(f"codes outside {base} .. {top}: their histogram does not count them") from None
+        coding, payload = encode_stream(packed)
         inner = f"{PACK}{width}+{base}"
         coding = inner if coding == RAW else f"{ZSTD}:{inner}"
     else:
@@ -227,7 +229,7 @@ def _zstd_estimate(codes: np.ndarray, packing: tuple[int, int] | None = None) ->
     sample = np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts])
     if packing is not None:
         width, base = packing
-        sample = pack_bits(sample - np.uint8(base), width)
+        sample = pack_bits(sample, width, base)
     stream = _compressor().compressobj()  # (no content size: the parameters of a long stream)
     return len(stream.compress(sample.tobytes()) + stream.flush()) * flat.size / (_SAMPLE_BLOCKS * _ESTIMATE_BLOCK)
 
@@ -274,11 +276,9 @@ def decode_stream(coding: str, payload: bytes | memoryview | np.ndarray, size: i
         if coding.startswith(f"{ZSTD}:"):  # zstd of the packed bytes
             payload = decompress(payload, where, (size * width + 7) // 8)
         try:
-            out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), width, size)
+            out = unpack_bits(np.frombuffer(payload, dtype=np.uint8), width, size, base)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from None
-        if base:
-            out += np.uint8(base)
     else:
         raise CorruptCheckpointError(f"{where}: unknown stream coding {coding!r}")
     if out.size != size:

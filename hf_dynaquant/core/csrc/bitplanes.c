@@ -66,78 +66,101 @@ HIST(16) HIST(32) HIST(64)
 SPLIT(16) SPLIT(32) SPLIT(64)
 JOIN(16) JOIN(32) JOIN(64)
 
-/* b-bit values (b <= 8, one per byte) packed densely, least significant bits first.
- * Eight values fill exactly b bytes, so the bulk runs eight at a time through a 64-bit word;
- * one copy of the loop per b lets the compiler unroll it. */
+/* b-bit values (b <= 8, one per byte) packed densely, least significant bits first, each less
+ * a base (mod 256): v - base is what is packed, and the bits of every v - base are OR-ed into
+ * *seen, so that the caller learns in the same pass whether any value fell outside base ..
+ * base + 2^b - 1 (its bits above the b low ones). Unpacking adds the base back. Eight values fill
+ * exactly b bytes, so the bulk runs eight at a time through a 64-bit word; one copy of the loop
+ * per b lets the compiler unroll it. */
 #define PACK8(B)                                                                             \
-    static Py_ssize_t pack8_##B(const uint8_t *v, Py_ssize_t n, uint8_t *out) {              \
+    static Py_ssize_t pack8_##B(const uint8_t *v, Py_ssize_t n, uint8_t base, uint8_t *out,   \
+                                uint8_t *seen) {                                             \
         Py_ssize_t i = 0;                                                                    \
+        uint8_t any = 0;                                                                     \
         for (; i + 8 <= n; i += 8, out += B) {                                               \
             uint64_t w = 0;                                                                  \
-            for (int j = 0; j < 8; j++) w |= (uint64_t)(v[i + j] & ((1u << B) - 1)) << (j * B); \
+            for (int j = 0; j < 8; j++) {                                                    \
+                const uint8_t x = (uint8_t)(v[i + j] - base);                                \
+                any |= x;                                                                    \
+                w |= (uint64_t)(x & ((1u << B) - 1)) << (j * B);                             \
+            }                                                                                \
             for (int j = 0; j < B; j++) out[j] = (uint8_t)(w >> (8 * j));                   \
         }                                                                                    \
+        *seen |= any;                                                                        \
         return i;                                                                            \
     }                                                                                        \
-    static Py_ssize_t unpack8_##B(const uint8_t *in, Py_ssize_t n, uint8_t *v) {             \
+    static Py_ssize_t unpack8_##B(const uint8_t *in, Py_ssize_t n, uint8_t base, uint8_t *v) { \
         Py_ssize_t i = 0;                                                                    \
         for (; i + 8 <= n; i += 8, in += B) {                                                \
             uint64_t w = 0;                                                                  \
             for (int j = 0; j < B; j++) w |= (uint64_t)in[j] << (8 * j);                     \
-            for (int j = 0; j < 8; j++) v[i + j] = (uint8_t)((w >> (j * B)) & ((1u << B) - 1)); \
+            for (int j = 0; j < 8; j++) v[i + j] = (uint8_t)(((w >> (j * B)) & ((1u << B) - 1)) + base); \
         }                                                                                    \
         return i;                                                                            \
     }
 PACK8(1) PACK8(2) PACK8(3) PACK8(4) PACK8(5) PACK8(6) PACK8(7) PACK8(8)
 
-typedef Py_ssize_t (*pack_fn)(const uint8_t *, Py_ssize_t, uint8_t *);
+typedef Py_ssize_t (*pack_fn)(const uint8_t *, Py_ssize_t, uint8_t, uint8_t *, uint8_t *);
+typedef Py_ssize_t (*unpack_fn)(const uint8_t *, Py_ssize_t, uint8_t, uint8_t *);
 static const pack_fn PACKERS[9] = {NULL, pack8_1, pack8_2, pack8_3, pack8_4, pack8_5, pack8_6, pack8_7, pack8_8};
-static const pack_fn UNPACKERS[9] = {NULL, unpack8_1, unpack8_2, unpack8_3, unpack8_4,
-                                     unpack8_5, unpack8_6, unpack8_7, unpack8_8};
+static const unpack_fn UNPACKERS[9] = {NULL, unpack8_1, unpack8_2, unpack8_3, unpack8_4,
+                                       unpack8_5, unpack8_6, unpack8_7, unpack8_8};
 
-static void pack_bits(const uint8_t *v, Py_ssize_t n, int b, uint8_t *out) {
-    Py_ssize_t i = PACKERS[b](v, n, out), o = i / 8 * b;
+/* Returns the OR of every v - base (its bits above the b low ones: values outside the range). */
+static uint8_t pack_bits(const uint8_t *v, Py_ssize_t n, int b, uint8_t base, uint8_t *out) {
+    uint8_t seen = 0;
+    Py_ssize_t i = PACKERS[b](v, n, base, out, &seen), o = i / 8 * b;
     uint64_t w = 0;
     int filled = 0;
-    for (; i < n; i++, filled += b) w |= (uint64_t)(v[i] & ((1u << b) - 1)) << filled;
+    for (; i < n; i++, filled += b) {
+        const uint8_t x = (uint8_t)(v[i] - base);
+        seen |= x;
+        w |= (uint64_t)(x & ((1u << b) - 1)) << filled;
+    }
     for (; filled > 0; filled -= 8) { out[o++] = (uint8_t)w; w >>= 8; }
+    return seen;
 }
 
-static void unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t *v) {
-    Py_ssize_t i = UNPACKERS[b](in, n, v), p = i / 8 * b;
+static void unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t base, uint8_t *v) {
+    Py_ssize_t i = UNPACKERS[b](in, n, base, v), p = i / 8 * b;
     if (i < n) {
         uint64_t w = 0;
         const Py_ssize_t rest = (n * b + 7) / 8 - p;
         for (Py_ssize_t j = 0; j < rest; j++) w |= (uint64_t)in[p + j] << (8 * j);
-        for (int j = 0; i < n; i++, j++) v[i] = (uint8_t)((w >> (j * b)) & ((1u << b) - 1));
+        for (int j = 0; i < n; i++, j++) v[i] = (uint8_t)(((w >> (j * b)) & ((1u << b) - 1)) + base);
     }
 }
 
+/* pack(values, bits, out, base=0) -> whether every value lies in base .. base + 2^bits - 1
+ * (the packing is written either way; a caller refuses it when not). */
 PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_buffer v, out;
-    int b;
-    if (!PyArg_ParseTuple(args, "y*iw*", &v, &b, &out)) return NULL;
-    int ok = b >= 1 && b <= 8 && out.len >= (v.len * b + 7) / 8;
+    int b, base = 0;
+    if (!PyArg_ParseTuple(args, "y*iw*|i", &v, &b, &out, &base)) return NULL;
+    int ok = b >= 1 && b <= 8 && base >= 0 && base <= 255 && out.len >= (v.len * b + 7) / 8;
+    uint8_t seen = 0;
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        pack_bits(v.buf, v.len, b, out.buf);
+        seen = pack_bits(v.buf, v.len, b, (uint8_t)base, out.buf);
         Py_END_ALLOW_THREADS
-    } else PyErr_SetString(PyExc_ValueError, "pack: bits must be 1..8 and the output large enough");
+    } else PyErr_SetString(PyExc_ValueError, "pack: bits must be 1..8, base 0..255 and the output large enough");
     PyBuffer_Release(&v); PyBuffer_Release(&out);
     if (!ok) return NULL;
-    Py_RETURN_NONE;
+    return PyBool_FromLong(b == 8 || (seen >> b) == 0);
 }
 
+/* unpack(packed, bits, values, base=0): inverse of pack; base + 2^bits - 1 must stay under 256. */
 PyObject *py_unpack(PyObject *self, PyObject *args) {
     Py_buffer in, v;
-    int b;
-    if (!PyArg_ParseTuple(args, "y*iw*", &in, &b, &v)) return NULL;
-    int ok = b >= 1 && b <= 8 && in.len == (v.len * b + 7) / 8;
+    int b, base = 0;
+    if (!PyArg_ParseTuple(args, "y*iw*|i", &in, &b, &v, &base)) return NULL;
+    int ok = b >= 1 && b <= 8 && base >= 0 && base + (1 << b) - 1 <= 255 && in.len == (v.len * b + 7) / 8;
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        unpack_bits(in.buf, v.len, b, v.buf);
+        unpack_bits(in.buf, v.len, b, (uint8_t)base, v.buf);
         Py_END_ALLOW_THREADS
-    } else PyErr_SetString(PyExc_ValueError, "unpack: packed length does not match the value count");
+    } else PyErr_SetString(PyExc_ValueError,
+                           "unpack: packed length does not match the value count, or values would pass 255");
     PyBuffer_Release(&in); PyBuffer_Release(&v);
     if (!ok) return NULL;
     Py_RETURN_NONE;
@@ -208,7 +231,7 @@ static Py_ssize_t join_all(int width, void *x, Py_ssize_t n, int e, int k, const
         const Py_ssize_t i1 = i0 + JOIN_BLOCK < n ? i0 + JOIN_BLOCK : n;
         const uint8_t *sv = side + i0;
         if (b) {
-            unpack_bits(side + i0 / 8 * b, i1 - i0, b, block);
+            unpack_bits(side + i0 / 8 * b, i1 - i0, b, 0, block);
             sv = block;
         }
         int rc = width == 16 ? join_16(x, i0, i1, n, e, k, hl, sl, head, sv, rest, esc, nesc, &j)

@@ -50,14 +50,14 @@ static PyMethodDef methods[] = {
      " -> protected values taken (update, scale)"},
     {"dequantize_u8", py_dequantize_u8, METH_VARARGS,
      "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
-    {"pack", py_pack, METH_VARARGS, "pack(values, bits, out): b-bit values packed LSB first"},
+    {"pack", py_pack, METH_VARARGS, "pack(values, bits, out, base=0) -> all fit: b-bit values less base packed LSB first"},
     {"ans_encode", py_ans_encode, METH_VARARGS,
      "ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the lanes' rANS words, each lane's word count)"},
     {"ans_decode", py_ans_decode, METH_VARARGS,
      "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out, hist) -> every lane ended empty"},
     {"lloyd_f64", py_lloyd_f64, METH_VARARGS,
      "lloyd_f64(points, weights, cum_w, cum_wx, centres, max_iter): weighted 1-D k-means's iterations, in place"},
-    {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values): inverse of pack"},
+    {"unpack", py_unpack, METH_VARARGS, "unpack(packed, bits, values, base=0): inverse of pack"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
