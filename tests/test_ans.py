@@ -385,6 +385,36 @@ def test_long_streams_skip_zstds_trial_only_where_a_sample_shows_rans_clearly_sm
     assert [sampled[k][0] for k in streams] == [ans_coding(LANES), ZSTD, ZSTD, ZSTD]
 
 
+def test_long_streams_choose_from_a_sampled_histogram_as_from_the_whole(monkeypatch) -> None:
+    """Without a histogram, a long stream's is sampled for the choices: the stream is coded as
+    with its whole histogram, rANS included (which is given the whole one); a code the sample
+    missed, outside the packing's range, is found by the packing and the stream coded whole."""
+    import hf_dynaquant.core.entropy as entropy
+    from hf_dynaquant.core.histogram import byte_counts
+
+    rng = np.random.default_rng(21)
+    n = 4_000_000
+    streams = {
+        "weights": (2 + rng.binomial(7, 0.5, n)).astype(np.uint8),
+        "skewed": rng.choice(3, n, p=[0.9, 0.05, 0.05]).astype(np.uint8),
+        "two codes": (2 + rng.integers(0, 2, n)).astype(np.uint8),
+    }
+    gap = int(np.linspace(0, n - entropy._ESTIMATE_BLOCK, entropy._SAMPLE_BLOCKS)[1]) - 100  # between two blocks
+    stray_low, stray_far = streams["weights"].copy(), streams["weights"].copy()
+    stray_low[gap], stray_far[gap] = 0, 40
+    streams.update({"stray low code": stray_low, "stray far code": stray_far})
+    counted = []
+    monkeypatch.setattr(entropy, "byte_counts", lambda codes, *a: counted.append(codes.size) or byte_counts(codes, *a))
+    expected = ["zstd:pack4+2", "ans4", "pack1+2", "zstd:pack4+0", "ans4"]  # (the far code: too wide to pack)
+    for (name, codes), stored in zip(streams.items(), expected):
+        counted.clear()
+        coding, payload = encode_codes(codes)
+        whole = n in counted  # the whole stream counted: for rANS, or after the sample missed a code
+        assert whole == (name in ("skewed", "stray low code", "stray far code")), name
+        assert coding == stored and (coding, payload) == encode_codes(codes, byte_counts(codes)), name
+        assert np.array_equal(decode_stream(coding, payload, n, name), codes), name
+
+
 def test_codec_stores_deltas_as_rans_and_keyframes_packed(tmp_path) -> None:
     """Default codings end to end (the keyframe's 8 codes packed two a byte, then zstd; the
     delta rANS), and the size gain over the paper's RLE + zstd on a realistic delta (a weight

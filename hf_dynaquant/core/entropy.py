@@ -158,9 +158,14 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     entropy is that far under it, with the margin :data:`_CLEARLY`, skip zstd's trial of the
     whole stream.
     ``counts``: the codes' histogram where the caller has it (a delta's pair counts hold it).
+    Without it, a long stream's histogram is taken from a sample of it (:func:`_sample`) for
+    these choices, and counted in full only for rANS, which codes with it, or where a code that
+    the sample missed leaves the packing's range (the packing finds it in its own pass).
     """
-    counts = byte_counts(codes) if counts is None else counts
-    bits = entropy_bits(counts) / 8
+    sample = _sample(codes) if counts is None else None
+    if counts is None:
+        counts = byte_counts(codes if sample is None else sample)
+    bits = entropy_bits(counts) / 8 * codes.size / max(int(counts.sum()), 1)  # (a sample's, scaled)
     lanes = lanes_for(codes.size)
     packing = _packing(counts)
     if packing is not None:
@@ -168,6 +173,8 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
         try:
             packed = pack_bits(codes, width, base)
         except ValueError:  # (rANS refuses such a histogram too)
+            if sample is not None:  # a code the sample missed
+                return encode_codes(codes, byte_counts(codes))
             top = base + (1 << width) - 1
             raise ValueError(f"codes outside {base} .. {top}: their histogram does not count them") from None
         coding, payload = encode_stream(packed)
@@ -176,9 +183,11 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     else:
         estimate = _zstd_estimate(codes)
         if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
+            counts = counts if sample is None else byte_counts(codes)
             return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         coding, payload = encode_stream(codes)
     if bits <= _ANS_PAYS * len(payload):
+        counts = counts if sample is None else byte_counts(codes)
         ans = ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         if len(ans) < len(payload):
             return ans_coding(lanes), ans
@@ -222,16 +231,24 @@ def _zstd_estimate(codes: np.ndarray, packing: tuple[int, int] | None = None) ->
     -0.1% to +1.6%, at four times the cost; ``benchmarks/scale_session26_zstd_estimate.log``);
     structure the sample misses (a run of zeros covering less than the gap between two blocks)
     can make zstd smaller by more, which the margin :data:`_CLEARLY` covers up to 3%."""
-    flat = np.ascontiguousarray(codes).reshape(-1)
-    if flat.size < _SAMPLE_BLOCKS * _ESTIMATE_BLOCK:
+    sample = _sample(codes)
+    if sample is None:
         return None
-    starts = np.linspace(0, flat.size - _ESTIMATE_BLOCK, _SAMPLE_BLOCKS).astype(np.int64)
-    sample = np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts])
     if packing is not None:
         width, base = packing
         sample = pack_bits(sample, width, base)
     stream = _compressor().compressobj()  # (no content size: the parameters of a long stream)
-    return len(stream.compress(sample.tobytes()) + stream.flush()) * flat.size / (_SAMPLE_BLOCKS * _ESTIMATE_BLOCK)
+    return len(stream.compress(sample.tobytes()) + stream.flush()) * codes.size / (_SAMPLE_BLOCKS * _ESTIMATE_BLOCK)
+
+
+def _sample(codes: np.ndarray) -> np.ndarray | None:
+    """:data:`_SAMPLE_BLOCKS` blocks of :data:`_ESTIMATE_BLOCK` codes spread evenly over a
+    stream, one after the other (``None`` for a stream shorter than that)."""
+    flat = np.ascontiguousarray(codes).reshape(-1)
+    if flat.size < _SAMPLE_BLOCKS * _ESTIMATE_BLOCK:
+        return None
+    starts = np.linspace(0, flat.size - _ESTIMATE_BLOCK, _SAMPLE_BLOCKS).astype(np.int64)
+    return np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts])
 
 
 def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int = 0) -> bytes:
