@@ -341,8 +341,11 @@ def test_grouped_delta_counts_what_the_delta_coding_needs(monkeypatch, levels) -
     grouped, pairs = delta_mod.grouped_delta(prev, cur, levels)
     delta = cyclic_delta(prev, cur, levels)
     assert np.array_equal(grouped, regroup(delta, prev))
-    assert np.array_equal(pairs, pair_counts(prev, delta))
+    every = pair_counts(prev, delta)
+    assert pairs.shape == (levels, levels) and np.array_equal(pairs, every[:levels, :levels])
+    assert every.sum() == pairs.sum()  # (every pair there is)
     assert np.array_equal(delta_mod.current_counts(pairs, levels), np.bincount(cur, minlength=256))
+    assert np.array_equal(delta_mod.current_counts(every, levels), np.bincount(cur, minlength=256))
     assert np.array_equal(pairs.sum(axis=1)[: int(prev.max()) + 1], byte_counts(prev))
     assert np.array_equal(undo_regrouped_delta(grouped, prev, levels), cur)
     for lanes in (1, 4):

@@ -47,34 +47,34 @@ def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
 
 def grouped_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(grouped, pairs)``: the :func:`cyclic_delta` :func:`regroup`-ed by ``prev``, and
-    ``pair_counts(prev, delta)`` (256 x 256), where the kernel is built in one pass over the
-    codes that places each difference in its group (after counting ``prev``), then one over each
-    group counting its pairs. The pairs hold every histogram the delta's coding needs: the
-    regrouped groups' sizes (row sums) and models (rows), and the current codes' histogram
-    (:func:`current_counts`)."""
+    ``pair_counts(prev, delta)`` of the pairs there can be (``levels x levels``: the previous
+    codes are below ``levels``, as :func:`cyclic_delta` requires, and so are the differences),
+    where the kernel is built in one pass over the codes that places each difference in its
+    group (after counting ``prev``), then one over each group counting its pairs. The pairs hold
+    every histogram the delta's coding needs: the regrouped groups' sizes (row sums) and models
+    (rows), and the current codes' histogram (:func:`current_counts`)."""
     if _native_u8(prev, cur) and 1 <= levels <= 256:
         grouped, pairs = np.empty_like(prev), np.empty(65536, dtype=np.int64)
         native.cyclic_u8(prev, cur, levels, grouped, pairs)
-        return grouped, pairs.reshape(256, 256)
+        return grouped, pairs.reshape(256, 256)[:levels, :levels]
     delta = cyclic_delta(prev, cur, levels)
-    return regroup(delta, prev), pair_counts(prev, delta)
+    return regroup(delta, prev), pair_counts(prev, delta)[:levels, :levels]
 
 
 def current_counts(pairs: np.ndarray, levels: int) -> np.ndarray:
     """The histogram (int64, 256 long) of the codes a delta was taken from, given its
-    :func:`grouped_delta` counts: the pair (previous code ``p``, delta ``d``) is the code
-    ``(p - d) mod levels``."""
-    flat = np.asarray(pairs).ravel()
-    seen = np.flatnonzero(flat)  # (a few levels^2 of the 65536 pairs)
-    weights = flat[seen].astype(np.float64)  # (counts below 2^53 add exactly)
-    return np.bincount(_pair_codes(levels)[seen], weights=weights, minlength=256).astype(np.int64)
+    :func:`grouped_delta` counts (or any leading rows and columns of ``pair_counts`` holding
+    every pair): the pair (previous code ``p``, delta ``d``) is the code ``(p - d) mod levels``."""
+    rows, columns = pairs.shape
+    weights = np.asarray(pairs, dtype=np.float64).ravel()  # (counts below 2^53 add exactly)
+    return np.bincount(_pair_codes(levels, rows, columns), weights=weights, minlength=256).astype(np.int64)
 
 
 @functools.lru_cache(maxsize=16)
-def _pair_codes(levels: int) -> np.ndarray:
-    """The code ``(p - d) mod levels`` of each pair ``256 * p + d`` (a few distinct level counts
-    recur over a checkpoint's tensors)."""
-    codes = (np.arange(256)[:, None] - np.arange(256)[None, :]) % levels
+def _pair_codes(levels: int, rows: int, columns: int) -> np.ndarray:
+    """The code ``(p - d) mod levels`` of each pair ``(p, d)`` of a ``rows x columns`` count
+    table, flat (a few distinct level counts recur over a checkpoint's tensors)."""
+    codes = (np.arange(rows)[:, None] - np.arange(columns)[None, :]) % levels
     codes.flags.writeable = False
     return codes.ravel()
 
