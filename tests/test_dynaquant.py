@@ -875,6 +875,33 @@ def test_dequantize_kernel_matches_numpy(monkeypatch) -> None:
         dequantize(codes, centres, protected[1:])
 
 
+def test_protected_values_are_selected_as_a_mask_selects_them(monkeypatch) -> None:
+    """quantize gathers the protected values where the codes say (the select kernel), in order,
+    as the boolean mask of the numpy path does, into an array of the partition's count; the
+    kernel refuses more such values than its output holds."""
+    from hf_dynaquant.core import quantizer as quantizer_mod
+    from hf_dynaquant.core.quantizer import TensorPlan, quantize
+
+    assert quantizer_mod.native is not None, "the compiled kernels were not built"
+    w = torch.randn(300, 257) * 0.05
+    plan = plan_quantization({"w": w}, QuantConfig(bins=8, prune=0.1, protect=0.01, min_numel=1)).tensors["w"]
+    assert isinstance(plan, TensorPlan)
+    codes, kept = quantize(w, plan)
+    assert kept.size == int((codes == PROTECTED).sum()) > 0
+    monkeypatch.setattr(quantizer_mod, "native", None)  # the numpy path: a mask of every value
+    reference_codes, reference_kept = quantize(w, plan)
+    assert np.array_equal(codes, reference_codes) and np.array_equal(kept, reference_kept)
+    monkeypatch.undo()
+    values = np.arange(codes.size, dtype=np.float32)
+    out = np.empty(kept.size, np.float32)
+    assert quantizer_mod.native.select_u8_f32(codes, PROTECTED, values, out) == kept.size
+    assert np.array_equal(out, values[codes == PROTECTED])
+    with pytest.raises(ValueError, match="more values hold the code than out holds"):
+        quantizer_mod.native.select_u8_f32(codes, PROTECTED, values, out[:-1])
+    with pytest.raises(ValueError, match="float32, one per code"):
+        quantizer_mod.native.select_u8_f32(codes, PROTECTED, values[:-1], out)
+
+
 def _partition_reference(w, sens, tau_mag, tau_sens, tau_prune, by_sens, mids) -> tuple[np.ndarray, int]:
     """The partition's rules, spelled out in float64 (the kernel's contract): protected where
     ``|w| > tau_mag`` or ``sens > tau_sens``, else pruned where the criterion is below

@@ -903,8 +903,13 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
             plan.trellis_rows(flat, codes)
     if protected == 0:  # (optimizer moments are never protected: no pass over the codes for them)
         return codes, np.zeros(0, dtype=np.uint16)
-    kept = torch.from_numpy(flat[codes == PROTECTED]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return codes, kept
+    if protected is not None and native is not None and flat.dtype == np.float32:
+        # found where the codes say, into an array of the partition's count (no mask of every value)
+        values = np.empty(protected, dtype=np.float32)
+        values = values[: native.select_u8_f32(codes, PROTECTED, np.ascontiguousarray(flat), values)]
+    else:
+        values = flat[codes == PROTECTED]
+    return codes, torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:

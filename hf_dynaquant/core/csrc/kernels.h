@@ -55,6 +55,7 @@ PyObject *py_unpack(PyObject *self, PyObject *args);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition_f32(PyObject *self, PyObject *args);
+PyObject *py_select_u8_f32(PyObject *self, PyObject *args);
 PyObject *py_lloyd_f64(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_trellis_unpack_u8(PyObject *self, PyObject *args);

@@ -12,6 +12,8 @@ static PyMethodDef methods[] = {
      "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> nans"},
     {"sketch_table", py_sketch_table, METH_VARARGS,
      "sketch_table(lut, inv_log_gamma, tiny_bits, kmin, nkeys): the lut of sketch_f32, by the exact rule"},
+    {"select_u8_f32", py_select_u8_f32, METH_VARARGS,
+     "select_u8_f32(codes, code, values, out) -> count: the float32 values whose code is code, in order, into out"},
     {"partition_f32", py_partition_f32, METH_VARARGS,
      "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},

@@ -106,6 +106,38 @@ PyObject *py_partition_f32(PyObject *self, PyObject *args) {
     return nprot < 0 ? NULL : PyLong_FromSsize_t(nprot);
 }
 
+/* The float32 values whose code is `code`, in order, into out (quantizer.py's quantize: the
+ * protected values a partition found): returns how many there are, or -1 when out cannot hold
+ * them all (then out holds the first ones). memchr finds the rare codes, as in dequantize_u8. */
+static Py_ssize_t select_u8_f32(const uint8_t *codes, Py_ssize_t n, uint8_t code, const float *values, float *out,
+                                Py_ssize_t cap) {
+    Py_ssize_t j = 0;
+    const uint8_t *c = codes, *end = codes + n;
+    while ((c = memchr(c, code, (size_t)(end - c))) != NULL) {
+        if (j == cap) return -1;
+        out[j++] = values[c - codes];
+        c++;
+    }
+    return j;
+}
+
+PyObject *py_select_u8_f32(PyObject *self, PyObject *args) {
+    Py_buffer codes, values, out;
+    int code;
+    if (!PyArg_ParseTuple(args, "y*iy*w*", &codes, &code, &values, &out)) return NULL;
+    Py_ssize_t found = -2;
+    if (values.len != codes.len * 4 || code < 0 || code > 255 || out.len % 4)
+        PyErr_SetString(PyExc_ValueError, "select: values must be float32, one per code, and code 0..255");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        found = select_u8_f32(codes.buf, codes.len, (uint8_t)code, values.buf, out.buf, out.len / 4);
+        Py_END_ALLOW_THREADS
+        if (found < 0) PyErr_SetString(PyExc_ValueError, "select: more values hold the code than out holds");
+    }
+    PyBuffer_Release(&codes); PyBuffer_Release(&values); PyBuffer_Release(&out);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
 /* Float32 values of codes (quantizer.py, dequantize and decoded_values): 0 for a pruned code,
  * the next stored bfloat16 value (in order) for a protected one, table[code] otherwise (the
  * table being 0, 0, then the centres), plus ref[i] when a reference is given. Returns the
