@@ -918,13 +918,14 @@ def _partition_reference(w, sens, tau_mag, tau_sens, tau_prune, by_sens, mids) -
     return codes, int(protected.sum())
 
 
-@pytest.mark.parametrize("nmids", [0, 1, 3, 4, 7, 8, 15, 16, 31, 32, 40, 253])
+@pytest.mark.parametrize("nmids", [0, 1, 3, 4, 7, 8, 15, 16, 31, 32, 40, 64, 100, 253])
 def test_partition_kernel_follows_its_rules_at_every_edge(nmids: int) -> None:
     """The compiled partition (float32 comparisons against the double thresholds' float32
-    neighbours, midpoints counted without branches up to 31 of them, searched by halves past
-    that) against the rules in float64: values on and beside each threshold, thresholds
-    between two float32s, zeros of both signs, NaN and infinities, with and without a
-    sensitivity, pruning by either criterion or not at all."""
+    neighbours, midpoints counted without branches up to 31 of them, past that counted on from
+    a look-up by the value's top 16 bits) against the rules in float64: values on and beside
+    each threshold, thresholds between two float32s, zeros of both signs, NaN and infinities,
+    with and without a sensitivity, pruning by either criterion or not at all; midpoints of
+    both signs, and (past 31) two at zero of opposite signs and some in one look-up bucket."""
     native = quantizer_mod.native
     assert native is not None, "the compiled kernels were not built"
     rng = np.random.default_rng(nmids)
@@ -937,9 +938,13 @@ def test_partition_kernel_follows_its_rules_at_every_edge(nmids: int) -> None:
     sens = np.abs(rng.normal(0, 0.5, w.size)).astype(np.float32)
     sens[:40:3] = 0.0
     sens[1:40:5] = np.float32(tau_sens)
-    mids = np.sort(rng.normal(0, 0.6, nmids)).astype(np.float32)
+    mids = rng.normal(0, 0.6, nmids).astype(np.float32)
+    if nmids > 31:  # -0.0 and 0.0, and a run of midpoints within one bucket of the look-up
+        mids[:2], mids[2:6] = (-0.0, 0.0), np.float32(0.5) + np.arange(4, dtype=np.float32) * np.float32(1e-6)
+    mids = np.sort(mids)
     if nmids:
         w[100 : 100 + nmids] = mids  # values exactly on a midpoint
+        w[400 : 400 + nmids] = np.nextafter(mids, np.float32(np.inf))  # and just above one
     for with_sens, by_sens, prune in [(False, False, tau_prune), (True, False, tau_prune), (True, True, tau_prune),
                                       (False, False, -1.0), (True, True, -1.0)]:  # fmt: skip
         s = sens if with_sens else None
