@@ -275,7 +275,8 @@ def test_codes_filling_a_range_evenly_are_packed_from_their_smallest() -> None:
     skewed = (2 + (rng.random(n) < 0.2)).astype(np.uint8)  # 0.72 bits a code
     runs = np.repeat(even[: n // 500 + 1], 500)[:n]  # the same two codes, in runs
     gap = np.where(even == 2, 2, 4).astype(np.uint8)  # two codes, not neighbours: half of 2 bits unused
-    for codes, coding, most in ((skewed, "zstd:pack1+2", 1.02), (runs, "zstd:pack1+2", 0.02), (gap, "zstd:pack2+2", 1.02)):
+    cases = ((skewed, "zstd:pack1+2", 1.02), (runs, "zstd:pack1+2", 0.02), (gap, "zstd:pack2+2", 1.02))
+    for codes, coding, most in cases:
         stored, payload = encode_codes(codes)
         assert stored == coding and len(payload) < most * _entropy_bytes(codes)
         assert np.array_equal(decode_stream(coding, payload, n, "t"), codes)
