@@ -317,6 +317,36 @@ def test_damaged_zstd_packed_streams_are_refused_by_name() -> None:
             decode_stream(unknown, payload, codes.size, "t")
     with pytest.raises(CorruptCheckpointError, match="past 255"):
         decode_stream("zstd:pack1+255", payload, codes.size, "t")
+    with pytest.raises(CorruptCheckpointError, match="more than the 0 bytes expected"):  # an empty tensor's
+        decode_stream(ZSTD, payload, 0, "t")
+
+
+def test_codes_at_the_top_of_a_byte_are_packed_from_a_base_that_keeps_their_range_in_it() -> None:
+    """Codes among the highest values a byte holds are packed from ``256 - 2^N`` (their smallest
+    would put the range past 255, which no reader accepts) and read back, through the codec too."""
+    rng = np.random.default_rng(17)
+    for values, coding in (([253, 254, 255], "zstd:pack2+252"), ([245, 250, 255], "zstd:pack4+240"),
+                           ([249, 252, 255], "zstd:pack4+240"), ([254, 255], "pack1+254")):  # fmt: skip
+        codes = rng.choice(np.array(values, dtype=np.uint8), 100_000)
+        stored, payload = encode_codes(codes)
+        assert stored == coding and np.array_equal(decode_stream(stored, payload, codes.size, "t"), codes), values
+    from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
+
+    codes = rng.choice(np.array([253, 254, 255], dtype=np.uint8), 70_000)
+    centres = np.linspace(-1, 1, 254).astype(np.float32)
+    state = QuantState(codes, 256, centres, np.zeros(0, np.uint16), "F32", (codes.size,))
+    encoded = DynaQuantCodec().keyframe(state)
+    assert encoded.params["codes_stream"] == "zstd:pack2+252"
+    blobs = encoded.blobs
+
+    class Source:
+        where = "t"
+
+        def __call__(self, name: str) -> np.ndarray:
+            return np.frombuffer(blobs[name], np.uint8)
+
+    decoded = DynaQuantCodec().decode("F32", (codes.size,), encoded.params, Source())
+    assert np.array_equal(decoded.codes, codes)
 
 
 def test_packing_refuses_codes_that_their_histogram_does_not_count() -> None:
@@ -358,7 +388,7 @@ def test_codec_packs_two_level_keyframes_and_reads_them_back(tmp_path, monkeypat
 
 def test_long_streams_skip_zstds_trial_only_where_a_sample_shows_rans_clearly_smaller(monkeypatch) -> None:
     """A stream of codes too wide to pack (spanning more than 16 values) and long enough to
-    sample (16 blocks of 64 KiB) codes as the whole trial would: rANS for coarse
+    sample (16 blocks of 16 Ki codes) codes as the whole trial would: rANS for coarse
     near-independent codes without coding them with zstd first, zstd where the sample shows
     repeats (periodic codes, or long runs), and zstd for many near-uniform levels."""
     import hf_dynaquant.core.entropy as entropy

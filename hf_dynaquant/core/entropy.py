@@ -196,14 +196,16 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
 
 def _packing(counts: np.ndarray) -> tuple[int, int] | None:
     """``(N, B)``: codes with these counts packed ``N`` bits each (1, 2 or 4, so that a byte
-    holds whole codes), as values less their smallest, ``B``; ``None`` for fewer than two
-    distinct codes (rANS codes one in no bytes) or codes spanning more than 16 values."""
+    holds whole codes), as values less ``B``: their smallest, or ``256 - 2^N`` where the range
+    ``B .. B + 2^N - 1`` would otherwise pass 255; ``None`` for fewer than two distinct codes
+    (rANS codes one in no bytes) or codes spanning more than 16 values."""
     present = np.flatnonzero(counts)
     if present.size < 2:
         return None
-    base = int(present[0])
-    span = int(present[-1] - base).bit_length()
-    return next(((width, base) for width in (1, 2, 4) if span <= width), None)
+    span = int(present[-1] - present[0]).bit_length()
+    width = next((width for width in (1, 2, 4) if span <= width), None)
+    # from the smallest code, or from lower where its range would pass 255 (a byte's codes)
+    return None if width is None else (width, min(int(present[0]), 256 - (1 << width)))
 
 
 def codes_size_floor(codes: np.ndarray, counts: np.ndarray) -> float | None:
@@ -251,11 +253,12 @@ def _sample(codes: np.ndarray) -> np.ndarray | None:
     return np.concatenate([flat[s : s + _ESTIMATE_BLOCK] for s in starts])
 
 
-def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int = 0) -> bytes:
-    """One zstd frame. Its header says how many bytes it decodes to; ``size``, when known, is
-    the most accepted (zstd would allocate what a damaged header claims, whatever the cap)."""
+def decompress(payload: bytes | memoryview | np.ndarray, where: str, size: int) -> bytes:
+    """One zstd frame that decodes to ``size`` bytes. Its header says how many it holds: more
+    than ``size`` is refused before zstd allocates them (it would allocate what a damaged
+    header claims, whatever the cap)."""
     try:
-        if size and zstandard.frame_content_size(payload) > size:
+        if zstandard.frame_content_size(payload) > size:
             raise CorruptCheckpointError(f"{where}: zstd stream says it holds more than the {size} bytes expected")
         return _decompressor().decompress(payload, max_output_size=size)
     except zstandard.ZstdError as exc:
