@@ -219,7 +219,7 @@ class LogSketch:
         parts = [part(0)] if x.size <= _PART else list(_POOL.map(part, range(0, x.size, _PART)))
         if sum(p[0] for p in parts):
             raise ValueError("cannot sketch NaN values")
-        counts = parts[0][1] if parts else np.zeros(2 * nkeys + 2, np.int64)
+        counts = parts[0][1]
         for other in parts[1:]:
             counts += other[1]
         self.zeros += int(counts[2 * nkeys]) * weight
