@@ -330,6 +330,7 @@ def test_codes_at_the_top_of_a_byte_are_packed_from_a_base_that_keeps_their_rang
         codes = rng.choice(np.array(values, dtype=np.uint8), 100_000)
         stored, payload = encode_codes(codes)
         assert stored == coding and np.array_equal(decode_stream(stored, payload, codes.size, "t"), codes), values
+    from hf_dynaquant.codecs.base import MemoryBlobs
     from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
 
     codes = rng.choice(np.array([253, 254, 255], dtype=np.uint8), 70_000)
@@ -337,15 +338,7 @@ def test_codes_at_the_top_of_a_byte_are_packed_from_a_base_that_keeps_their_rang
     state = QuantState(codes, 256, centres, np.zeros(0, np.uint16), "F32", (codes.size,))
     encoded = DynaQuantCodec().keyframe(state)
     assert encoded.params["codes_stream"] == "zstd:pack2+252"
-    blobs = encoded.blobs
-
-    class Source:
-        where = "t"
-
-        def __call__(self, name: str) -> np.ndarray:
-            return np.frombuffer(blobs[name], np.uint8)
-
-    decoded = DynaQuantCodec().decode("F32", (codes.size,), encoded.params, Source())
+    decoded = DynaQuantCodec().decode("F32", (codes.size,), encoded.params, MemoryBlobs(encoded.blobs))
     assert np.array_equal(decoded.codes, codes)
 
 

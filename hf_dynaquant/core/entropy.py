@@ -163,6 +163,7 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     the sample missed leaves the packing's range (the packing finds it in its own pass).
     """
     sample = _sample(codes) if counts is None else None
+    exact = counts is not None or sample is None  # (else the sample's: rANS codes with the whole's)
     if counts is None:
         counts = byte_counts(codes if sample is None else sample)
     bits = entropy_bits(counts) / 8 * codes.size / max(int(counts.sum()), 1)  # (a sample's, scaled)
@@ -173,7 +174,7 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
         try:
             packed = pack_bits(codes, width, base)
         except ValueError:  # (rANS refuses such a histogram too)
-            if sample is not None:  # a code the sample missed
+            if not exact:  # a code the sample missed
                 return encode_codes(codes, byte_counts(codes))
             top = base + (1 << width) - 1
             raise ValueError(f"codes outside {base} .. {top}: their histogram does not count them") from None
@@ -181,13 +182,13 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
         inner = f"{PACK}{width}+{base}"
         coding = inner if coding == RAW else f"{ZSTD}:{inner}"
     else:
-        estimate = _zstd_estimate(codes)
+        estimate = _zstd_estimate(codes, sample=sample)
         if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
-            counts = counts if sample is None else byte_counts(codes)
+            counts = counts if exact else byte_counts(codes)
             return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         coding, payload = encode_stream(codes)
     if bits <= _ANS_PAYS * len(payload):
-        counts = counts if sample is None else byte_counts(codes)
+        counts = counts if exact else byte_counts(codes)
         ans = ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         if len(ans) < len(payload):
             return ans_coding(lanes), ans
@@ -220,11 +221,14 @@ def codes_size_floor(codes: np.ndarray, counts: np.ndarray) -> float | None:
     return None if estimate is None else min(entropy_bits(counts) / 8, _CLEARLY * estimate)
 
 
-def _zstd_estimate(codes: np.ndarray, packing: tuple[int, int] | None = None) -> float | None:
+def _zstd_estimate(
+    codes: np.ndarray, packing: tuple[int, int] | None = None, *, sample: np.ndarray | None = None
+) -> float | None:
     """zstd's size for a stream of codes of at least :data:`_SAMPLE_BLOCKS` x
     :data:`_ESTIMATE_BLOCK` codes, from that many blocks of :data:`_ESTIMATE_BLOCK` codes spread
     evenly over it, scaled to its length (``None`` for a shorter stream: its whole trial is
-    cheap); with ``packing`` (``(N, B)`` of :func:`_packing`), of the codes packed so first.
+    cheap); with ``packing`` (``(N, B)`` of :func:`_packing`), of the codes packed so first;
+    ``sample``: their :func:`_sample`, where the caller has taken it.
     The sample is compressed as a stream of unknown size, so zstd keeps the parameters it uses
     for a long stream (told the sample's size, it picks smaller tables and estimates 2.6-6.2%
     high on average). Quantization codes are near-independent draws, so on a 124M-parameter
@@ -233,7 +237,7 @@ def _zstd_estimate(codes: np.ndarray, packing: tuple[int, int] | None = None) ->
     -0.1% to +1.6%, at four times the cost; ``benchmarks/scale_session26_zstd_estimate.log``);
     structure the sample misses (a run of zeros covering less than the gap between two blocks)
     can make zstd smaller by more, which the margin :data:`_CLEARLY` covers up to 3%."""
-    sample = _sample(codes)
+    sample = _sample(codes) if sample is None else sample
     if sample is None:
         return None
     if packing is not None:

@@ -79,7 +79,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
      * midpoints from below[b] on (padded with +inf) count the rest without a branch (a bucket
      * spans under 1% of a value's magnitude: a step or two). NaN counts none, as in the loops
      * above. (nmids <= 253: a count fits a byte.) */
-    uint8_t *below = malloc((1 << 16) + (size_t)(nmids + 256) * sizeof(float));
+    uint8_t *below = malloc((1 << 16) + (size_t)(nmids + 1) * sizeof(float)); /* (lo never passes nmids) */
     if (below == NULL) return -2;
     float *padded = (float *)(below + (1 << 16));
     Py_ssize_t c = 0, steps = 0, last = 0;
@@ -94,7 +94,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
         last = c;
     }
     steps = nmids - last > steps ? nmids - last : steps;
-    for (Py_ssize_t k = 0; k < nmids + 256; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
+    for (Py_ssize_t k = 0; k <= nmids; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
     Py_ssize_t nprot = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const float x = w[i], a = fabsf(x), s = has_sens ? sens[i] : 0.0f;
