@@ -418,6 +418,29 @@ def test_byte_counts_is_bincount(size, top) -> None:
         assert np.array_equal(byte_counts(symbols, minlength), np.bincount(symbols, minlength=minlength))
 
 
+def test_byte_counts_of_few_values_and_many() -> None:
+    """The kernel counts a span of 2^20 bytes value by value where all are below 32 (a byte
+    counter per lane, summed every 255 blocks of 64) and byte by byte otherwise: spans of each
+    kind side by side, values at the edge (31, 32), a run longer than a counter counts, and
+    lengths that end inside a block."""
+    from hf_dynaquant.core.histogram import byte_counts
+
+    rng = np.random.default_rng(7)
+    span = 1 << 20
+    mixed = rng.integers(0, 10, 3 * span + 77).astype(np.uint8)
+    mixed[span + 12345] = 200  # the second span counted byte by byte, the others value by value
+    cases = [
+        mixed,
+        np.full(2 * span + 5, 31, np.uint8),  # one value: each lane's counter reaches 255 per block
+        np.full(span + 3, 32, np.uint8),
+        rng.integers(0, 32, span - 1).astype(np.uint8),
+        rng.integers(0, 33, span + 1).astype(np.uint8),
+        rng.integers(29, 32, 64 * 255 + 63).astype(np.uint8),
+    ]
+    for symbols in cases:
+        assert np.array_equal(byte_counts(symbols), np.bincount(symbols)), symbols[:4]
+
+
 def test_fidelity_kernel_matches_float64_reference(monkeypatch) -> None:
     from hf_dynaquant.core import moments as moments_mod
 
