@@ -240,9 +240,9 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
 
 
 @pytest.fixture(params=["vector", "scalar"])
-def grouping_path(request):
-    """Each grouping kernel both ways: its AVX-512 path (where the CPU has it) and its scalar
-    loops (the only path on other CPUs)."""
+def simd_path(request):
+    """Each kernel with a hand-written AVX-512 path (the grouping, the partition) both ways: that
+    path (where the CPU has it) and its plain loops (the only path on other CPUs)."""
     from hf_dynaquant.core.kernels import native
 
     assert native is not None, "the compiled kernels were not built"
@@ -252,7 +252,7 @@ def grouping_path(request):
 
 
 @pytest.mark.parametrize("keys", [1, 2, 10, 32, 33])
-def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, grouping_path, keys) -> None:
+def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, keys) -> None:
     """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
     allows (AVX-512 VBMI2, at most 32 groups), else four at a time; either way the bytes are the
     numpy references', at every length around the blocks, at 256 levels, and with codes past the
@@ -285,7 +285,7 @@ def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, grouping_path
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 100_003])
-def test_delta_undone_with_the_base_histogram_given(grouping_path, n) -> None:
+def test_delta_undone_with_the_base_histogram_given(simd_path, n) -> None:
     """A restore counted its base's codes for the delta's rANS models; handed to the undo, they
     give the same codes, in place; counts that are not the keys' histogram (even adding up to
     their number) are refused, never read past the delta."""
@@ -941,11 +941,12 @@ def _partition_reference(w, sens, tau_mag, tau_sens, tau_prune, by_sens, mids) -
     return codes, int(protected.sum())
 
 
-@pytest.mark.parametrize("nmids", [0, 1, 3, 4, 7, 8, 15, 16, 31, 32, 40, 64, 100, 253])
-def test_partition_kernel_follows_its_rules_at_every_edge(nmids: int) -> None:
+@pytest.mark.parametrize("nmids", [0, 1, 3, 4, 7, 8, 15, 16, 31, 32, 40, 63, 64, 100, 253])
+def test_partition_kernel_follows_its_rules_at_every_edge(simd_path, nmids: int) -> None:
     """The compiled partition (float32 comparisons against the double thresholds' float32
     neighbours, midpoints counted without branches up to 31 of them, past that counted on from
-    a look-up by the value's top 16 bits) against the rules in float64: values on and beside
+    a look-up by the value's top 16 bits; with AVX-512, up to 63 searched by halves in vector
+    registers) against the rules in float64: values on and beside
     each threshold, thresholds between two float32s, zeros of both signs, NaN and infinities,
     with and without a sensitivity, pruning by either criterion or not at all; midpoints of
     both signs, and (past 31) two at zero of opposite signs and some in one look-up bucket."""

@@ -138,7 +138,6 @@ static int groups_in(const int64_t count[256]) {
  * value at a time, as the scalar loops do, costs a dependent update of its group's place. The
  * results are those of the scalar loops, byte for byte (tested against the numpy references). */
 #define GROUP_SIMD_KEYS 32
-static int simd_allowed = 1; /* py_allow_simd: tests run the scalar loops on a CPU that has the vector ones */
 
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
 #include <immintrin.h>
@@ -154,7 +153,7 @@ static int group_simd_available(void) {
                __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
         __atomic_store_n(&known, have, __ATOMIC_RELAXED);
     }
-    return have && __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED);
+    return have && dq_simd_allowed();
 }
 
 /* (a - b) mod levels of 64 bytes: one conditional add where both are below levels (every code
@@ -245,6 +244,10 @@ static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, c
 #endif
     return 0;
 }
+
+static int simd_allowed = 1; /* py_allow_simd: tests run the plain loops on a CPU that has the vector ones */
+
+int dq_simd_allowed(void) { return __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED); }
 
 PyObject *py_allow_simd(PyObject *self, PyObject *args) {
     int flag;

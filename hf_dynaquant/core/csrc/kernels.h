@@ -4,7 +4,8 @@
  *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
  *                dense b-bit packing;
  *   sketch.c     log-sketch bucket counts of float32 values and their look-up table (sketch.py);
- *   partition.c  DynaQuant's partition and code assignment of float32 weights, a block of
+ *   partition.c  DynaQuant's partition and code assignment of float32 weights (AVX-512 where the
+ *                CPU has it, chosen at run time), a block of
  *                error feedback over it (feedback.py), and codes back to float32 values
  *                (quantizer.py);
  *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update
@@ -76,6 +77,8 @@ PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
+/* Whether kernels may take their hand-written AVX-512 paths (py_allow_simd; tests turn them off). */
+int dq_simd_allowed(void);
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_ans_encode(PyObject *self, PyObject *args);
 PyObject *py_ans_decode(PyObject *self, PyObject *args);

@@ -33,7 +33,7 @@ static PyMethodDef methods[] = {
      "cyclic_u8(a, b, levels, out[, pairs]): (a - b) mod levels; with pairs[65536], regrouped by a (out apart from "
      "a and b) and the pairs (a, difference) counted"},
     {"allow_simd", py_allow_simd, METH_VARARGS,
-     "allow_simd(flag) -> previous: whether the grouping kernels may take their AVX-512 path (for tests)"},
+     "allow_simd(flag) -> previous: whether the grouping and partition kernels may take their AVX-512 paths (for tests)"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"pair_counts", py_pair_counts, METH_VARARGS, "pair_counts(keys, values, counts): counts[256 * key + value]"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},

@@ -13,8 +13,12 @@
  * against padding of +inf (never below a value, NaN included). The compiler then vectorises
  * the loop; a value's code is the one the search by halves gives (NaN: 2). More midpoints
  * (centres past 32; Adam's scale of a bfloat16 v takes 35-55) start from a look-up by the
- * value's top 16 bits (below), 4-6x faster than a search by halves value by value. */
+ * value's top 16 bits (below), 4-6x faster than a search by halves value by value. Where the CPU
+ * has AVX-512, up to SIMD_MIDS midpoints are searched by halves in vector registers instead
+ * (partition_avx512): 0.25-0.4 ns a value against 1.0-2.7 for 7-31 midpoints, 0.6-0.8 against
+ * 5.5 for 40. */
 #define SMALL_MIDS 31
+#define SIMD_MIDS 63 /* midpoints the AVX-512 path searches (64 entries with the padding) */
 
 static float f32_at_most(double t) {
     float f = (float)t;
@@ -59,18 +63,112 @@ PARTITION_LOOPS(7)
 PARTITION_LOOPS(15)
 PARTITION_LOOPS(31)
 
+/* The partition with AVX-512 where the CPU has it, 16 values at a time: the midpoints below a
+ * value are counted by a search by halves in registers (the midpoints, padded with +inf to 16 or
+ * 32, permuted to each value's next probe), log2(M + 1) steps instead of M comparisons. The codes
+ * are those of partition_loop (tested against the same rules both ways). Returns the protected
+ * count of the values done, *done (a multiple of 16) the values done. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
+#include <immintrin.h>
+#define PARTITION_SIMD 1
+#define AVX512F __attribute__((target("avx512f,popcnt")))
+
+static int partition_simd_available(void) {
+    static int known = -1; /* (threads that ask at once each store the same answer) */
+    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
+        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
+    }
+    return have && dq_simd_allowed();
+}
+
+INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS, const int STEPS, const float *restrict w,
+                                         const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp,
+                                         int prune, const float *restrict padded, uint8_t *restrict codes,
+                                         Py_ssize_t *done) {
+    const __m512 t0 = _mm512_loadu_ps(padded), t1 = _mm512_loadu_ps(padded + 16);
+    const __m512 t2 = _mm512_loadu_ps(padded + 32), t3 = _mm512_loadu_ps(padded + 48);
+    const __m512 vtm = _mm512_set1_ps(tm), vts = _mm512_set1_ps(ts), vtp = _mm512_set1_ps(tp), zero = _mm512_setzero_ps();
+    const __m512i two = _mm512_set1_epi32(2), one = _mm512_set1_epi32(1);
+    Py_ssize_t nprot = 0, i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(w + i), a = _mm512_abs_ps(x);
+        __mmask16 protect = _mm512_cmp_ps_mask(a, vtm, _CMP_GT_OQ);
+        __m512 m = a;
+        if (HAS_SENS) {
+            const __m512 s = _mm512_loadu_ps(sens + i);
+            protect |= _mm512_cmp_ps_mask(s, vts, _CMP_GT_OQ);
+            if (BY_SENS) m = s;
+        }
+        const __mmask16 pruned =
+            prune ? _mm512_cmp_ps_mask(m, vtp, _CMP_LT_OQ) | _mm512_cmp_ps_mask(m, zero, _CMP_EQ_OQ) : 0;
+        __m512i lo = _mm512_setzero_si512(); /* midpoints below x: padded[lo + step - 1] < x adds step */
+#pragma GCC unroll 6
+        for (int k = STEPS - 1; k >= 0; k--) {
+            const __m512i at = _mm512_add_epi32(lo, _mm512_set1_epi32((1 << k) - 1));
+            __m512 probe;
+            if (STEPS <= 4)
+                probe = _mm512_permutexvar_ps(at, t0);
+            else if (STEPS == 5)
+                probe = _mm512_permutex2var_ps(t0, at, t1);
+            else /* (the first of 64 entries, or the second 32: bit 5 of the index) */
+                probe = _mm512_mask_blend_ps(_mm512_test_epi32_mask(at, _mm512_set1_epi32(32)),
+                                             _mm512_permutex2var_ps(t0, at, t1), _mm512_permutex2var_ps(t2, at, t3));
+            lo = _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(probe, x, _CMP_LT_OQ), lo, _mm512_set1_epi32(1 << k));
+        }
+        __m512i c = _mm512_maskz_add_epi32((__mmask16)~pruned, lo, two); /* 0 where pruned */
+        c = _mm512_mask_mov_epi32(c, protect, one);
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(c));
+        nprot += _mm_popcnt_u32(protect);
+    }
+    *done = i;
+    return nprot;
+}
+
+#define PARTITION_AVX512(STEPS)                                                                                  \
+    AVX512F static Py_ssize_t partition_avx512_##STEPS(int has_sens, int by_sens, const float *w, const float *sens, \
+                                                       Py_ssize_t n, float tm, float ts, float tp, int prune,         \
+                                                       const float *padded, uint8_t *codes, Py_ssize_t *done) {       \
+        if (!has_sens) return partition_avx512(0, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);      \
+        if (!by_sens) return partition_avx512(1, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);       \
+        return partition_avx512(1, 1, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);                     \
+    }
+PARTITION_AVX512(2)
+PARTITION_AVX512(3)
+PARTITION_AVX512(4)
+PARTITION_AVX512(5)
+PARTITION_AVX512(6)
+#endif
+
 static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
                                 double tau_sens, double tau_prune, int prune_by_sens,
                                 const float *mids, Py_ssize_t nmids, uint8_t *codes) {
     const float tm = f32_at_most(tau_mag), ts = f32_at_most(tau_sens), tp = f32_at_least(tau_prune);
     const int prune = tau_prune >= 0, has_sens = sens != NULL, by_sens = prune_by_sens && has_sens;
+    float padded[SIMD_MIDS + 1];
+    for (Py_ssize_t k = 0; k <= SIMD_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
+    Py_ssize_t done = 0, nprot = 0;
+#ifdef PARTITION_SIMD
+    if (nmids <= SIMD_MIDS && partition_simd_available()) {
+        Py_ssize_t (*simd)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
+                           const float *, uint8_t *, Py_ssize_t *) =
+            nmids <= 3    ? partition_avx512_2
+            : nmids <= 7  ? partition_avx512_3
+            : nmids <= 15 ? partition_avx512_4
+            : nmids <= 31 ? partition_avx512_5
+                          : partition_avx512_6;
+        nprot = simd(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes, &done);
+        if (done == n) return nprot;
+        w += done, sens = has_sens ? sens + done : NULL, n -= done, codes += done;
+    }
+#endif
     if (nmids <= SMALL_MIDS) {
-        float padded[SMALL_MIDS];
-        for (Py_ssize_t k = 0; k < SMALL_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
         Py_ssize_t (*loop)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
                            const float *, uint8_t *) =
             nmids <= 3 ? partition_3 : nmids <= 7 ? partition_7 : nmids <= 15 ? partition_15 : partition_31;
-        return loop(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes);
+        return nprot + loop(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes);
     }
     /* below[b]: how many midpoints lie below the least value whose order key (the float's bits,
      * flipped so that the keys sort as the values do) has top 16 bits b. Every value of that bucket
@@ -81,7 +179,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
      * above. (nmids <= 253: a count fits a byte.) */
     uint8_t *below = malloc((1 << 16) + (size_t)(nmids + 1) * sizeof(float)); /* (lo never passes nmids) */
     if (below == NULL) return -2;
-    float *padded = (float *)(below + (1 << 16));
+    float *ordered = (float *)(below + (1 << 16));
     Py_ssize_t c = 0, steps = 0, last = 0;
     for (uint32_t b = 0; b < (1u << 16); b++) {
         const uint32_t key = b << 16, bits = key & 0x80000000u ? key ^ 0x80000000u : ~key;
@@ -94,8 +192,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
         last = c;
     }
     steps = nmids - last > steps ? nmids - last : steps;
-    for (Py_ssize_t k = 0; k <= nmids; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
-    Py_ssize_t nprot = 0;
+    for (Py_ssize_t k = 0; k <= nmids; k++) ordered[k] = k < nmids ? mids[k] : INFINITY;
     for (Py_ssize_t i = 0; i < n; i++) {
         const float x = w[i], a = fabsf(x), s = has_sens ? sens[i] : 0.0f;
         if (a > tm || (has_sens && s > ts)) { codes[i] = 1; nprot++; continue; }
@@ -105,7 +202,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
         memcpy(&bits, &x, 4);
         const uint32_t key = bits & 0x80000000u ? ~bits : bits ^ 0x80000000u;
         Py_ssize_t lo = x == x ? below[key >> 16] : 0; /* (NaN: in +inf's bucket, or a NaN one) */
-        for (Py_ssize_t k = 0; k < steps; k++) lo += padded[lo] < x;
+        for (Py_ssize_t k = 0; k < steps; k++) lo += ordered[lo] < x;
         codes[i] = (uint8_t)(2 + lo);
     }
     free(below);
