@@ -765,11 +765,13 @@ def test_moments_from_update_and_scale_kernel_matches_torch(monkeypatch, dtype, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gains", [(1.0, 1.0), (1.37, 1.05)])
 @pytest.mark.parametrize("parts", [1, 3])
-def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, gains, parts) -> None:
+@pytest.mark.parametrize("with_protected", [True, False])
+def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, gains, parts, with_protected) -> None:
     """Adam's moments straight from the codes of an update and a scale (the restore's path, which
     never holds their float32 values) are bit for bit the moments of their decoded values: with
     pruned and protected codes in both (a NaN and an infinity among the update's protected
-    values, a protected scale under the floor), gains, float32 and bf16 out; compiled, and in
+    values, a protected scale under the floor), or none protected (the optimizer's codes: the
+    kernel's table-only loop), gains, float32 and bf16 out; compiled, and in
     torch (whose conversion is the compiled one's to an ulp, test above); the compiled one whole
     and cut into three parts converted on three threads at once, whose protected values each
     begin where the part before stopped."""
@@ -796,6 +798,9 @@ def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, g
     update = coded(rng.normal(size=7), np.concatenate([u_special, rng.normal(size=500).astype(np.float32)]))
     s_special = np.array([math.log(eps) - 2.0, 0.0, 1.5, np.nan, np.inf, -np.inf], np.float32)
     scale = coded(math.log(eps) + 0.37 * np.arange(254), s_special)  # (a table of 256 entries)
+    if not with_protected:
+        update = coded(rng.normal(size=3), np.zeros(0, np.float32))
+        scale = coded(math.log(eps) + 0.37 * np.arange(14), np.zeros(0, np.float32))
     gain, scale_gain = gains
     for native in (moments_mod.native, None):
         monkeypatch.setattr(moments_mod, "native", native)
