@@ -166,7 +166,8 @@ def test_kernel_and_torch_paths_agree(alpha: float) -> None:
 def test_sketch_table_places_each_boundary_where_the_exact_rule_does(alpha: float) -> None:
     """Every fine bucket the table splits: the values on either side of its boundary counted
     through the table land where the exact rule (a table that sends every value to it) puts
-    them; a table of the wrong size or no keys is refused."""
+    them, and the kernel reports the least and largest key slots it counted; a table of the
+    wrong size or no keys is refused."""
     from hf_dynaquant.core.kernels import native
 
     table, kmin, nkeys, tiny = sketch_mod._slot_table(alpha)
@@ -180,7 +181,9 @@ def test_sketch_table_places_each_boundary_where_the_exact_rule_does(alpha: floa
     counts = {}
     for name, lut in (("table", table), ("exact", exact)):
         counts[name] = np.zeros(2 * nkeys + 2, np.int64)
-        assert native.sketch_f32(values, lut, inv, tiny, kmin, counts[name], b"", 0) == 0
+        nans, lo, hi = native.sketch_f32(values, lut, inv, tiny, kmin, counts[name], b"", 0)
+        keys = np.flatnonzero(counts[name][:nkeys] + counts[name][nkeys : 2 * nkeys])  # (either sign)
+        assert nans == 0 and (lo, hi) == (keys[0], keys[-1])  # the key slots it reports having seen
     assert np.array_equal(counts["table"], counts["exact"])
     with pytest.raises(ValueError, match="2\\^20"):
         native.sketch_table(np.zeros(10, np.int32), inv, tiny, kmin, nkeys)

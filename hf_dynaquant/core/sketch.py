@@ -209,24 +209,26 @@ class LogSketch:
         table, kmin, nkeys, tiny = _slot_table(self.alpha)
         codes, code = (np.ascontiguousarray(where[0]).reshape(-1), int(where[1])) if where else (None, 0)
 
-        def part(i: int) -> tuple[int, np.ndarray]:
-            counts = np.zeros(2 * nkeys + 2, np.int64)  # positive, negative, zeros, discarded
+        def part(i: int) -> tuple[int, int, int, np.ndarray]:
+            # positive, negative, zeros, discarded: zeros from calloc, whose pages the kernel
+            # touches only where it counts (and the keys read back are only those it saw)
+            counts = np.zeros(2 * nkeys + 2, np.int64)
             selected = codes[i : i + _PART] if codes is not None else b""
-            nans = native.sketch_f32(x[i : i + _PART], table, self._inv_log_gamma, tiny, kmin, counts, selected, code)
-            return nans, counts
+            nans, lo, hi = native.sketch_f32(
+                x[i : i + _PART], table, self._inv_log_gamma, tiny, kmin, counts, selected, code
+            )
+            return nans, lo, hi, counts
 
         # (one part, most tensors: counted here, not queued behind the pool's other work)
         parts = [part(0)] if x.size <= _PART else list(_POOL.map(part, range(0, x.size, _PART)))
         if sum(p[0] for p in parts):
             raise ValueError("cannot sketch NaN values")
-        counts = parts[0][1]
-        for other in parts[1:]:
-            counts += other[1]
-        self.zeros += int(counts[2 * nkeys]) * weight
-        for store, half in ((self.positive, counts[:nkeys]), (self.negative, counts[nkeys : 2 * nkeys])):
-            nz = np.flatnonzero(half)  # (the keys of a tensor's values span a few hundred of the ~8,000)
-            if nz.size:
-                store.add_counts(kmin + int(nz[0]), half[nz[0] : nz[-1] + 1] * weight)
+        for _, lo, hi, counts in parts:
+            self.zeros += int(counts[2 * nkeys]) * weight
+            for store, half in ((self.positive, counts[lo : hi + 1]), (self.negative, counts[nkeys + lo : nkeys + hi + 1])):
+                nz = np.flatnonzero(half)  # (the span of either sign's keys within both signs')
+                if nz.size:
+                    store.add_counts(kmin + lo + int(nz[0]), half[nz[0] : nz[-1] + 1] * weight)
 
     def _add_torch(self, x: torch.Tensor, weight: int = 1) -> None:
         """Keys computed where the tensor lives (the accelerator path); only counts move."""

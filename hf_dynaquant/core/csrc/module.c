@@ -9,7 +9,7 @@ static PyMethodDef methods[] = {
      "join(out, width, exponent_bits, k, exponents, head, side, side_packed_bits, rest, escapes)"
      " -> escapes used or -1"},
     {"sketch_f32", py_sketch_f32, METH_VARARGS,
-     "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> nans"},
+     "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> (nans, least key slot, largest)"},
     {"sketch_table", py_sketch_table, METH_VARARGS,
      "sketch_table(lut, inv_log_gamma, tiny_bits, kmin, nkeys): the lut of sketch_f32, by the exact rule"},
     {"select_u8_f32", py_select_u8_f32, METH_VARARGS,

@@ -14,7 +14,10 @@
  * value) only the values whose code is `only` are counted (the others go to counts[2 nkeys +
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
- * a comparison and the increment are all a value costs. Returns the NaN count. */
+ * a comparison and the increment are all a value costs. Returns the NaN count, and the least
+ * and the largest key slot (0..nkeys-1, either sign) of the values seen, largest < least when
+ * none: the counts outside them, in both halves, are the caller's zeros (a sketch of alpha
+ * 0.001 has 158,000 slots, of which a tensor's values take a few thousand). */
 
 /* The slot of a magnitude u (float32 bits, sign cleared) by the exact rule; -1 for NaN. */
 static Py_ssize_t exact_slot(uint32_t u, double inv_log_gamma, uint32_t tiny, int32_t kmin, Py_ssize_t nkeys) {
@@ -28,8 +31,9 @@ static Py_ssize_t exact_slot(uint32_t u, double inv_log_gamma, uint32_t tiny, in
 }
 
 INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, double inv_log_gamma, uint32_t tiny,
-                         int32_t kmin, Py_ssize_t nkeys, int64_t *counts, const uint8_t *codes, int only) {
-    Py_ssize_t nans = 0;
+                         int32_t kmin, Py_ssize_t nkeys, int64_t *counts, const uint8_t *codes, int only,
+                         Py_ssize_t span[2]) {
+    Py_ssize_t nans = 0, lo = nkeys, hi = -1;
     const Py_ssize_t discard = 2 * nkeys + 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint32_t bits = x[i], u = bits & 0x7FFFFFFFu;
@@ -41,22 +45,27 @@ INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, do
                 slot = discard;
             }
         }
+        if (slot < nkeys) { /* (a key's slot: its range is all a caller reads of the counts) */
+            lo = slot < lo ? slot : lo;
+            hi = slot > hi ? slot : hi;
+        }
         slot += (Py_ssize_t)((slot < nkeys) & (bits >> 31)) * nkeys; /* negative values' half */
         if (codes) slot = codes[i] == only ? slot : discard;
         counts[slot]++;
     }
+    span[0] = lo, span[1] = hi;
     return nans;
 }
 
 static Py_ssize_t sketch_all(const uint32_t *x, Py_ssize_t n, const int32_t *lut, double inv_log_gamma,
-                             uint32_t tiny, int32_t kmin, Py_ssize_t nkeys, int64_t *counts) {
-    return sketch(x, n, lut, inv_log_gamma, tiny, kmin, nkeys, counts, NULL, 0);
+                             uint32_t tiny, int32_t kmin, Py_ssize_t nkeys, int64_t *counts, Py_ssize_t span[2]) {
+    return sketch(x, n, lut, inv_log_gamma, tiny, kmin, nkeys, counts, NULL, 0, span);
 }
 
 static Py_ssize_t sketch_only(const uint32_t *x, Py_ssize_t n, const int32_t *lut, double inv_log_gamma,
                               uint32_t tiny, int32_t kmin, Py_ssize_t nkeys, int64_t *counts, const uint8_t *codes,
-                              int only) {
-    return sketch(x, n, lut, inv_log_gamma, tiny, kmin, nkeys, counts, codes, only);
+                              int only, Py_ssize_t span[2]) {
+    return sketch(x, n, lut, inv_log_gamma, tiny, kmin, nkeys, counts, codes, only, span);
 }
 
 #define SKETCH_MAX_SLOTS (1 << 19) /* 2 nkeys + 1 slots, shifted by 12 bits, fit an int32 entry */
@@ -112,7 +121,7 @@ PyObject *py_sketch_f32(PyObject *self, PyObject *args) {
     unsigned int tiny;
     if (!PyArg_ParseTuple(args, "y*y*dIiw*y*i", &x, &lut, &inv_log_gamma, &tiny, &kmin, &counts, &codes, &only))
         return NULL;
-    Py_ssize_t nans = -1;
+    Py_ssize_t nans = -1, span[2];
     const Py_ssize_t nkeys = (counts.len / 8 - 2) / 2;
     if (lut.len != (1 << 20) * 4 || counts.len % 8 || nkeys < 1 || counts.len / 8 != 2 * nkeys + 2 ||
         (codes.len && codes.len != x.len / 4))
@@ -120,11 +129,11 @@ PyObject *py_sketch_f32(PyObject *self, PyObject *args) {
     else {
         Py_BEGIN_ALLOW_THREADS
         nans = codes.len ? sketch_only(x.buf, x.len / 4, lut.buf, inv_log_gamma, tiny, kmin, nkeys, counts.buf,
-                                       codes.buf, only)
-                         : sketch_all(x.buf, x.len / 4, lut.buf, inv_log_gamma, tiny, kmin, nkeys, counts.buf);
+                                       codes.buf, only, span)
+                         : sketch_all(x.buf, x.len / 4, lut.buf, inv_log_gamma, tiny, kmin, nkeys, counts.buf, span);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&x); PyBuffer_Release(&lut); PyBuffer_Release(&counts); PyBuffer_Release(&codes);
     if (nans < 0) return NULL;
-    return PyLong_FromSsize_t(nans);
+    return Py_BuildValue("nnn", nans, span[0], span[1]);
 }
