@@ -225,7 +225,8 @@ class LogSketch:
             raise ValueError("cannot sketch NaN values")
         for _, lo, hi, counts in parts:
             self.zeros += int(counts[2 * nkeys]) * weight
-            for store, half in ((self.positive, counts[lo : hi + 1]), (self.negative, counts[nkeys + lo : nkeys + hi + 1])):
+            halves = ((self.positive, counts[lo : hi + 1]), (self.negative, counts[nkeys + lo : nkeys + hi + 1]))
+            for store, half in halves:
                 nz = np.flatnonzero(half)  # (the span of either sign's keys within both signs')
                 if nz.size:
                     store.add_counts(kmin + lo + int(nz[0]), half[nz[0] : nz[-1] + 1] * weight)
