@@ -408,6 +408,87 @@ def test_delta_of_unknown_coding_or_levels_is_corrupt(change) -> None:
         codec.decode("F32", cur.shape, {**encoded.params, **change}, blobs, _codes_state(prev))
 
 
+def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> None:
+    """A long delta of few levels is coded two deltas to an rANS symbol (``"ans4:pairs"``) where
+    that is smaller than one a symbol, reads back to the codes (groups of odd size included), and
+    is corrupt against a base holding a code past its levels, or under a suffix it does not know."""
+    from hf_dynaquant.codecs import dynaquant as dynaquant_mod
+
+    rng = np.random.default_rng(13)
+    prev = rng.integers(0, 4, 300_001).astype(np.uint8)  # 4 levels, as Adam's update at two bins
+    # codes move in some stretches of the tensor (rows whose gradients were large), so that
+    # neighbouring deltas of a group share their odds, as a checkpoint's do
+    rate = np.where(np.arange(prev.size) // 1000 % 7 == 0, 0.3, 0.02)
+    cur = np.where(rng.random(prev.size) < rate, (prev + 1) % 4, prev).astype(np.uint8)
+
+    def state(codes: np.ndarray) -> QuantState:
+        return QuantState(codes, 4, np.array([-1, 1], np.float32), np.zeros(0, np.uint16), "F32", codes.shape)
+
+    codec = DynaQuantCodec()
+    paired = codec._encode_state(state(cur), state(prev), {})
+    assert paired.params["mode"] == "delta" and paired.params["delta_stream"] == ["ans4:pairs", prev.size]
+
+    def blobs(name: str) -> np.ndarray:
+        return np.frombuffer(paired.blobs[name], np.uint8)
+
+    blobs.where = "entry x, tensor w"  # type: ignore[attr-defined]
+    # (a decode takes the base's codes over: each is given a copy)
+    assert np.array_equal(codec.decode("F32", cur.shape, paired.params, blobs, state(prev.copy())).codes, cur)
+    with monkeypatch.context() as patch:
+        patch.setattr(dynaquant_mod, "PAIRED_LEVELS", 0)  # one delta a symbol
+        single = codec._encode_state(state(cur), state(prev), {})
+    assert single.params["delta_stream"] == ["ans4", prev.size]
+    assert len(paired.blobs["delta"]) < 0.995 * len(single.blobs["delta"])
+    far = prev.copy()
+    far[7] = 6  # a base code past the delta's 4 levels: its groups are not the encoder's
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):
+        codec.decode("F32", cur.shape, paired.params, blobs, state(far))
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):
+        unknown = {**paired.params, "delta_stream": ["ans4:pairz", prev.size]}
+        codec.decode("F32", cur.shape, unknown, blobs, state(prev.copy()))
+
+
+@pytest.mark.parametrize("levels", [1, 2, 5, 10, 16])
+def test_pair_up_matches_numpy_reference_and_unpairs(monkeypatch, levels) -> None:
+    """``pair_up`` (two deltas of a group to a byte, then the odd groups' last deltas) and
+    ``unpair``, compiled and in numpy, agree and invert each other over groups of every parity,
+    empty ones included; values at or past the levels, symbols that are no pair of them, and
+    sizes that do not fit are refused both ways."""
+    from hf_dynaquant.core import delta as delta_mod
+
+    rng = np.random.default_rng(levels)
+    for sizes in (np.array([0, 0, 0]), np.array([1]), rng.integers(0, 40, 9), np.array([5, 0, 4, 7, 1])):
+        values = rng.integers(0, levels, int(sizes.sum())).astype(np.uint8)
+        symbols, counts = delta_mod.pair_up(values, sizes, levels)
+        assert symbols.size == int(delta_mod.paired_sizes(sizes).sum()) == int((sizes // 2 + sizes % 2).sum())
+        assert np.array_equal(delta_mod.unpair(symbols, sizes, levels), values)
+        with monkeypatch.context() as patch:
+            patch.setattr(delta_mod, "native", None)
+            reference = delta_mod.pair_up(values, sizes, levels)
+            assert np.array_equal(reference[0], symbols) and np.array_equal(reference[1], counts)
+            assert np.array_equal(delta_mod.unpair(symbols, sizes, levels), values)
+        bounds = np.cumsum(delta_mod.paired_sizes(sizes))
+        assert np.array_equal(counts.sum(axis=1), delta_mod.paired_sizes(sizes))
+        assert np.array_equal(counts[-1], np.bincount(symbols[bounds[-2] :], minlength=256))
+    for native in (delta_mod.native, None):
+        monkeypatch.setattr(delta_mod, "native", native)
+        sizes = np.array([3, 4])
+        with pytest.raises(ValueError, match="levels"):
+            delta_mod.pair_up(np.full(7, levels, np.uint8), sizes, levels)  # a value at the levels
+        symbols = delta_mod.pair_up(np.zeros(7, np.uint8), sizes, levels)[0]
+        if levels < 16:
+            with pytest.raises(ValueError, match="no pair"):
+                delta_mod.unpair(np.full_like(symbols, levels * levels), sizes, levels)
+        tail = symbols.copy()
+        tail[-1] = levels  # the odd group's last value, past the levels
+        with pytest.raises(ValueError, match="no pair"):
+            delta_mod.unpair(tail, sizes, levels)
+        with pytest.raises(ValueError):
+            delta_mod.unpair(symbols[:-1], sizes, levels)
+    with pytest.raises(ValueError, match="1 to 16"):
+        delta_mod.pair_up(np.zeros(4, np.uint8), np.array([4]), 17)
+
+
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])
 @pytest.mark.parametrize("top", [1, 9, 256])
 def test_byte_counts_is_bincount(size, top) -> None:

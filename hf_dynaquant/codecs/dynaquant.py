@@ -38,15 +38,19 @@ import torch
 from ..core import trellis
 from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from ..core.delta import (
+    PAIRED_LEVELS,
     apply_delta,
     current_counts,
     cyclic_delta,
     grouped_delta,
+    pair_up,
+    paired_sizes,
     regroup,
     rle_decode,
     rle_encode,
     undo_regrouped_delta,
     ungroup,
+    unpair,
     varint_decode,
     varint_encode,
 )
@@ -99,16 +103,33 @@ def _delta_payload(
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev`` and ``pairs`` holds its groups'
-    models (both from :func:`grouped_delta`); the other codings take it in element order."""
+    models (both from :func:`grouped_delta`), and at most :data:`PAIRED_LEVELS` levels (the
+    table's size) it is coded two deltas to a symbol where that is smaller (FORMAT.md
+    ``"ans<L>:pairs"``: half the rANS steps, and 1-2% smaller on a checkpoint's long tensors);
+    the other codings take it in element order."""
     if coding == "ans":
         if pairs is None:
             raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs)")
+        levels, single = pairs.shape[0], ans_bytes(pairs)
+        # pairs are tried where their tables (a count of up to levels^2 pair symbols for each of
+        # levels + 1 groups, about 2 bytes each) stay small beside the delta: a sparse delta (a
+        # weight's, two steps on) is smaller one a symbol, and pairing it only costs a pass
+        if levels <= PAIRED_LEVELS and 2 * (levels + 1) * levels**2 < _PAIR_TABLE_SHARE * single:
+            symbols, histograms = pair_up(delta, pairs.sum(axis=1), levels)
+            if ans_bytes(histograms) < single:
+                lanes = lanes_for(symbols.size)
+                payload = ans_encode(symbols, lanes=lanes, histograms=histograms)
+                return f"{ans_coding(lanes)}{_PAIRED}", payload, int(delta.size)
         lanes = lanes_for(delta.size)
         return ans_coding(lanes), ans_encode(delta, lanes=lanes, histograms=pairs), int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
     return (*encode_stream(tokens, level=_TOKEN_LEVEL), int(tokens.size))
+
+
+_PAIRED = ":pairs"  # a stream coding's suffix: the rANS stream's symbols are pairs of deltas
+_PAIR_TABLE_SHARE = 0.05  # the most of a delta's size its pairs' tables may take for pairs to be tried
 
 
 def _groups(prev: np.ndarray) -> np.ndarray:
@@ -129,11 +150,20 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         if coding == "ans":
             if int(size) != n:
                 raise ValueError(f"delta holds {int(size)} values, expected {n}")
-            lanes = ans_lanes(stream_coding)
+            paired = isinstance(stream_coding, str) and stream_coding.endswith(_PAIRED)
+            lanes = ans_lanes(stream_coding[: -len(_PAIRED)] if paired else stream_coding)
             if not lanes:
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
             groups = _groups(prev)
-            delta = ans_decode(payload, n, groups, lanes)
+            if not paired:
+                delta = ans_decode(payload, n, groups, lanes)
+            elif groups.size > levels or levels > PAIRED_LEVELS:
+                raise ValueError(f"paired deltas at {levels} levels of a base coded up to {groups.size - 1}")
+            else:  # (the encoder's groups: one per level, those past the base's largest code empty)
+                sizes = np.zeros(levels, np.int64)
+                sizes[: groups.size] = groups
+                symbols = paired_sizes(sizes)
+                delta = unpair(ans_decode(payload, int(symbols.sum()), symbols, lanes), sizes, levels)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             delta = data if coding == "entropy" else rle_decode(varint_decode(data)).astype(np.uint8)
@@ -167,8 +197,9 @@ class DynaQuantCodec(Codec):
     # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only. 3: trellis
     # symbols (blob "symbols"); records without the "trellis" param read as version 2's. 4: codes
     # packed from their smallest ("pack<N>+<B>"), which earlier records never use. 5: packed codes
-    # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use
-    version = 5
+    # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use. 6: deltas two to an
+    # rANS symbol ("ans<L>:pairs"), which earlier records never use
+    version = 6
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:

@@ -13,6 +13,10 @@ Both checkpoints are integer codes (pruned and protected values are levels of th
   length only when the length exceeds 1 (> 0), so no marker is needed.
 * **Entropy coding**: tokens become LEB128 varints (even numbers for values, odd for lengths) and
   then zstd, whose Huffman stage codes the skewed byte alphabet.
+
+hf_dynaquant's default codes the regrouped delta with rANS, a model per group, and, where the
+levels are few (at most :data:`PAIRED_LEVELS`), two deltas to a symbol (:func:`pair_up`): rANS
+then takes one step for two values, and a pair's model sees what neighbouring deltas share.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
 __all__ = [
+    "PAIRED_LEVELS",
     "cyclic_delta",
     "grouped_delta",
+    "pair_up",
+    "paired_sizes",
+    "unpair",
     "current_counts",
     "apply_delta",
     "regroup",
@@ -38,6 +46,71 @@ __all__ = [
     "varint_encode",
     "varint_decode",
 ]
+
+
+PAIRED_LEVELS = 16  # the most levels whose pairs of deltas fit a byte (16 x 16)
+
+
+def paired_sizes(sizes: np.ndarray) -> np.ndarray:
+    """The group sizes of :func:`pair_up`'s stream for groups of ``sizes`` values: each group's
+    pairs, then one group of the odd groups' last values."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    return np.append(sizes // 2, np.count_nonzero(sizes % 2))
+
+
+def pair_up(grouped: np.ndarray, sizes: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(symbols, histograms)``: a regrouped delta (uint8 values below ``levels`` <= 16, in
+    consecutive groups of ``sizes``) two values to a symbol, ``x * levels + y``, group by group,
+    then the last value of each group of odd size as a group of its own (the groups of
+    :func:`paired_sizes`); and each of those groups' histogram, a row of 256 counts apiece.
+    ``ValueError`` for a value at or past ``levels``."""
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    if not 1 <= levels <= PAIRED_LEVELS:
+        raise ValueError(f"pairs of deltas fit a byte at 1 to {PAIRED_LEVELS} levels, not {levels}")
+    lengths = paired_sizes(sizes)
+    symbols = np.empty(int(lengths.sum()), dtype=np.uint8)
+    counts = np.zeros((lengths.size, 256), dtype=np.int64)
+    if native is not None:
+        native.pair_up_u8(np.ascontiguousarray(grouped, dtype=np.uint8), sizes, levels, symbols, counts)
+        return symbols, counts
+    values = np.asarray(grouped, dtype=np.uint8)
+    if values.size != int(sizes.sum()) or (values.size and int(values.max()) >= levels):
+        raise ValueError("pair_up: a value is at or past the levels, or the sizes do not add up")
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    pieces = [values[a : a + (b - a) // 2 * 2 : 2] * levels + values[a + 1 : a + (b - a) // 2 * 2 : 2]
+              for a, b in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    pieces.append(values[bounds[1:][sizes % 2 == 1] - 1])
+    symbols[:] = np.concatenate(pieces) if pieces else symbols
+    at = np.concatenate(([0], np.cumsum(lengths)))
+    for g in range(lengths.size):
+        counts[g] = np.bincount(symbols[at[g] : at[g + 1]], minlength=256)
+    return symbols, counts
+
+
+def unpair(symbols: np.ndarray, sizes: np.ndarray, levels: int) -> np.ndarray:
+    """Inverse of :func:`pair_up`: the regrouped delta. ``ValueError`` for a symbol that is no
+    pair of values below ``levels``, or sizes that do not fit the symbols."""
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    if not 1 <= levels <= PAIRED_LEVELS:
+        raise ValueError(f"pairs of deltas fit a byte at 1 to {PAIRED_LEVELS} levels, not {levels}")
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    if native is not None:
+        native.unpair_u8(np.ascontiguousarray(symbols, dtype=np.uint8), sizes, levels, out)
+        return out
+    symbols = np.asarray(symbols, dtype=np.uint8)
+    lengths = paired_sizes(sizes)
+    if symbols.size != int(lengths.sum()):
+        raise ValueError("unpair: the sizes do not fit the symbols")
+    at = np.concatenate(([0], np.cumsum(lengths)))
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    pairs, tails = symbols[: at[-2]], symbols[at[-2] :]
+    if (pairs.size and int(pairs.max()) >= levels * levels) or (tails.size and int(tails.max()) >= levels):
+        raise ValueError("unpair: a symbol is no pair of values below the levels")
+    for g, a in enumerate(bounds[:-1]):
+        p = pairs[at[g] : at[g + 1]]
+        out[a : a + 2 * p.size : 2], out[a + 1 : a + 2 * p.size : 2] = p // levels, p % levels
+    out[bounds[1:][sizes % 2 == 1] - 1] = tails
+    return out
 
 
 def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:

@@ -459,3 +459,130 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
+
+/* A regrouped delta two values to a byte (delta.py's pair_up): for each group k of sizes[k]
+ * values, in order, its values two at a time as x * levels + y (levels <= 16: a pair fits a
+ * byte), then one last group: the last value of each group of odd size. counts[(k << 8) | s]
+ * receives the histogram of group k's pair symbols, row `groups` that of the last group. rANS
+ * then codes half the symbols, each in one step (decoding 1.7x faster), and a pair's model sees
+ * what two neighbours share. Returns 0, or -1 when a value is at or past levels. */
+static int pair_up(const uint8_t *v, const int64_t *sizes, Py_ssize_t groups, int levels, uint8_t *out,
+                   int64_t *counts) {
+    Py_ssize_t at = 0, k = 0;
+    uint8_t top = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const Py_ssize_t half = sizes[g] / 2, begin = k;
+        for (Py_ssize_t j = 0; j < half; j++) {
+            const uint8_t x = v[at + 2 * j], y = v[at + 2 * j + 1];
+            top = x > top ? x : top;
+            top = y > top ? y : top;
+            out[k++] = (uint8_t)(x * levels + y);
+        }
+        at += sizes[g];
+        count_bytes(out + begin, k - begin, counts + (g << 8));
+    }
+    const Py_ssize_t begin = k;
+    at = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        at += sizes[g];
+        if (sizes[g] % 2) {
+            top = v[at - 1] > top ? v[at - 1] : top;
+            out[k++] = v[at - 1];
+        }
+    }
+    count_bytes(out + begin, k - begin, counts + (groups << 8));
+    return top < levels ? 0 : -1;
+}
+
+/* The inverse (delta.py's unpair): returns 0, or -1 when a symbol is no pair of values below
+ * levels (a damaged stream). */
+static int unpair(const uint8_t *s, const int64_t *sizes, Py_ssize_t groups, int levels, uint8_t *out) {
+    uint16_t both[256]; /* a pair's two values, as the two bytes they take in out */
+    const int pairs = levels * levels;
+    for (int p = 0; p < 256; p++) {
+        const uint8_t two[2] = {(uint8_t)(p / levels), (uint8_t)(p % levels)};
+        memcpy(&both[p], two, 2);
+    }
+    Py_ssize_t at = 0, k = 0;
+    uint8_t top = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const Py_ssize_t half = sizes[g] / 2;
+        for (Py_ssize_t j = 0; j < half; j++) {
+            const uint8_t p = s[k + j];
+            top = p > top ? p : top;
+            const uint16_t two = both[p];
+            memcpy(out + at + 2 * j, &two, 2);
+        }
+        k += half;
+        at += sizes[g];
+    }
+    int wrong = pairs <= 256 && top >= pairs;
+    at = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        at += sizes[g];
+        if (sizes[g] % 2) {
+            wrong |= s[k] >= levels;
+            out[at - 1] = s[k++];
+        }
+    }
+    return wrong ? -1 : 0;
+}
+
+/* The paired stream's length for groups of these sizes, or -1 for sizes that are negative or do
+ * not add up to n. */
+static Py_ssize_t paired_length(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
+    Py_ssize_t total = 0, length = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        if (sizes[g] < 0 || sizes[g] > n) return -1;
+        total += sizes[g];
+        length += sizes[g] / 2 + sizes[g] % 2;
+    }
+    return total == n ? length : -1;
+}
+
+PyObject *py_pair_up_u8(PyObject *self, PyObject *args) {
+    Py_buffer values, sizes, out, counts;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*", &values, &sizes, &levels, &out, &counts)) return NULL;
+    const Py_ssize_t groups = sizes.len / 8;
+    int ok = levels >= 1 && levels <= 16 && groups <= 256 && counts.len == (groups + 1) * 256 * 8 &&
+             paired_length(sizes.buf, groups, values.len) == out.len;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "pair_up: levels outside 1..16, or sizes, out and counts do not fit");
+    else {
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = pair_up(values.buf, sizes.buf, groups, levels, out.buf, counts.buf);
+        Py_END_ALLOW_THREADS
+        if (status) {
+            ok = 0;
+            PyErr_SetString(PyExc_ValueError, "pair_up: a value is at or past the levels");
+        }
+    }
+    PyBuffer_Release(&values); PyBuffer_Release(&sizes); PyBuffer_Release(&out); PyBuffer_Release(&counts);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+PyObject *py_unpair_u8(PyObject *self, PyObject *args) {
+    Py_buffer symbols, sizes, out;
+    int levels;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &symbols, &sizes, &levels, &out)) return NULL;
+    const Py_ssize_t groups = sizes.len / 8;
+    int ok = levels >= 1 && levels <= 16 && paired_length(sizes.buf, groups, out.len) == symbols.len;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "unpair: levels outside 1..16, or the sizes do not fit the symbols");
+    else {
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = unpair(symbols.buf, sizes.buf, groups, levels, out.buf);
+        Py_END_ALLOW_THREADS
+        if (status) {
+            ok = 0;
+            PyErr_SetString(PyExc_ValueError, "unpair: a symbol is no pair of values below the levels");
+        }
+    }
+    PyBuffer_Release(&symbols); PyBuffer_Release(&sizes); PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}

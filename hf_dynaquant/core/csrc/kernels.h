@@ -76,6 +76,8 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
+PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
+PyObject *py_unpair_u8(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
 /* Whether kernels may take their hand-written AVX-512 paths (py_allow_simd; tests turn them off). */
 int dq_simd_allowed(void);
