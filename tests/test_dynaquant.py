@@ -851,8 +851,8 @@ def test_moments_from_codes_match_decoding_then_converting(monkeypatch, dtype, g
     """Adam's moments straight from the codes of an update and a scale (the restore's path, which
     never holds their float32 values) are bit for bit the moments of their decoded values: with
     pruned and protected codes in both (a NaN and an infinity among the update's protected
-    values, a protected scale under the floor), or none protected (the optimizer's codes: the
-    kernel's table-only loop), gains, float32 and bf16 out; compiled, and in
+    values, a protected scale under the floor), or none protected (the optimizer's codes), gains,
+    float32 and bf16 out; compiled, and in
     torch (whose conversion is the compiled one's to an ulp, test above); the compiled one whole
     and cut into three parts converted on three threads at once, whose protected values each
     begin where the part before stopped."""

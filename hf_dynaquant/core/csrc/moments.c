@@ -238,48 +238,6 @@ static int codes_in_table(const coded *c, Py_ssize_t n) {
     return n == 0 || top < c->ntable;
 }
 
-/* codes_to_adam where neither the update nor the scale stores a protected value (a code 1 then
- * reads 0, which its table holds, and is counted as taken): m from the update's table and the
- * scale's denominators d, v from a table of the scale's, in a loop the compiler vectorises
- * (table look-ups, no running index of protected values), about twice as fast. */
-SIMD_CLONES static void codes_to_adam_unprotected(coded *u, coded *s, Py_ssize_t n, const float d[256], float floor,
-                                                  float gain, int bf16, void *m_out, void *v_out) {
-    float tu[256] = {0}, tv[256];
-    for (Py_ssize_t k = 0; k < u->ntable; k++) tu[k] = u->table[k];
-    for (int k = 0; k < 256; k++) {
-        float m;
-        adam_moments(0.0f, d[k], floor, gain, &m, &tv[k]);
-    }
-    const uint8_t *cu = u->codes, *cs = s->codes;
-    Py_ssize_t ones_u = 0, ones_s = 0;
-    if (bf16) {
-        uint16_t *mo = m_out, *vo = v_out;
-#pragma omp simd reduction(+ : ones_u, ones_s)
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float mi, vi;
-            adam_moments(tu[cu[i]], d[cs[i]], floor, gain, &mi, &vi);
-            mo[i] = bf16_bits(mi);
-            vo[i] = bf16_bits(tv[cs[i]]);
-            ones_u += cu[i] == 1;
-            ones_s += cs[i] == 1;
-            (void)vi;
-        }
-    } else {
-        float *mo = m_out, *vo = v_out;
-#pragma omp simd reduction(+ : ones_u, ones_s)
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float mi, vi;
-            adam_moments(tu[cu[i]], d[cs[i]], floor, gain, &mi, &vi);
-            mo[i] = mi;
-            vo[i] = tv[cs[i]];
-            ones_u += cu[i] == 1;
-            ones_s += cs[i] == 1;
-            (void)vi;
-        }
-    }
-    u->used = ones_u, s->used = ones_s;
-}
-
 /* Adam's moments straight from the codes of a quantized update and scale: bit for bit what
  * decoding both (decoded_values) and then scale_to_adam_f32 give, written as float32 or as
  * bfloat16 (rounded as torch rounds), without the float32 update and scale ever being held
@@ -288,12 +246,8 @@ SIMD_CLONES static void codes_to_adam_unprotected(coded *u, coded *s, Py_ssize_t
  * (the caller checks them against those stored). */
 static void codes_to_adam(coded *u, coded *s, Py_ssize_t n, float floor, float gain, float scale_gain, int bf16,
                           void *m_out, void *v_out) {
-    float d[256] = {0};
+    float d[256];
     for (Py_ssize_t k = 0; k < s->ntable; k++) d[k] = adam_denominator(expf(s->table[k]), floor, scale_gain);
-    if (u->nprot == 0 && s->nprot == 0) { /* (the optimizer's codes: nothing protected) */
-        codes_to_adam_unprotected(u, s, n, d, floor, gain, bf16, m_out, v_out);
-        return;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t k = s->codes[i];
         const float di = k == 1 ? adam_denominator(expf(coded_value(s, i)), floor, scale_gain) : d[k];
