@@ -30,6 +30,21 @@ static Py_ssize_t exact_slot(uint32_t u, double inv_log_gamma, uint32_t tiny, in
     return slot < 0 ? 0 : slot >= nkeys ? nkeys - 1 : slot;
 }
 
+/* The least and the largest magnitude (float32 bits, sign cleared) of x at or above tiny and not
+ * NaN, in a loop the compiler vectorises; 0 when there is none. */
+SIMD_CLONES static int magnitude_range(const uint32_t *x, Py_ssize_t n, uint32_t tiny, uint32_t *least,
+                                       uint32_t *largest) {
+    uint32_t lo = UINT32_MAX, hi = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint32_t u = x[i] & 0x7FFFFFFFu, keep = 0u - ((u >= tiny) & (u <= 0x7F800000u));
+        const uint32_t low = u | ~keep, high = u & keep; /* (all ones, or 0, where not counted) */
+        lo = low < lo ? low : lo;
+        hi = high > hi ? high : hi;
+    }
+    *least = lo, *largest = hi;
+    return lo <= hi;
+}
+
 INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, double inv_log_gamma, uint32_t tiny,
                          int32_t kmin, Py_ssize_t nkeys, int64_t *counts, const uint8_t *codes, int only,
                          Py_ssize_t span[2]) {
@@ -45,14 +60,15 @@ INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, do
                 slot = discard;
             }
         }
-        if (slot < nkeys) { /* (a key's slot: its range is all a caller reads of the counts) */
-            lo = slot < lo ? slot : lo;
-            hi = slot > hi ? slot : hi;
-        }
         slot += (Py_ssize_t)((slot < nkeys) & (bits >> 31)) * nkeys; /* negative values' half */
         if (codes) slot = codes[i] == only ? slot : discard;
         counts[slot]++;
     }
+    /* the key slots counted lie between those of the least and the largest magnitude at or
+     * above tiny (the slot grows with the magnitude; NaN has none) */
+    uint32_t least, largest;
+    if (magnitude_range(x, n, tiny, &least, &largest))
+        lo = exact_slot(least, inv_log_gamma, tiny, kmin, nkeys), hi = exact_slot(largest, inv_log_gamma, tiny, kmin, nkeys);
     span[0] = lo, span[1] = hi;
     return nans;
 }
