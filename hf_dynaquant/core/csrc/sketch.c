@@ -14,10 +14,11 @@
  * value) only the values whose code is `only` are counted (the others go to counts[2 nkeys +
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
- * a comparison and the increment are all a value costs. Returns the NaN count, and the least
- * and the largest key slot (0..nkeys-1, either sign) of the values seen, largest < least when
- * none: the counts outside them, in both halves, are the caller's zeros (a sketch of alpha
- * 0.001 has 158,000 slots, of which a tensor's values take a few thousand). */
+ * a comparison and the increment are all a value costs. Returns the NaN count, and the key
+ * slots (0..nkeys-1, either sign) of the least and the largest magnitude among the values (those
+ * of codes `only` among them, with codes), largest < least when none: every key counted lies
+ * between them, and the counts outside, in both halves, are the caller's zeros (a sketch of
+ * alpha 0.001 has 158,000 slots, of which a tensor's values take a few thousand). */
 
 /* The slot of a magnitude u (float32 bits, sign cleared) by the exact rule; -1 for NaN. */
 static Py_ssize_t exact_slot(uint32_t u, double inv_log_gamma, uint32_t tiny, int32_t kmin, Py_ssize_t nkeys) {
