@@ -15,8 +15,8 @@
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
  * a comparison and the increment are all a value costs. Returns the NaN count, and the key
- * slots (0..nkeys-1, either sign) of the least and the largest magnitude among the values (those
- * of codes `only` among them, with codes), largest < least when none: every key counted lies
+ * slots (0..nkeys-1, either sign) of the least and the largest magnitude among the values (all of
+ * them, with codes too), largest < least when none: every key counted lies
  * between them, and the counts outside, in both halves, are the caller's zeros (a sketch of
  * alpha 0.001 has 158,000 slots, of which a tensor's values take a few thousand). */
 
