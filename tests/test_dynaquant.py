@@ -439,6 +439,21 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
         single = codec._encode_state(state(cur), state(prev), {})
     assert single.params["delta_stream"] == ["ans4", prev.size]
     assert len(paired.blobs["delta"]) < 0.995 * len(single.blobs["delta"])
+    from hf_dynaquant.core.ans import ans_encode
+    from hf_dynaquant.core.delta import grouped_delta, pair_up, paired_sizes
+
+    sizes = np.bincount(prev, minlength=4)
+    symbols = pair_up(grouped_delta(prev, cur, 4)[0], sizes, 4)[0]
+    for at, bad in ((0, 16), (-1, 4)):  # no pair of values below 4; an odd group's last value past them
+        damaged = symbols.copy()
+        damaged[at] = bad
+        payload = ans_encode(damaged, paired_sizes(sizes), lanes=4)
+        blob = lambda name, payload=payload: np.frombuffer(payload, np.uint8)  # noqa: E731
+        blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
+        with pytest.raises(CorruptCheckpointError, match="tensor w: .*no pair"):
+            codec.decode("F32", cur.shape, paired.params, blob, state(prev.copy()))
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):  # pairs of 17 levels do not fit a byte
+        codec.decode("F32", cur.shape, {**paired.params, "delta_levels": 17}, blobs, state(prev.copy()))
     far = prev.copy()
     far[7] = 6  # a base code past the delta's 4 levels: its groups are not the encoder's
     with pytest.raises(CorruptCheckpointError, match="tensor w"):
@@ -487,6 +502,12 @@ def test_pair_up_matches_numpy_reference_and_unpairs(monkeypatch, levels) -> Non
             delta_mod.unpair(symbols[:-1], sizes, levels)
     with pytest.raises(ValueError, match="1 to 16"):
         delta_mod.pair_up(np.zeros(4, np.uint8), np.array([4]), 17)
+    for native in (delta_mod.native, None):  # sizes no grouping has
+        monkeypatch.setattr(delta_mod, "native", native)
+        with pytest.raises(ValueError):
+            delta_mod.pair_up(np.zeros(4, np.uint8), np.array([5, -1]), 4)
+        with pytest.raises(ValueError):
+            delta_mod.unpair(np.zeros(3, np.uint8), np.array([5, -1]), 4)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])
@@ -1048,6 +1069,7 @@ def test_partition_kernel_follows_its_rules_at_every_edge(simd_path, nmids: int)
     sens = np.abs(rng.normal(0, 0.5, w.size)).astype(np.float32)
     sens[:40:3] = 0.0
     sens[1:40:5] = np.float32(tau_sens)
+    sens[2:40:7] = np.nan  # (neither protects nor prunes)
     mids = rng.normal(0, 0.6, nmids).astype(np.float32)
     if nmids > 31:  # -0.0 and 0.0, and a run of midpoints within one bucket of the look-up
         mids[:2], mids[2:6] = (-0.0, 0.0), np.float32(0.5) + np.arange(4, dtype=np.float32) * np.float32(1e-6)
@@ -1065,6 +1087,9 @@ def test_partition_kernel_follows_its_rules_at_every_edge(simd_path, nmids: int)
         bad = np.flatnonzero(codes != want)
         assert bad.size == 0, (with_sens, by_sens, prune, w[bad[:5]], codes[bad[:5]], want[bad[:5]])
         assert nprot == want_prot
+        short = np.empty(13, np.uint8)  # fewer values than a vector holds: all in the plain loop's tail
+        native.partition_f32(w[:13], given[:13], with_sens, tau_mag, tau_sens, prune, by_sens, mids, short)
+        assert np.array_equal(short, want[:13])
 
 
 def test_rle_rejects_malformed_streams() -> None:

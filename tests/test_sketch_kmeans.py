@@ -184,6 +184,8 @@ def test_sketch_table_places_each_boundary_where_the_exact_rule_does(alpha: floa
         nans, lo, hi = native.sketch_f32(values, lut, inv, tiny, kmin, counts[name], b"", 0)
         keys = np.flatnonzero(counts[name][:nkeys] + counts[name][nkeys : 2 * nkeys])  # (either sign)
         assert nans == 0 and (lo, hi) == (keys[0], keys[-1])  # the key slots it reports having seen
+    small = np.array([0.0, -0.0, 1e-31, -1e-40, np.nan], np.float32)  # no magnitude a key counts
+    assert native.sketch_f32(small, table, inv, tiny, kmin, np.zeros(2 * nkeys + 2, np.int64), b"", 0) == (1, nkeys, -1)
     assert np.array_equal(counts["table"], counts["exact"])
     with pytest.raises(ValueError, match="2\\^20"):
         native.sketch_table(np.zeros(10, np.int32), inv, tiny, kmin, nkeys)

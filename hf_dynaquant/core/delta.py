@@ -58,15 +58,24 @@ def paired_sizes(sizes: np.ndarray) -> np.ndarray:
     return np.append(sizes // 2, np.count_nonzero(sizes % 2))
 
 
+def _group_sizes(sizes: np.ndarray, levels: int) -> np.ndarray:
+    """``sizes`` as contiguous int64, checked: at most 256 groups of no negative size, at a level
+    count whose pairs fit a byte."""
+    if not 1 <= levels <= PAIRED_LEVELS:
+        raise ValueError(f"pairs of deltas fit a byte at 1 to {PAIRED_LEVELS} levels, not {levels}")
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64).reshape(-1)
+    if sizes.size > 256 or (sizes.size and int(sizes.min()) < 0):
+        raise ValueError("group sizes must be at most 256 non-negative counts")
+    return sizes
+
+
 def pair_up(grouped: np.ndarray, sizes: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(symbols, histograms)``: a regrouped delta (uint8 values below ``levels`` <= 16, in
     consecutive groups of ``sizes``) two values to a symbol, ``x * levels + y``, group by group,
     then the last value of each group of odd size as a group of its own (the groups of
     :func:`paired_sizes`); and each of those groups' histogram, a row of 256 counts apiece.
     ``ValueError`` for a value at or past ``levels``."""
-    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
-    if not 1 <= levels <= PAIRED_LEVELS:
-        raise ValueError(f"pairs of deltas fit a byte at 1 to {PAIRED_LEVELS} levels, not {levels}")
+    sizes = _group_sizes(sizes, levels)
     lengths = paired_sizes(sizes)
     symbols = np.empty(int(lengths.sum()), dtype=np.uint8)
     counts = np.zeros((lengths.size, 256), dtype=np.int64)
@@ -90,9 +99,7 @@ def pair_up(grouped: np.ndarray, sizes: np.ndarray, levels: int) -> tuple[np.nda
 def unpair(symbols: np.ndarray, sizes: np.ndarray, levels: int) -> np.ndarray:
     """Inverse of :func:`pair_up`: the regrouped delta. ``ValueError`` for a symbol that is no
     pair of values below ``levels``, or sizes that do not fit the symbols."""
-    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
-    if not 1 <= levels <= PAIRED_LEVELS:
-        raise ValueError(f"pairs of deltas fit a byte at 1 to {PAIRED_LEVELS} levels, not {levels}")
+    sizes = _group_sizes(sizes, levels)
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
     if native is not None:
         native.unpair_u8(np.ascontiguousarray(symbols, dtype=np.uint8), sizes, levels, out)

@@ -545,8 +545,8 @@ PyObject *py_pair_up_u8(PyObject *self, PyObject *args) {
     int levels;
     if (!PyArg_ParseTuple(args, "y*y*iw*w*", &values, &sizes, &levels, &out, &counts)) return NULL;
     const Py_ssize_t groups = sizes.len / 8;
-    int ok = levels >= 1 && levels <= 16 && groups <= 256 && counts.len == (groups + 1) * 256 * 8 &&
-             paired_length(sizes.buf, groups, values.len) == out.len;
+    int ok = levels >= 1 && levels <= 16 && sizes.len % 8 == 0 && groups <= 256 &&
+             counts.len == (groups + 1) * 256 * 8 && paired_length(sizes.buf, groups, values.len) == out.len;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "pair_up: levels outside 1..16, or sizes, out and counts do not fit");
     else {
@@ -569,7 +569,8 @@ PyObject *py_unpair_u8(PyObject *self, PyObject *args) {
     int levels;
     if (!PyArg_ParseTuple(args, "y*y*iw*", &symbols, &sizes, &levels, &out)) return NULL;
     const Py_ssize_t groups = sizes.len / 8;
-    int ok = levels >= 1 && levels <= 16 && paired_length(sizes.buf, groups, out.len) == symbols.len;
+    int ok = levels >= 1 && levels <= 16 && sizes.len % 8 == 0 && groups <= 256 &&
+             paired_length(sizes.buf, groups, out.len) == symbols.len;
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "unpair: levels outside 1..16, or the sizes do not fit the symbols");
     else {

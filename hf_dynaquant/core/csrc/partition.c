@@ -64,8 +64,8 @@ PARTITION_LOOPS(15)
 PARTITION_LOOPS(31)
 
 /* The partition with AVX-512 where the CPU has it, 16 values at a time: the midpoints below a
- * value are counted by a search by halves in registers (the midpoints, padded with +inf to 16 or
- * 32, permuted to each value's next probe), log2(M + 1) steps instead of M comparisons. The codes
+ * value are counted by a search by halves in registers (the midpoints, padded with +inf to 64,
+ * permuted to each value's next probe), log2(M + 1) steps instead of M comparisons. The codes
  * are those of partition_loop (tested against the same rules both ways). Returns the protected
  * count of the values done, *done (a multiple of 16) the values done. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
