@@ -144,17 +144,7 @@ static int groups_in(const int64_t count[256]) {
 #define GROUP_SIMD 1
 #define VBMI2 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi2,popcnt")))
 
-static int group_simd_available(void) {
-    static int known = -1; /* (threads that ask at once each store the same answer) */
-    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2") &&
-               __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
-        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
-    }
-    return have && dq_simd_allowed();
-}
+static int group_simd_available(void) { return (dq_simd_paths() & DQ_AVX512_VBMI2) != 0; }
 
 /* (a - b) mod levels of 64 bytes: one conditional add where both are below levels (every code
  * of a checkpoint), else looked up byte by byte in the cyclic table, as the scalar loops do. */
@@ -247,7 +237,22 @@ static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, c
 
 static int simd_allowed = 1; /* py_allow_simd: tests run the plain loops on a CPU that has the vector ones */
 
-int dq_simd_allowed(void) { return __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED); }
+int dq_simd_paths(void) {
+    static int known = -1; /* (threads that ask at once each store the same answer) */
+    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (have < 0) {
+        have = 0;
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt")) have |= DQ_AVX512F;
+        if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2") &&
+            __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
+            have |= DQ_AVX512_VBMI2;
+#endif
+        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED) ? have : 0;
+}
 
 PyObject *py_allow_simd(PyObject *self, PyObject *args) {
     int flag;

@@ -73,16 +73,6 @@ PARTITION_LOOPS(31)
 #define PARTITION_SIMD 1
 #define AVX512F __attribute__((target("avx512f,popcnt")))
 
-static int partition_simd_available(void) {
-    static int known = -1; /* (threads that ask at once each store the same answer) */
-    int have = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
-        __atomic_store_n(&known, have, __ATOMIC_RELAXED);
-    }
-    return have && dq_simd_allowed();
-}
 
 INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS, const int STEPS, const float *restrict w,
                                          const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp,
@@ -151,7 +141,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
     for (Py_ssize_t k = 0; k <= SIMD_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
     Py_ssize_t done = 0, nprot = 0;
 #ifdef PARTITION_SIMD
-    if (nmids <= SIMD_MIDS && partition_simd_available()) {
+    if (nmids <= SIMD_MIDS && (dq_simd_paths() & DQ_AVX512F)) {
         Py_ssize_t (*simd)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
                            const float *, uint8_t *, Py_ssize_t *) =
             nmids <= 3    ? partition_avx512_2
