@@ -73,7 +73,6 @@ PARTITION_LOOPS(31)
 #define PARTITION_SIMD 1
 #define AVX512F __attribute__((target("avx512f,popcnt")))
 
-
 INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS, const int STEPS, const float *restrict w,
                                          const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp,
                                          int prune, const float *restrict padded, uint8_t *restrict codes,

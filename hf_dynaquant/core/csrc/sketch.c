@@ -15,10 +15,10 @@
  * 1], a discard slot): the K-means sketch of the values a plan neither prunes nor protects,
  * without gathering them first. Branch-free but for the rare exact path; the table look-up,
  * a comparison and the increment are all a value costs. Returns the NaN count, and the key
- * slots (0..nkeys-1, either sign) of the least and the largest magnitude among the values (all of
- * them, with codes too), largest < least when none: every key counted lies
- * between them, and the counts outside, in both halves, are the caller's zeros (a sketch of
- * alpha 0.001 has 158,000 slots, of which a tensor's values take a few thousand). */
+ * slots (0..nkeys-1, either sign) of the least and the largest magnitude among the values (all
+ * of them, with codes too), largest < least when none: every key counted lies between them, and
+ * the counts outside, in both halves, are the caller's zeros (a sketch of alpha 0.001 has
+ * 158,000 slots, of which a tensor's values take a few thousand). */
 
 /* The slot of a magnitude u (float32 bits, sign cleared) by the exact rule; -1 for NaN. */
 static Py_ssize_t exact_slot(uint32_t u, double inv_log_gamma, uint32_t tiny, int32_t kmin, Py_ssize_t nkeys) {
@@ -68,8 +68,10 @@ INLINE Py_ssize_t sketch(const uint32_t *x, Py_ssize_t n, const int32_t *lut, do
     /* the key slots counted lie between those of the least and the largest magnitude at or
      * above tiny (the slot grows with the magnitude; NaN has none) */
     uint32_t least, largest;
-    if (magnitude_range(x, n, tiny, &least, &largest))
-        lo = exact_slot(least, inv_log_gamma, tiny, kmin, nkeys), hi = exact_slot(largest, inv_log_gamma, tiny, kmin, nkeys);
+    if (magnitude_range(x, n, tiny, &least, &largest)) {
+        lo = exact_slot(least, inv_log_gamma, tiny, kmin, nkeys);
+        hi = exact_slot(largest, inv_log_gamma, tiny, kmin, nkeys);
+    }
     span[0] = lo, span[1] = hi;
     return nans;
 }
