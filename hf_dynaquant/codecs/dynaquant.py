@@ -99,18 +99,18 @@ class QuantState:
 
 
 def _delta_payload(
-    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None
+    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None, estimate: float | None
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
-    delta. Under "ans" ``delta`` comes regrouped by ``prev`` and ``pairs`` holds its groups'
-    models (both from :func:`grouped_delta`), and at most :data:`PAIRED_LEVELS` levels (the
+    delta. Under "ans" ``delta`` comes regrouped by ``prev``, ``pairs`` holds its groups'
+    models (both from :func:`grouped_delta`) and ``estimate`` their ``ans_bytes``, and at most :data:`PAIRED_LEVELS` levels (the
     table's size) it is coded two deltas to a symbol where that is smaller (FORMAT.md
     ``"ans<L>:pairs"``: half the rANS steps, and 1-2% smaller on a checkpoint's long tensors);
     the other codings take it in element order."""
     if coding == "ans":
-        if pairs is None:
-            raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs)")
-        levels, single = pairs.shape[0], ans_bytes(pairs)
+        if pairs is None or estimate is None:
+            raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs) and size")
+        levels, single = pairs.shape[0], estimate
         # pairs are tried where their tables (a count of up to levels^2 pair symbols for each of
         # levels + 1 groups, about 2 bytes each) stay small beside the delta: a sparse delta (a
         # weight's, two steps on) is smaller one a symbol, and pairing it only costs a pass
@@ -274,7 +274,7 @@ class DynaQuantCodec(Codec):
             delta_params = {"mode": "delta", "delta_levels": levels, "delta_coding": self.delta_coding}
 
             def code_delta() -> bytes:
-                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding, pairs)
+                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding, pairs, estimate)
                 delta_params["delta_stream"] = [stream_coding, size]
                 return payload
 
