@@ -103,10 +103,10 @@ def _delta_payload(
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev``, ``pairs`` holds its groups'
-    models (both from :func:`grouped_delta`) and ``estimate`` their ``ans_bytes``, and at most :data:`PAIRED_LEVELS` levels (the
-    table's size) it is coded two deltas to a symbol where that is smaller (FORMAT.md
-    ``"ans<L>:pairs"``: half the rANS steps, and 1-2% smaller on a checkpoint's long tensors);
-    the other codings take it in element order."""
+    models (both from :func:`grouped_delta`) and ``estimate`` their ``ans_bytes``; at most
+    :data:`PAIRED_LEVELS` levels (the table's size) it is coded two deltas to a symbol where that
+    is smaller (FORMAT.md ``"ans<L>:pairs"``: half the rANS steps, and 1-2% smaller on a
+    checkpoint's long tensors); the other codings take it in element order."""
     if coding == "ans":
         if pairs is None or estimate is None:
             raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs) and size")
