@@ -79,6 +79,12 @@ def test_sample_reads_an_even_eighth_of_large_tensors_and_shards_sample_what_the
     shards = [sample(whole[a:b], n, a) for a, b in zip(cuts, cuts[1:])]
     assert all(w == SAMPLE_WEIGHT for _, w in shards)
     assert torch.equal(torch.cat([s for s, _ in shards]), x)
+    # a sample is a copy (one piece or several): the tensor sampled may change after
+    for (s, _), a, b in zip(shards, cuts, cuts[1:]):
+        if s.numel():
+            values = whole[a:b]
+            start, end = values.data_ptr(), values.data_ptr() + values.numel() * values.element_size()
+            assert not start <= s.data_ptr() < end
     codes = (whole.long() % 251).to(torch.uint8)
     assert torch.equal(sample(codes, n)[0].long(), x.long() % 251)
 

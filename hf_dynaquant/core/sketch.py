@@ -92,6 +92,8 @@ def sample(values: torch.Tensor, total: int, offset: int = 0, *, given: int | No
         parts.append(rows.index_select(0, torch.from_numpy(picked).to(x.device)).reshape(-1))
     if lead + body < n and keep[-1]:  # the last block, begun here and ending past these values
         parts.append(x[lead + body :])
+    if body and len(parts) == 1:  # the whole blocks' picks alone: a copy already (torch.cat would copy it again)
+        return parts[0], SAMPLE_WEIGHT
     return (torch.cat(parts) if parts else x[:0]), SAMPLE_WEIGHT
 
 
