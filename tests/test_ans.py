@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.codecs.dynaquant import DynaQuantCodec
 from hf_dynaquant.core.ans import LANES, ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
-from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes, encode_stream
+from hf_dynaquant.core.bitplanes import pack_bits
+from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes, encode_codes_packed, encode_stream
 from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
@@ -282,6 +283,15 @@ def test_codes_filling_a_range_evenly_are_packed_from_their_smallest() -> None:
         assert stored == coding and len(payload) < most * _entropy_bytes(codes)
         assert np.array_equal(decode_stream(coding, payload, n, "t"), codes)
     assert encode_codes(even[:50_000])[0] == "pack1+2"  # short streams too
+    # the codes as packed are handed back (a keyframe keeps them for the next delta), whichever
+    # stream was kept; none where the codes were not packed
+    for codes in (even, four, skewed, runs, gap, np.tile(np.arange(2, 6, dtype=np.uint8), 50_000)):
+        coding, payload, packed = encode_codes_packed(codes)
+        assert (coding, payload) == encode_codes(codes) and packed.size == codes.size
+        assert np.array_equal(packed.unpacked(), codes)
+        assert np.array_equal(packed.data, pack_bits(codes, packed.width, packed.base))
+    wide = (2 + rng.binomial(40, 0.5, n)).astype(np.uint8)
+    assert encode_codes_packed(wide)[2] is None
 
 
 def test_packed_codes_that_leave_a_byte_are_refused() -> None:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_dynaquant import CheckpointStore
-from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
+from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, KeptState, QuantState
 from hf_dynaquant.core import quantizer as quantizer_mod
 from hf_dynaquant.core.delta import (
     apply_delta,
@@ -1299,12 +1299,16 @@ def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:
     assert got["emb.weight"] is got["head.weight"] and int((got["emb.weight"] == 0).sum()) == 0
 
 
-def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> None:
+@pytest.mark.parametrize("bins, width", [(2, 2), (12, 4), (40, None)])  # (width: the most bits a code)
+def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path, bins: int, width: int | None) -> None:
+    """The states kept for the next delta hold their codes packed as tightly as their levels
+    allow (none over 16 levels), and the deltas coded on them are the ones coded on the base
+    decoded from the store."""
     torch.manual_seed(1)
     ws = [{"w": torch.randn(120, 90) * 0.05}]
     for _ in range(3):
         ws.append({"w": ws[-1]["w"] + 1e-3 * torch.randn(120, 90)})
-    config = QuantConfig(bins=12, prune=0.1, min_numel=100)
+    config = QuantConfig(bins=bins, prune=0.1, min_numel=100)
     ids = {}
     for cached in (False, True):
         store, prev, states = CheckpointStore(tmp_path / str(cached)), None, {}
@@ -1316,8 +1320,19 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path) -> Non
             assert not given  # consumed as the new codes replace them: never both held whole
             states = kept
             out.append(prev)
+            decoded = store.open(prev).state("model", "w")
+            if width is None:
+                assert isinstance(kept["model", "w"], QuantState)
+                assert np.array_equal(kept["model", "w"].codes, decoded.codes)
+            else:
+                # (as the keyframe's stream packed them: from the smallest code present, maybe narrower)
+                packed = kept["model", "w"].codes
+                assert isinstance(kept["model", "w"], KeptState) and packed.width <= width
+                assert packed.data.size == (decoded.codes.size * packed.width + 7) // 8
+                assert np.array_equal(kept["model", "w"].unpacked().codes, decoded.codes)
         ids[cached] = out
     assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads
+    assert sum(store.open(e).record("model", "w")["params"]["mode"] == "delta" for e in ids[True]) >= 1
 
 
 @pytest.mark.parametrize("coding", ["ans", "regroup", "rle", "entropy"])
@@ -1361,6 +1376,36 @@ def _bf16_mlp_with_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         opt.step()
         opt.zero_grad()
     return model, opt
+
+
+def test_compressor_keeps_the_codes_packed_between_checkpoints(tmp_path) -> None:
+    """Between two saves a compressor holds each quantized tensor's codes packed (weights,
+    Adam's update and scale alike); what reads them (the next delta, the search's base codes,
+    a "previous" residual's reference) gets them a byte a code, as stored."""
+    model, opt = _bf16_mlp_with_adam()
+    comp = Compressor(model, tmp_path, QuantConfig(bins=8, min_numel=256, residual="previous"), optimizer=opt)
+    comp.compress(1)
+    packed = {key for key, st in comp._states.items() if isinstance(st, KeptState)}
+    assert {section for section, _ in packed} == {"model", "optimizer"}
+    # (a bfloat16 v's scale spans over 16 levels: its codes stay a byte each)
+    assert all(st.levels > 16 for key, st in comp._states.items() if key not in packed)
+    base_codes = comp._base_codes()
+    with comp.store.open("step-1") as entry:
+        for name in base_codes:
+            assert np.array_equal(base_codes[name], entry.state("model", name).codes)
+            previous = comp._previous_values({name: model.state_dict()[name]})[name]
+            assert torch.equal(previous, entry.tensor("model", name).float())
+    model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    comp.compress(2)
+    with comp.store.open("step-2") as entry:
+        modes = [entry.record(s, n)["params"].get("mode") for s in entry.sections for n in entry.names(s)]
+        assert "delta" in modes
+    restored, restored_opt = _bf16_mlp_with_adam()
+    comp.restore(2, restored, restored_opt)
+    with comp.store.open("step-2") as entry:
+        for name, value in restored.state_dict().items():
+            assert torch.equal(value, entry.tensor("model", name).to(value.dtype))
 
 
 def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:

@@ -70,7 +70,14 @@ class Codec(ABC):
     @abstractmethod
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
         """Encode ``tensor``; ``base`` is this codec's decoded state of the same tensor in the
-        base entry (or None). Set ``uses_base`` only if decoding will need it."""
+        base entry, or what :meth:`kept` made of its encoded state (or None). Set ``uses_base``
+        only if decoding will need it."""
+
+    def kept(self, state: Any) -> Any:
+        """What the store keeps of an encoded ``state`` (of a :attr:`stable_state` codec) for a
+        later delta on it, until then: the state itself, unless the codec can hold it smaller
+        (:meth:`encode` takes either as ``base``)."""
+        return state
 
     @abstractmethod
     def decode(

@@ -29,7 +29,7 @@ makes the tensor use the base even as a code keyframe) or the entry's pre-traine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ import torch
 
 from ..core import trellis
 from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
+from ..core.bitplanes import PackedCodes, pack_bits
 from ..core.delta import (
     PAIRED_LEVELS,
     apply_delta,
@@ -59,7 +60,7 @@ from ..core.entropy import (
     ans_bytes,
     codes_size_floor,
     decode_stream,
-    encode_codes,
+    encode_codes_packed,
     encode_stream,
     entropy_bits,
     order0_bits,
@@ -70,9 +71,10 @@ from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 from .lossless import LosslessCodec
 
-__all__ = ["DynaQuantCodec", "QuantState", "DELTA_CODINGS", "DEFAULT_DELTA_CODING"]
+__all__ = ["DynaQuantCodec", "KeptState", "QuantState", "DELTA_CODINGS", "DEFAULT_DELTA_CODING"]
 
 DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
+_NO_CODES = np.zeros(0, np.uint8)  # a KeptState's state's codes (kept packed beside it)
 _SURE_DELTA = 0.5  # a delta under this share of the codes' order-0 entropy needs no keyframe to compare
 _SLACK = 64  # bytes by which an rANS payload may exceed its estimate (ans_bytes) or a stream its entropy
 DEFAULT_DELTA_CODING = "ans"
@@ -96,6 +98,22 @@ class QuantState:
     rare_rows: np.ndarray | None = None  # uint8 per row, 1: a rare row (QuantConfig.rare_bins)
     trellis: bool = False  # whether the codes follow the trellis down each column (QuantConfig.trellis)
     common: int = 0  # with rare_rows under the trellis: how many of the centres are the common rows' grid
+    packed: PackedCodes | None = None  # the codes as a keyframe's stream packed them (DynaQuantCodec.kept keeps them)
+
+
+@dataclass(frozen=True)
+class KeptState:
+    """A :class:`QuantState` as the store keeps it between checkpoints for the next delta
+    (:meth:`DynaQuantCodec.kept`): its codes packed 1, 2 or 4 bits a code, :meth:`unpacked`
+    when the delta is coded. A byte a code held 3 bytes a parameter of a float32 Adam
+    checkpoint (weights, update and scale codes: a quarter of the checkpoint) until the next
+    save; packed, the update's codes take a bit or two and the weights' and scale's four."""
+
+    state: QuantState  # without its codes
+    codes: PackedCodes
+
+    def unpacked(self) -> QuantState:
+        return replace(self.state, codes=self.codes.unpacked())
 
 
 def _delta_payload(
@@ -231,7 +249,20 @@ class DynaQuantCodec(Codec):
             plan.trellis_steps is not None,
             plan.common if plan.trellis_steps is not None else 0,
         )
+        base = base.unpacked() if isinstance(base, KeptState) else base
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
+
+    def kept(self, state: QuantState) -> QuantState | KeptState:
+        """``state`` with its codes packed (:class:`KeptState`): as its keyframe's stream packed
+        them where it did, else as tightly as its levels allow (1, 2 or 4 bits; over 16 levels
+        they stay a byte a code)."""
+        packed = state.packed
+        if packed is None:
+            width = next((w for w in (1, 2, 4) if state.levels <= 1 << w), None)
+            if width is None:
+                return state
+            packed = PackedCodes(pack_bits(state.codes, width), width, 0, int(state.codes.size))
+        return KeptState(replace(state, codes=_NO_CODES, packed=None), packed)
 
     def keyframe(self, state: QuantState) -> Encoded:
         """The codes self-contained; a ``previous`` residual still needs its base's values, so it
@@ -294,10 +325,12 @@ class DynaQuantCodec(Codec):
                     params["trellis_levels"] = [state.common, len(state.centres) - state.common]
             if state.rare_rows is not None:
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
-            else:  # (key_counts: the codes' histogram, made beside a delta, which a trellis tensor never tries)
-                codes_coding, codes_payload = (
-                    encode_codes(symbols, key_counts) if self.delta_coding == "ans" else encode_stream(symbols)
-                )
+            elif self.delta_coding == "ans":  # (key_counts: the codes' histogram, made beside a delta)
+                codes_coding, codes_payload, packed = encode_codes_packed(symbols, key_counts)
+                if not state.trellis:  # (a trellis tensor's symbols are not its codes)
+                    state.packed = packed
+            else:
+                codes_coding, codes_payload = encode_stream(symbols)
             if delta is None and estimate is not None and estimate < len(codes_payload):
                 delta = code_delta()
             if delta is not None and len(delta) < len(codes_payload):

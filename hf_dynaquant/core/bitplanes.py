@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,7 @@ __all__ = [
     "join_bytes",
     "head_bits",
     "side_bits",
+    "PackedCodes",
     "pack_bits",
     "unpack_bits",
 ]
@@ -229,6 +231,18 @@ def pack_bits(values: np.ndarray, bits: int, base: int = 0) -> np.ndarray:
     if not fits:
         raise ValueError(f"values outside {base} .. {base + (1 << bits) - 1} cannot be packed in {bits} bits")
     return out
+
+
+class PackedCodes(NamedTuple):
+    """``size`` codes as :func:`pack_bits` packs them, ``width`` bits each less ``base``."""
+
+    data: np.ndarray
+    width: int
+    base: int
+    size: int
+
+    def unpacked(self) -> np.ndarray:
+        return unpack_bits(self.data, self.width, self.size, self.base)
 
 
 def unpack_bits(packed: np.ndarray, bits: int, count: int, base: int = 0) -> np.ndarray:

@@ -19,7 +19,7 @@ import zstandard
 
 from ..errors import CorruptCheckpointError
 from .ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
-from .bitplanes import pack_bits, unpack_bits
+from .bitplanes import PackedCodes, pack_bits, unpack_bits
 from .histogram import byte_counts
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "encode_stream",
     "encode_symbols",
     "encode_codes",
+    "encode_codes_packed",
     "codes_size_floor",
     "decode_stream",
     "decompress",
@@ -139,6 +140,11 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[str, bytes]:
+    """``(stream coding, payload)`` of a stream of quantization codes: see :func:`encode_codes_packed`."""
+    return encode_codes_packed(codes, counts)[:2]
+
+
+def encode_codes_packed(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[str, bytes, PackedCodes | None]:
     """Code a stream of quantization codes: packed two, four or eight to a byte and then
     zstd-compressed where their codes span at most 16 values, zstd otherwise, or rANS where
     that is clearly smaller.
@@ -161,6 +167,9 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
     Without it, a long stream's histogram is taken from a sample of it (:func:`_sample`) for
     these choices, and counted in full only for rANS, which codes with it, or where a code that
     the sample missed leaves the packing's range (the packing finds it in its own pass).
+    Returns ``(stream coding, payload, the codes packed)``: the codes as packed for the stream,
+    where they were (whichever stream was kept: a keyframe keeps them for the next delta without
+    a pass of its own), else None.
     """
     sample = _sample(codes) if counts is None else None
     exact = counts is not None or sample is None  # (else the sample's: rANS codes with the whole's)
@@ -175,24 +184,26 @@ def encode_codes(codes: np.ndarray, counts: np.ndarray | None = None) -> tuple[s
             packed = pack_bits(codes, width, base)
         except ValueError:  # (rANS refuses such a histogram too)
             if not exact:  # a code the sample missed
-                return encode_codes(codes, byte_counts(codes))
+                return encode_codes_packed(codes, byte_counts(codes))
             top = base + (1 << width) - 1
             raise ValueError(f"codes outside {base} .. {top}: their histogram does not count them") from None
         coding, payload = encode_stream(packed)
         inner = f"{PACK}{width}+{base}"
         coding = inner if coding == RAW else f"{ZSTD}:{inner}"
+        packed_codes: PackedCodes | None = PackedCodes(packed, width, base, int(codes.size))
     else:
         estimate = _zstd_estimate(codes, sample=sample)
         if estimate is not None and bits <= _ANS_PAYS * _CLEARLY * estimate:
             counts = counts if exact else byte_counts(codes)
-            return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :])
+            return ans_coding(lanes), ans_encode(codes, lanes=lanes, histograms=counts[None, :]), None
         coding, payload = encode_stream(codes)
+        packed_codes = None
     if bits <= _ANS_PAYS * len(payload):
         counts = counts if exact else byte_counts(codes)
         ans = ans_encode(codes, lanes=lanes, histograms=counts[None, :])
         if len(ans) < len(payload):
-            return ans_coding(lanes), ans
-    return coding, payload
+            return ans_coding(lanes), ans, packed_codes
+    return coding, payload, packed_codes
 
 
 def _packing(counts: np.ndarray) -> tuple[int, int] | None:

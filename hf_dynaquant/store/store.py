@@ -623,7 +623,8 @@ class CheckpointStore:
                 state is removed as its tensor is encoded, so the base's states and the new
                 entry's are not all held at once.
             keep_states: a dict to fill with the states a later delta on this entry will need
-                (only codecs whose state owns its memory, like ``dynaquant``'s codes).
+                (only codecs whose state owns its memory, like ``dynaquant``'s codes; in the
+                form the codec keeps them, :meth:`Codec.kept <hf_dynaquant.codecs.base.Codec.kept>`).
 
         The tensors are read while this runs; do not modify them concurrently.
         """
@@ -707,7 +708,7 @@ class CheckpointStore:
                         )
                     writer.add_encoded(section, name, raw, codec, encoded)
                     if keep_states is not None and codec.stable_state:
-                        keep_states[(section, name)] = encoded.state
+                        keep_states[(section, name)] = codec.kept(encoded.state)
                     freed.processed(math.prod(raw.shape))
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))

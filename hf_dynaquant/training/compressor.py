@@ -38,10 +38,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..codecs import get_codec
-from ..codecs.dynaquant import DynaQuantCodec, QuantState
+from ..codecs.dynaquant import DynaQuantCodec, KeptState, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
 from ..core.memory import Computed, has_room, release_freed
@@ -343,7 +344,7 @@ class Compressor:
         # the last checkpoint's quantizable weights, for "previous" residuals: their codes (the
         # QuantStates of _states, decoded to float32 when a search asks) or exact values; None: not
         # known in this process (read back from the store when needed)
-        self._previous: dict[str, QuantState | torch.Tensor] | None = None
+        self._previous: dict[str, QuantState | KeptState | torch.Tensor] | None = None
 
     def _pretrained_weights(self, setting: Any) -> Any:
         """The :class:`~hf_dynaquant.pretrained.weights.PretrainedWeights` of a ``pretrained=`` setting
@@ -410,7 +411,8 @@ class Compressor:
                     # write does not decode the chain a second time)
                     quantized = [n for n in entry.names(MODEL) if _is_quantized(entry.record(MODEL, n))]
                     states = {(MODEL, n): entry.state(MODEL, n) for n in quantized}
-                    self._states = {k: st for k, st in states.items() if isinstance(st, QuantState)}
+                    codec = DynaQuantCodec()
+                    self._states = {k: codec.kept(st) for k, st in states.items() if isinstance(st, QuantState)}
         self.resumed_from(self.last_entry)
 
     def resumed_from(self, entry: str) -> None:
@@ -554,7 +556,8 @@ class Compressor:
         several processes, which do not all keep them."""
         if self._next_is_keyframe() or is_distributed():
             return None
-        return {n: st.codes for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, QuantState)}
+        kept = {n: st for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, (QuantState, KeptState))}
+        return Computed({n: functools.partial(_codes, st) for n, st in kept.items()})  # (unpacked as read)
 
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
@@ -577,7 +580,7 @@ class Compressor:
         if not self._residual_wanted("previous") or is_distributed():  # (several processes: not used, see references)
             self._previous = None
             return
-        out: dict[str, QuantState | torch.Tensor] = {}
+        out: dict[str, QuantState | KeptState | torch.Tensor] = {}
         first: dict[Any, str] = {}
         for name in snap.params:
             t = snap.state[name]
@@ -589,7 +592,7 @@ class Compressor:
                 continue
             first[key] = name
             state = states.get((MODEL, name))
-            if isinstance(state, QuantState):
+            if isinstance(state, (QuantState, KeptState)):
                 out[name] = state
             else:  # a snapshot that holds the live tensors (a foreground save's) is copied: training moves them
                 exact = t.float()
@@ -812,9 +815,16 @@ class Compressor:
         return meta
 
 
-def _decoded(kept: QuantState | torch.Tensor) -> torch.Tensor:
+def _codes(kept: QuantState | KeptState) -> np.ndarray:
+    """The codes of a kept state, a byte a code."""
+    return (kept.unpacked() if isinstance(kept, KeptState) else kept).codes
+
+
+def _decoded(kept: QuantState | KeptState | torch.Tensor) -> torch.Tensor:
     """A kept tensor of the last checkpoint as a restore decodes it (float32)."""
-    return from_raw(DynaQuantCodec().to_raw(kept)).float() if isinstance(kept, QuantState) else kept
+    if isinstance(kept, torch.Tensor):
+        return kept
+    return from_raw(DynaQuantCodec().to_raw(kept.unpacked() if isinstance(kept, KeptState) else kept)).float()
 
 
 def _is_quantized(record: Mapping[str, Any]) -> bool:
