@@ -342,7 +342,7 @@ class Compressor:
         self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.pretrained = self._pretrained_weights(settings.pretrained)
         # the last checkpoint's quantizable weights, for "previous" residuals: their codes (the
-        # QuantStates of _states, decoded to float32 when a search asks) or exact values; None: not
+        # kept states of _states, decoded to float32 when a search asks) or exact values; None: not
         # known in this process (read back from the store when needed)
         self._previous: dict[str, QuantState | KeptState | torch.Tensor] | None = None
 
@@ -556,8 +556,9 @@ class Compressor:
         several processes, which do not all keep them."""
         if self._next_is_keyframe() or is_distributed():
             return None
-        kept = {n: st for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, (QuantState, KeptState))}
-        return Computed({n: functools.partial(_codes, st) for n, st in kept.items()})  # (unpacked as read)
+        kept = {n: st for (sec, n), st in self._states.items() if sec == MODEL}
+        quantized = {n: st for n, st in kept.items() if isinstance(st, (QuantState, KeptState))}
+        return Computed({n: functools.partial(_codes, st) for n, st in quantized.items()})  # (unpacked as read)
 
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
