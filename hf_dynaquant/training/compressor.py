@@ -32,8 +32,7 @@ import logging
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, wait
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from ..codecs.dynaquant import DynaQuantCodec, KeptState, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
 from ..core.memory import Computed, has_room, release_freed
-from ..core.pool import ForkSafePool
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -71,7 +69,6 @@ from ..search.quality import device_of
 from ..store import CheckpointStore, EntryReader
 from .optimizer_state import (
     MomentQuant,
-    OptimizerEncoding,
     Reductions,
     TensorKey,
     as_codes,
@@ -102,10 +99,6 @@ __all__ = [
 ]
 
 OPTIMIZER = "optimizer"
-# the thread on which a save's optimizer state is encoded while its weights are planned
-# (:meth:`Compressor._begin_optimizer_encoding`)
-_BESIDE_PLAN = ForkSafePool("dq-optimizer", 1)
-_Encoding = Callable[[], "OptimizerEncoding | None"]
 logger = logging.getLogger("hf_dynaquant")
 
 
@@ -667,44 +660,42 @@ class Compressor:
         search = None
         peer = self.settings.codec != "dynaquant"  # a peer's codec quantizes the weights itself
         options: dict[str, Any] | None = {}  # the peer codec's (None: nothing passed its search)
-        excp = self.settings.codec == "excp"  # (which codes the weights with Adam's moments, below)
-        optimizer_encoding = None if excp or snap.optimizer is None else self._begin_optimizer_encoding(snap)
-        try:
-            if peer:
-                plan, chosen = None, None
-                meta["codec"] = self.settings.codec
-                if self.peer_search is not None:
-                    with snap.search_model() as model:
-                        weights = {n: snap.state[n] for n in snap.params}
-                        picked = self.peer_search.search(model, weights, where=f"step {snap.step}")
-                    search = meta["search"] = picked.to_dict()
-                    options = picked.options
-            elif self.search is None:
-                plan: QuantPlan | None = self.plan_snapshot(snap)
-                chosen: QuantConfig | None = plan.config
-            else:
-                result = searched if searched is not None else self.search_snapshot(snap)
-                search = meta["search"] = result.to_dict()
-                plan, chosen = result.plan, result.config
-        except BaseException:
-            if isinstance(optimizer_encoding, Future):
-                wait([optimizer_encoding])  # a failed write leaves nothing of its own running
-            raise
+        if peer:
+            plan, chosen = None, None
+            meta["codec"] = self.settings.codec
+            if self.peer_search is not None:
+                with snap.search_model() as model:
+                    picked = self.peer_search.search(model, {n: snap.state[n] for n in snap.params}, where=f"step {snap.step}")
+                search = meta["search"] = picked.to_dict()
+                options = picked.options
+        elif self.search is None:
+            plan: QuantPlan | None = self.plan_snapshot(snap)
+            chosen: QuantConfig | None = plan.config
+        else:
+            result = searched if searched is not None else self.search_snapshot(snap)
+            search = meta["search"] = result.to_dict()
+            plan, chosen = result.plan, result.config
         plans = dict(for_section(plan).tensors) if plan is not None else {}
         if any(tp.residual == "pretrained" for tp in plans.values()):
             meta["pretrained"] = self.pretrained.descriptor
         trees = None
         fallback: Any = {MODEL: get_codec(self.settings.codec, **options) if peer and options is not None else "lossless"}
-        if excp:
+        if self.settings.codec == "excp":  # ExCP codes the weights with Adam's moments
             if snap.optimizer is None or snap.optimizer_params is None:
                 raise CheckpointError(f"step {snap.step}: codec='excp' codes the optimizer's moments: it needs an optimizer")
             previous = None if keyframe else self._previous_values({n: snap.state[n] for n in snap.params})
             tree, fallback, meta["optimizer_state"] = excp_checkpoint(snap, previous, OPTIMIZER)
             trees = {OPTIMIZER: tree}
             self._previous = None  # the next checkpoint's residuals are on this one as restored
-        elif optimizer_encoding is not None:
-            pending = optimizer_encoding
-            encoded = pending.result() if isinstance(pending, Future) else pending()
+        elif snap.optimizer is not None:
+            encoded = encode_optimizer_state(
+                snap.optimizer,
+                self.settings.optimizer_state,
+                self.moment_quant,
+                self.optimizer_reductions(),
+                non_finite=self.config.non_finite,
+                where=f"step {snap.step}",
+            )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}
             plans.update({plan_key(OPTIMIZER, n): tp for n, tp in encoded.plans.items()})
@@ -755,27 +746,6 @@ class Compressor:
             optimizer_state=meta.get("optimizer_state"),
         )
         return self.last_report
-
-    def _begin_optimizer_encoding(self, snap: Snapshot) -> Future[OptimizerEncoding | None] | _Encoding:
-        """The encoding of the snapshot's optimizer state (:func:`encode_optimizer_state`: its
-        decisions take a pass over every moment), begun now on a thread of its own when one
-        process holds the whole state, so that it runs while the weights are planned or
-        searched (independent work; each alone kept the two cores of a 124M keyframe only
-        about 1.5 busy, and the keyframe took 7% longer in paired runs). Across processes
-        (:class:`~hf_dynaquant.training.sharded.ShardedCompressor`) both reduce over the ranks,
-        whose collectives must come in one order on every rank: then a function making it
-        when called, after the weights' plan, as before."""
-        def encode() -> OptimizerEncoding | None:
-            return encode_optimizer_state(
-                snap.optimizer,
-                self.settings.optimizer_state,
-                self.moment_quant,
-                self.optimizer_reductions(),
-                non_finite=self.config.non_finite,
-                where=f"step {snap.step}",
-            )
-
-        return _BESIDE_PLAN.submit(encode) if self.optimizer_reductions() is None else encode
 
     def compress(
         self, step: int, *, extras: Mapping[str, bytes] | None = None, metadata: Mapping[str, Any] | None = None
