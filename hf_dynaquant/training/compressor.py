@@ -549,8 +549,9 @@ class Compressor:
         several processes, which do not all keep them."""
         if self._next_is_keyframe() or is_distributed():
             return None
-        kept = {n: st for (sec, n), st in self._states.items() if sec == MODEL}
-        quantized = {n: st for n, st in kept.items() if isinstance(st, (QuantState, KeptState))}
+        quantized = {
+            n: st for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, (QuantState, KeptState))
+        }
         return Computed({n: functools.partial(_codes, st) for n, st in quantized.items()})  # (unpacked as read)
 
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
