@@ -1299,8 +1299,12 @@ def test_tied_weights_planned_once_as_embedding(tmp_path) -> None:
     assert got["emb.weight"] is got["head.weight"] and int((got["emb.weight"] == 0).sum()) == 0
 
 
-@pytest.mark.parametrize("bins, width", [(2, 2), (12, 4), (40, None)])  # (width: the most bits a code)
-def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path, bins: int, width: int | None) -> None:
+@pytest.mark.parametrize(
+    "bins, prune, width", [(2, 0.1, 2), (12, 0.1, 4), (6, 0.0, 4), (40, 0.1, None)]
+)  # (width: the most bits a code; unpruned, the smallest code present is past 0: packed from it)
+def test_kept_states_give_the_same_entries_as_decoding_the_base(
+    tmp_path, bins: int, prune: float, width: int | None
+) -> None:
     """The states kept for the next delta hold their codes packed as tightly as their levels
     allow (none over 16 levels), and the deltas coded on them are the ones coded on the base
     decoded from the store."""
@@ -1308,8 +1312,8 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path, bins: 
     ws = [{"w": torch.randn(120, 90) * 0.05}]
     for _ in range(3):
         ws.append({"w": ws[-1]["w"] + 1e-3 * torch.randn(120, 90)})
-    config = QuantConfig(bins=bins, prune=0.1, min_numel=100)
-    ids = {}
+    config = QuantConfig(bins=bins, prune=prune, min_numel=100)
+    ids, bases = {}, set()
     for cached in (False, True):
         store, prev, states = CheckpointStore(tmp_path / str(cached)), None, {}
         out = []
@@ -1326,13 +1330,17 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(tmp_path, bins: 
                 assert np.array_equal(kept["model", "w"].codes, decoded.codes)
             else:
                 # (as the keyframe's stream packed them: from the smallest code present, maybe narrower)
-                packed = kept["model", "w"].codes
+                packed = kept["model", "w"].packed
                 assert isinstance(kept["model", "w"], KeptState) and packed.width <= width
+                bases.add(packed.base)
                 assert packed.data.size == (decoded.codes.size * packed.width + 7) // 8
                 assert np.array_equal(kept["model", "w"].unpacked().codes, decoded.codes)
+                # a state read back from the store is kept packed by its levels (a resumed chain's)
+                assert np.array_equal(DynaQuantCodec().kept(decoded).unpacked().codes, decoded.codes)
         ids[cached] = out
     assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads
     assert sum(store.open(e).record("model", "w")["params"]["mode"] == "delta" for e in ids[True]) >= 1
+    assert prune or width is None or bases - {0}  # (unpruned: packed from past 0 at least once)
 
 
 @pytest.mark.parametrize("coding", ["ans", "regroup", "rle", "entropy"])
@@ -1401,11 +1409,30 @@ def test_compressor_keeps_the_codes_packed_between_checkpoints(tmp_path) -> None
     with comp.store.open("step-2") as entry:
         modes = [entry.record(s, n)["params"].get("mode") for s in entry.sections for n in entry.names(s)]
         assert "delta" in modes
+    with comp.store.open("step-2") as entry:  # what is kept now is what the store decodes, both sections
+        assert {sec for sec, _ in comp._states} == {"model", "optimizer"}
+        for (sec, name), kept in comp._states.items():
+            codes = kept.unpacked().codes if isinstance(kept, KeptState) else kept.codes
+            assert np.array_equal(codes, entry.state(sec, name).codes), (sec, name)
     restored, restored_opt = _bf16_mlp_with_adam()
     comp.restore(2, restored, restored_opt)
     with comp.store.open("step-2") as entry:
         for name, value in restored.state_dict().items():
             assert torch.equal(value, entry.tensor("model", name).to(value.dtype))
+
+
+def test_a_resumed_state_with_codes_past_its_levels_is_corrupt() -> None:
+    """A resumed chain keeps the stored states packed by their levels: codes past them (only a
+    damaged record holds such) are refused by name, not packed wrong."""
+    from hf_dynaquant.training.compressor import _kept
+
+    def state(codes: list[int]) -> QuantState:
+        centres = np.array([-1.0, 1.0], np.float32)
+        return QuantState(np.array(codes, np.uint8), 4, centres, np.zeros(0, np.uint16), "F32", (len(codes),))
+
+    assert np.array_equal(_kept(state([0, 3, 2, 1]), "here").unpacked().codes, [0, 3, 2, 1])
+    with pytest.raises(CorruptCheckpointError, match="model/w: codes past the tensor's 4 levels"):
+        _kept(state([0, 3, 9, 1]), "model/w")
 
 
 def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:

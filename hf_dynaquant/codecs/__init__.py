@@ -1,7 +1,7 @@
 """Codecs, one module per method, behind the small interface in :mod:`.base`."""
 
 from .base import BlobSource, Codec, Encoded, MemoryBlobs, codec_names, get_codec, register_codec
-from .dynaquant import DynaQuantCodec, QuantState
+from .dynaquant import DynaQuantCodec, KeptState, QuantState
 from .lossless import LosslessCodec
 from .peers import NF4Codec
 
@@ -11,6 +11,7 @@ __all__ = [
     "Codec",
     "DynaQuantCodec",
     "Encoded",
+    "KeptState",
     "LosslessCodec",
     "NF4Codec",
     "QuantState",

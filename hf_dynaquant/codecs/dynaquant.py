@@ -75,6 +75,7 @@ __all__ = ["DynaQuantCodec", "KeptState", "QuantState", "DELTA_CODINGS", "DEFAUL
 
 DELTA_CODINGS = ("ans", "regroup", "rle", "entropy")
 _NO_CODES = np.zeros(0, np.uint8)  # a KeptState's state's codes (kept packed beside it)
+_NO_CODES.flags.writeable = False
 _SURE_DELTA = 0.5  # a delta under this share of the codes' order-0 entropy needs no keyframe to compare
 _SLACK = 64  # bytes by which an rANS payload may exceed its estimate (ans_bytes) or a stream its entropy
 DEFAULT_DELTA_CODING = "ans"
@@ -105,15 +106,17 @@ class QuantState:
 class KeptState:
     """A :class:`QuantState` as the store keeps it between checkpoints for the next delta
     (:meth:`DynaQuantCodec.kept`): its codes packed 1, 2 or 4 bits a code, :meth:`unpacked`
-    when the delta is coded. A byte a code held 3 bytes a parameter of a float32 Adam
-    checkpoint (weights, update and scale codes: a quarter of the checkpoint) until the next
-    save; packed, the update's codes take a bit or two and the weights' and scale's four."""
+    when they are read. A byte a code held 3 bytes a parameter of a float32 Adam checkpoint
+    (weights, update and scale codes: a quarter of the checkpoint) until the next save; packed,
+    Adam's update takes a bit or two a code and the weights and the scale (of float32 moments)
+    four; codes of over 16 levels (a large embedding's, a bfloat16 ``v``'s scale) stay a byte
+    each, as a plain :class:`QuantState`."""
 
     state: QuantState  # without its codes
-    codes: PackedCodes
+    packed: PackedCodes
 
     def unpacked(self) -> QuantState:
-        return replace(self.state, codes=self.codes.unpacked())
+        return replace(self.state, codes=self.packed.unpacked())
 
 
 def _delta_payload(
@@ -249,13 +252,15 @@ class DynaQuantCodec(Codec):
             plan.trellis_steps is not None,
             plan.common if plan.trellis_steps is not None else 0,
         )
-        base = base.unpacked() if isinstance(base, KeptState) else base
+        if isinstance(base, KeptState):  # (a trellis tensor tries no delta: its base is not read)
+            base = None if state.trellis else base.unpacked()
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
     def kept(self, state: QuantState) -> QuantState | KeptState:
         """``state`` with its codes packed (:class:`KeptState`): as its keyframe's stream packed
         them where it did, else as tightly as its levels allow (1, 2 or 4 bits; over 16 levels
-        they stay a byte a code)."""
+        they stay a byte a code). Raises ``ValueError`` for codes past the state's levels (a
+        damaged record's)."""
         packed = state.packed
         if packed is None:
             width = next((w for w in (1, 2, 4) if state.levels <= 1 << w), None)
@@ -287,6 +292,7 @@ class DynaQuantCodec(Codec):
         # it took a third of a delta save). The paper's codings code the delta, then the
         # keyframe unless the delta is sure to win, and keep the smaller.
         delta: bytes | None = None
+        packed: PackedCodes | None = None  # the codes as the keyframe's stream packed them, if it did
         sure = False  # whether the delta is smaller than the keyframe would be, without coding that
         estimate: float | None = None  # the delta's size under "ans", before coding it
         delta_params: dict[str, Any] = {}
@@ -327,8 +333,7 @@ class DynaQuantCodec(Codec):
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
             elif self.delta_coding == "ans":  # (key_counts: the codes' histogram, made beside a delta)
                 codes_coding, codes_payload, packed = encode_codes_packed(symbols, key_counts)
-                if not state.trellis:  # (a trellis tensor's symbols are not its codes)
-                    state.packed = packed
+                packed = None if state.trellis else packed  # (a trellis tensor's symbols are not its codes)
             else:
                 codes_coding, codes_payload = encode_stream(symbols)
             if delta is None and estimate is not None and estimate < len(codes_payload):
@@ -348,7 +353,8 @@ class DynaQuantCodec(Codec):
             blobs.update({f"p.{k}": v for k, v in prot.blobs.items()})
             params["protected"].update(prot.params)
         uses_base = params["mode"] == "delta" or state.residual == "previous"
-        return Encoded(blobs, params, uses_base=uses_base, state=state)
+        kept = state if packed is None else replace(state, packed=packed)  # (the caller's state is left as it was)
+        return Encoded(blobs, params, uses_base=uses_base, state=kept)
 
     @staticmethod
     def _surely_smaller(estimate: float, key_counts: np.ndarray, state: QuantState) -> bool:

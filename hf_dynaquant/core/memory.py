@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +41,6 @@ __all__ = [
     "on_accelerator",
     "release_freed",
 ]
-
-V = TypeVar("V")
 
 RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
@@ -117,19 +115,19 @@ def cached_on_device(
     return cache[key]
 
 
-class Computed(Mapping[str, V]):
-    """Named tensors (or arrays) made each time one is read and never held: for values as large
-    as the weights that a checkpoint's planning and search read a tensor at a time (the
-    sensitivities ``|EMA(g) * w|`` of :meth:`~hf_dynaquant.training.snapshot.Snapshot.sensitivity`,
-    the previous checkpoint's weights decoded from its kept codes, those codes unpacked). Holding
-    them all took the weights' size in float32 each (measured: 0.37x a checkpoint per
-    sensitivity kind, 0.33x for the previous weights, on top of the snapshot); making one again
-    costs a pass over its values. ``makers`` maps each name to what makes it."""
+class Computed(Mapping[str, torch.Tensor]):
+    """Named tensors made each time one is read and never held: for values as large as the
+    weights that a checkpoint's planning and search read a tensor at a time (the sensitivities
+    ``|EMA(g) * w|`` of :meth:`~hf_dynaquant.training.snapshot.Snapshot.sensitivity`, the
+    previous checkpoint's weights decoded from its kept codes). Holding them all took the
+    weights' size in float32 each (measured: 0.37x a checkpoint per sensitivity kind, 0.33x for
+    the previous weights, on top of the snapshot); making one again costs a pass over its
+    values. ``makers`` maps each name to what makes it."""
 
-    def __init__(self, makers: Mapping[str, Callable[[], V]]) -> None:
+    def __init__(self, makers: Mapping[str, Callable[[], torch.Tensor]]) -> None:
         self._makers = makers
 
-    def __getitem__(self, name: str) -> V:
+    def __getitem__(self, name: str) -> torch.Tensor:
         return self._makers[name]()
 
     def __iter__(self) -> Iterator[str]:

@@ -688,6 +688,8 @@ class CheckpointStore:
             encoded = codec.encode(raw, base_state)
             if keep_states is None or not codec.stable_state:
                 encoded.state = None  # not kept: let go now
+            else:
+                encoded.state = codec.kept(encoded.state)  # in the form kept, made here on the pool
             # the result keeps the raw tensor's dtype and size, not its bits (a made optimizer
             # update, say): a result waiting its turn then holds only its blobs and a kept state
             return section, name, _RawSize(raw.dtype, raw.shape, raw.nbytes), codec, encoded
@@ -708,7 +710,7 @@ class CheckpointStore:
                         )
                     writer.add_encoded(section, name, raw, codec, encoded)
                     if keep_states is not None and codec.stable_state:
-                        keep_states[(section, name)] = codec.kept(encoded.state)
+                        keep_states[(section, name)] = encoded.state
                     freed.processed(math.prod(raw.shape))
             for name, data in extras.items():
                 writer.add_extra(name, bytes(data))

@@ -403,9 +403,10 @@ class Compressor:
                     # the next delta's base codes, so its search sizes candidates as stored (and the
                     # write does not decode the chain a second time)
                     quantized = [n for n in entry.names(MODEL) if _is_quantized(entry.record(MODEL, n))]
-                    states = {(MODEL, n): entry.state(MODEL, n) for n in quantized}
-                    codec = DynaQuantCodec()
-                    self._states = {k: codec.kept(st) for k, st in states.items() if isinstance(st, QuantState)}
+                    self._states = {}
+                    for n in quantized:  # (each packed as it is read: not all held a byte a code at once)
+                        if isinstance(st := entry.state(MODEL, n), QuantState):
+                            self._states[(MODEL, n)] = _kept(st, f"{store.path}: entry {self.last_entry}: model/{n}")
         self.resumed_from(self.last_entry)
 
     def resumed_from(self, entry: str) -> None:
@@ -543,16 +544,18 @@ class Compressor:
             out["pretrained"] = {n: self.pretrained.tensor(n) for n in weights if n in have}
         return {kind: Reference(values, snap.sensitivity(values)) for kind, values in out.items() if values}
 
-    def _base_codes(self) -> dict[str, Any] | None:
+    def _base_codes(self) -> dict[str, np.ndarray] | None:
         """The codes of the entry the next checkpoint will be a delta on (known when this process
         wrote it), so the search sizes candidates as stored; not when the search is spread over
         several processes, which do not all keep them."""
         if self._next_is_keyframe() or is_distributed():
             return None
-        quantized = {
-            n: st for (sec, n), st in self._states.items() if sec == MODEL and isinstance(st, (QuantState, KeptState))
+        # (unpacked now, held for the search, which reads each tensor's for every candidate)
+        return {
+            n: _codes(st)
+            for (sec, n), st in self._states.items()
+            if sec == MODEL and isinstance(st, (QuantState, KeptState))
         }
-        return Computed({n: functools.partial(_codes, st) for n, st in quantized.items()})  # (unpacked as read)
 
     def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
@@ -785,6 +788,14 @@ class Compressor:
         if model is self.model:
             self.resumed_from(entry_id)
         return meta
+
+
+def _kept(state: QuantState, where: str) -> QuantState | KeptState:
+    """A stored tensor's decoded state as a compressor keeps it (:meth:`DynaQuantCodec.kept`)."""
+    try:
+        return DynaQuantCodec().kept(state)
+    except ValueError:
+        raise CorruptCheckpointError(f"{where}: codes past the tensor's {state.levels} levels") from None
 
 
 def _codes(kept: QuantState | KeptState) -> np.ndarray:
