@@ -101,6 +101,10 @@ class QuantState:
     common: int = 0  # with rare_rows under the trellis: how many of the centres are the common rows' grid
     packed: PackedCodes | None = None  # the codes as a keyframe's stream packed them (DynaQuantCodec.kept keeps them)
 
+    def unpacked(self) -> QuantState:
+        """This state, its codes a byte each already (as :meth:`KeptState.unpacked` gives them)."""
+        return self
+
 
 @dataclass(frozen=True)
 class KeptState:

@@ -552,7 +552,7 @@ class Compressor:
             return None
         # (unpacked now, held for the search, which reads each tensor's for every candidate)
         return {
-            n: _codes(st)
+            n: st.unpacked().codes
             for (sec, n), st in self._states.items()
             if sec == MODEL and isinstance(st, (QuantState, KeptState))
         }
@@ -798,16 +798,11 @@ def _kept(state: QuantState, where: str) -> QuantState | KeptState:
         raise CorruptCheckpointError(f"{where}: codes past the tensor's {state.levels} levels") from None
 
 
-def _codes(kept: QuantState | KeptState) -> np.ndarray:
-    """The codes of a kept state, a byte a code."""
-    return (kept.unpacked() if isinstance(kept, KeptState) else kept).codes
-
-
 def _decoded(kept: QuantState | KeptState | torch.Tensor) -> torch.Tensor:
     """A kept tensor of the last checkpoint as a restore decodes it (float32)."""
     if isinstance(kept, torch.Tensor):
         return kept
-    return from_raw(DynaQuantCodec().to_raw(kept.unpacked() if isinstance(kept, KeptState) else kept)).float()
+    return from_raw(DynaQuantCodec().to_raw(kept.unpacked())).float()
 
 
 def _is_quantized(record: Mapping[str, Any]) -> bool:
