@@ -19,19 +19,46 @@ from hf_dynaquant.training.compressor import read_checkpoint
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
 
 
-def test_gradient_ema_cuda_matches_cpu() -> None:
-    lin_gpu = torch.nn.Linear(64, 64).cuda()
-    lin_cpu = torch.nn.Linear(64, 64)
-    ema_gpu, ema_cpu = GradientEMA(lin_gpu.named_parameters()), GradientEMA(lin_cpu.named_parameters())
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_ema_cuda_matches_cpu(on_device: bool, dtype: torch.dtype) -> None:
+    """Folded on the device (the default, with room) or copied to the host and folded there, the
+    EMA of CUDA gradients is the CPU's, float32 whatever the gradients' dtype."""
+    lin_gpu = torch.nn.Linear(64, 64).cuda().to(dtype)
+    lin_cpu = torch.nn.Linear(64, 64).to(dtype)
+    ema_gpu = GradientEMA(lin_gpu.named_parameters(), on_device=on_device)
+    ema_cpu = GradientEMA(lin_cpu.named_parameters())
     for _ in range(3):
-        g = torch.randn(64, 64)
+        g = torch.randn(64, 64).to(dtype)
         lin_gpu.weight.grad, lin_cpu.weight.grad = g.cuda(), g.clone()
         lin_gpu.bias.grad, lin_cpu.bias.grad = g[0].cuda(), g[0].clone()
         for e in (ema_gpu, ema_cpu):
             e.start()
             e.finish()
-    torch.testing.assert_close(ema_gpu.get("weight"), ema_cpu.get("weight"))
-    torch.testing.assert_close(ema_gpu.get("bias"), ema_cpu.get("bias"))
+    for name in ("weight", "bias"):
+        kept = ema_gpu.get(name)
+        assert kept.is_cuda == on_device and kept.dtype == torch.float32
+        torch.testing.assert_close(kept.cpu(), ema_cpu.get(name), rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_ema_without_room_on_the_device_goes_to_the_host(monkeypatch) -> None:
+    """No room for the average on the device (here: a reserve of all its memory): the window's
+    gradients are copied to the host and folded there; the next window decides again."""
+    from hf_dynaquant.core import memory
+
+    lin = torch.nn.Linear(16, 16).cuda()
+    ema = GradientEMA(lin.named_parameters())
+    monkeypatch.setattr(memory, "RESERVE", 1.0)
+    lin.weight.grad, lin.bias.grad = torch.ones(16, 16, device="cuda"), torch.ones(16, device="cuda")
+    ema.start()
+    ema.finish()
+    assert not ema.get("weight").is_cuda
+    taken = ema.take()
+    assert set(taken) == {"weight", "bias"} and not any(t.is_cuda for t in taken.values())
+    monkeypatch.undo()
+    ema.start()
+    ema.finish()
+    assert ema.get("weight").is_cuda
 
 
 def test_gradient_ema_larger_than_staging_buffer() -> None:
@@ -39,7 +66,7 @@ def test_gradient_ema_larger_than_staging_buffer() -> None:
     from hf_dynaquant.core import ranking
 
     p_gpu = torch.nn.Parameter(torch.zeros(3 * ranking._STAGING // 2 + 5, device="cuda"))
-    ema = GradientEMA([("p", p_gpu)])
+    ema = GradientEMA([("p", p_gpu)], on_device=False)
     grads = [torch.randn(p_gpu.numel()) for _ in range(2)]
     for g in grads:
         p_gpu.grad = g.cuda()
@@ -181,16 +208,28 @@ def test_background_snapshot_is_staged_on_the_device_and_settles_to_the_host_cop
     config = QuantConfig(bins=8, prune=0.1, min_numel=256)
     staged = Compressor(model, tmp_path / "staged", config, optimizer=opt)
     host = Compressor(model, tmp_path / "host", config, optimizer=opt, use_accelerator=False)
+    for comp in (staged, host):  # a window of gradients: kept on the device by the staged one alone
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        comp.on_backward_pass_end()
+        comp.before_gradient_flush()
+    assert all(t.is_cuda for t in staged.ema.ema.values()) and not any(t.is_cuda for t in host.ema.ema.values())
     snap, plain = staged.snapshot(1, detach_model=True), host.snapshot(1, detach_model=True)
     assert snap.staged is not None and plain.staged is None
     assert all(t.is_cuda for t in snap.state.values()) and not any(t.is_cuda for t in plain.state.values())
+    assert all(t.is_cuda for t in snap.gradient_ema.values())
+    assert not any(t.is_cuda for t in plain.gradient_ema.values())
     with torch.no_grad():  # training goes on before the background settles the snapshot
         for p in model.parameters():
             p.add_(1.0)
+            p.grad.add_(1.0)
     snap.settle()
     assert snap.staged is None and snap.device_state is None  # no search: nothing kept on the device
     for name, t in plain.state.items():
         assert not snap.state[name].is_cuda and torch.equal(snap.state[name], t), name
+    assert snap.gradient_ema.keys() == plain.gradient_ema.keys()
+    for name, t in plain.gradient_ema.items():
+        assert not snap.gradient_ema[name].is_cuda and torch.equal(snap.gradient_ema[name], t), name
     assert snap.state["0.weight"] is not plain.state["0.weight"]
     for pid, moments in plain.optimizer["state"].items():
         for key, t in moments.items():
@@ -248,9 +287,14 @@ def test_device_without_room_snapshots_to_the_host(monkeypatch) -> None:
     monkeypatch.setattr(memory, "RESERVE", 1.0)
     model, opt = _trained()
     comp = Compressor(model, None, QuantConfig(min_numel=256), optimizer=opt, threshold=0.01, metric=lambda m: 0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    comp.on_backward_pass_end()
+    comp.before_gradient_flush()
     snap = comp.snapshot(1, detach_model=True)
     assert snap.staged is None and snap.search_device is None
     assert not any(t.is_cuda for t in snap.state.values())
+    assert snap.gradient_ema and not any(t.is_cuda for t in snap.gradient_ema.values())
 
 
 class _Blocks(torch.utils.data.Dataset):

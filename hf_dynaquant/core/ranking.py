@@ -1,12 +1,17 @@
 """Parameter ranking (DynaQuant section 4.1): magnitude ``|w|`` and sensitivity ``|EMA(g) * w|``.
 
 The gradient EMA (``EMA_t = beta * g_t + (1 - beta) * EMA_{t-1}``, beta = 0.9, so recent steps
-dominate) is kept on the CPU, one float32 per parameter and nothing more. It is fed only during a
-window of steps before a checkpoint. On CUDA, :meth:`GradientEMA.start` copies each gradient into
-a small reusable pinned buffer with ``non_blocking=True`` on a side stream after the backward
-pass, and :meth:`GradientEMA.finish` (before the gradients are zeroed) waits for those copies and
-folds them in; the accelerator is never synchronised with the training stream. On the CPU the
-gradients are folded in directly.
+dominate) holds one float32 per parameter and nothing more, fed only during a window of steps
+before a checkpoint. On the CPU the gradients are folded in directly. On CUDA it is kept *on the
+device* when the device has room for it (:func:`~hf_dynaquant.core.memory.has_room`, decided at
+each window's first step; ``on_device=False`` never does): :meth:`GradientEMA.start` folds the
+gradients in on the training thread's stream with a few fused kernels, a millisecond a step at
+353M parameters, with no synchronisation, and whoever takes the average moves it to the host.
+Without room each gradient is copied into a small reusable pinned buffer with
+``non_blocking=True`` on a side stream after the backward pass, and :meth:`GradientEMA.finish`
+(before the gradients are zeroed) waits for those copies and folds them in on the CPU; that
+costs a training step some 60 ms at 353M on an H200 (``benchmarks/RESULTS.md``, "On a GPU,
+session 36"), the device copy about 1.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+
+from .memory import has_room, on_accelerator
 
 __all__ = ["GradientEMA", "magnitude", "sensitivity"]
 
@@ -33,18 +40,23 @@ def sensitivity(weight: torch.Tensor, ema_grad: torch.Tensor | None) -> torch.Te
 
 
 class GradientEMA:
-    """EMA of gradients for named parameters, held on the CPU (see the module docstring)."""
+    """EMA of gradients for named parameters, on the CPU or their CUDA device (see the module
+    docstring). ``on_device``: keep the average of CUDA gradients on their device when it has room."""
 
-    def __init__(self, params: Iterable[tuple[str, torch.nn.Parameter]], beta: float = 0.9) -> None:
+    def __init__(
+        self, params: Iterable[tuple[str, torch.nn.Parameter]], beta: float = 0.9, *, on_device: bool = True
+    ) -> None:
         if not 0 < beta <= 1:
             raise ValueError(f"beta must be in (0, 1], got {beta}")
         self.beta = beta
+        self.on_device = on_device
         self.params = [(n, p) for n, p in params if p.requires_grad]
         self.ema: dict[str, torch.Tensor] = {}
         self.steps = 0
         self._pending: list[tuple[str, torch.Tensor, torch.cuda.Event]] = []
         self._staging: torch.Tensor | None = None
         self._stream = None
+        self._here: bool | None = None  # this window folds CUDA gradients on their device (decided at its first step)
 
     def _fold(self, name: str, grad: torch.Tensor) -> None:
         g = grad.reshape(-1).float()
@@ -55,15 +67,38 @@ class GradientEMA:
             ema.mul_(1 - self.beta).add_(g, alpha=self.beta)
 
     def start(self) -> None:
-        """After ``backward()``: begin recording this step's gradients."""
-        for name, p in self.params:
-            if p.grad is None:
-                continue
-            if p.grad.device.type == "cuda":
-                self._copy_async(name, p.grad)
-            else:
-                self._fold(name, p.grad.detach())
+        """After ``backward()``: record this step's gradients (on a CUDA device with room, folded
+        in there; otherwise their copies to the host begun)."""
+        grads = [(name, p.grad.detach()) for name, p in self.params if p.grad is not None]
+        cuda = [(name, g) for name, g in grads if g.device.type == "cuda"]
+        if self._here is None and cuda:
+            device = on_accelerator(g for _, g in cuda)
+            self._here = (
+                self.on_device
+                and device is not None
+                and has_room(device, 4 * sum(g.numel() for _, g in cuda if g.device == device))
+            )
+        if cuda and self._here:
+            self._fold_here(cuda)
+        for name, g in grads:
+            if g.device.type != "cuda":
+                self._fold(name, g)
+            elif not self._here:
+                self._copy_async(name, g)
         self.steps += 1
+
+    def _fold_here(self, grads: list[tuple[str, torch.Tensor]]) -> None:
+        """Fold CUDA gradients in where they are, queued on the current stream (the same sums as
+        :meth:`_fold`, a few fused kernels for all of them)."""
+        new = [(name, g) for name, g in grads if name not in self.ema]
+        for name, g in new:  # the first gradient seeds the average
+            self.ema[name] = g.reshape(-1).to(torch.float32, copy=True)
+        seen = {name for name, _ in new}
+        old = [(self.ema[name], g.reshape(-1)) for name, g in grads if name not in seen]
+        if old:
+            emas = [e for e, _ in old]
+            torch._foreach_mul_(emas, 1 - self.beta)
+            torch._foreach_add_(emas, [g if g.dtype == torch.float32 else g.float() for _, g in old], alpha=self.beta)
 
     def _copy_async(self, name: str, grad: torch.Tensor) -> None:
         if grad.numel() > _STAGING:  # larger than the staging buffer: one blocking copy
@@ -98,13 +133,14 @@ class GradientEMA:
     def reset(self) -> None:
         self.finish()
         self.ema.clear()
-        self.steps = 0
+        self.steps, self._here = 0, None
 
     def take(self) -> dict[str, torch.Tensor]:
-        """Hand the recorded averages over (no copy) and start a new window."""
+        """Hand the recorded averages over (no copy; on a CUDA device when they were kept there,
+        their last folds queued on the training thread's stream) and start a new window."""
         self.finish()
         taken, self.ema = self.ema, {}
-        self.steps = 0
+        self.steps, self._here = 0, None
         return taken
 
     def sensitivity(self, name: str, weight: torch.Tensor) -> torch.Tensor:

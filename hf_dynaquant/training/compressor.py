@@ -326,7 +326,7 @@ class Compressor:
             store if isinstance(store, CheckpointStore) or store is None else CheckpointStore(store)
         )
         self.config = settings.config or QuantConfig()  # rounding changes on a resume (resumed_from)
-        self.ema = GradientEMA(model.named_parameters(), beta=settings.ema_beta)
+        self.ema = GradientEMA(model.named_parameters(), beta=settings.ema_beta, on_device=settings.use_accelerator)
         self.step = 0  # optimizer steps seen (counted in before_gradient_flush)
         self.last_entry: str | None = None
         self._chain_length = 0  # entries in the chain ending at last_entry
@@ -463,6 +463,8 @@ class Compressor:
             state, ready = cpu_copies(live.items(), copy=copy), None
             optimizer = cpu_tree(opt_state, copy=copy) if opt_state is not None else None
         ema = self.ema.take()
+        if staged is None:  # (a staged snapshot's settle() moves an EMA kept on the device with the weights)
+            ema = cpu_copies(ema.items(), copy=False)
         # a fixed config with prune_by="sensitivity" has the planner warn; a search that offers it warns here
         if not ema and self.search is not None and "sensitivity" in self.search.search_space.prune_by:
             warnings.warn(

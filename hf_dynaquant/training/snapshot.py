@@ -71,7 +71,7 @@ class Snapshot:
     state: dict[str, torch.Tensor]  # copies (on the CPU once settled); tied weights share one tensor
     params: dict[str, str]  # state name -> parameter name, for the tensors that are parameters
     types: dict[str, str]
-    gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat, CPU)
+    gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat; on the CPU once settled)
     optimizer: dict[str, Any] | None  # copy of the optimizer's state_dict (on the CPU once settled)
     model: torch.nn.Module | ModelSkeleton | None  # what the search evaluates: the live model or a skeleton
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -94,8 +94,9 @@ class Snapshot:
 
     def settle(self) -> None:
         """Move a snapshot staged on the accelerator into host memory (on any thread: on the
-        staged stream, after the training thread's copies), keeping the staged weights for a
-        search on the device. Does nothing to a snapshot already on the host."""
+        staged stream, after the training thread's copies), with the gradient EMA if it was kept
+        on the device, keeping the staged weights for a search on the device. Does nothing to a
+        snapshot already on the host."""
         if self.staged is None:
             return
         assert self.stream is not None
@@ -104,6 +105,7 @@ class Snapshot:
             on_device = self.state
             self.state = cpu_copies(on_device.items())
             self.optimizer = cpu_tree(self.optimizer)
+            self.gradient_ema = cpu_copies(self.gradient_ema.items(), copy=False)
             self.stream.synchronize()  # the device copies may be freed from here on
         self.staged = None
         if self.search_device is not None and isinstance(self.model, ModelSkeleton):
