@@ -61,6 +61,44 @@ def test_gradient_ema_without_room_on_the_device_goes_to_the_host(monkeypatch) -
     assert ema.get("weight").is_cuda
 
 
+def test_gradient_ema_late_gradient_without_room_moves_the_window_to_the_host(monkeypatch) -> None:
+    """A gradient that first arrives late in a window is given room like the first ones: without
+    it, the averages already on the device move to the host, where the window goes on."""
+    from hf_dynaquant.core import memory
+
+    lin = torch.nn.Linear(16, 16).cuda()
+    ema = GradientEMA(lin.named_parameters())
+    lin.weight.grad = torch.ones(16, 16, device="cuda")
+    ema.start()
+    ema.finish()
+    assert ema.get("weight").is_cuda and ema.get("bias") is None
+    monkeypatch.setattr(memory, "RESERVE", 1.0)
+    lin.weight.grad, lin.bias.grad = 3 * torch.ones(16, 16, device="cuda"), torch.ones(16, device="cuda")
+    ema.start()
+    ema.finish()
+    assert not ema.get("weight").is_cuda and not ema.get("bias").is_cuda
+    torch.testing.assert_close(ema.get("weight"), torch.full((256,), 0.1 + 0.9 * 3))
+
+
+def test_gradient_ema_out_of_memory_on_the_device_goes_to_the_host() -> None:
+    """Room checked, then taken by other work before the average is made (here: this process
+    allowed almost none of the device): the fold falls back to the host for the window and
+    training goes on, where an error would have ended a run that needs no memory of ours."""
+    lin = torch.nn.Linear(1024, 1024).cuda()
+    for p in lin.parameters():
+        p.grad = torch.ones_like(p)
+    ema = GradientEMA(lin.named_parameters())
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1e-6)
+    try:
+        ema.start()
+        ema.finish()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert set(ema.ema) == {"weight", "bias"} and not any(t.is_cuda for t in ema.ema.values())
+    torch.testing.assert_close(ema.get("bias"), torch.ones(1024))
+
+
 def test_gradient_ema_larger_than_staging_buffer() -> None:
     """Tensors bigger than the pinned staging buffer are copied in pieces, in order."""
     from hf_dynaquant.core import ranking

@@ -1196,6 +1196,40 @@ def test_gradient_ema_formula_and_window() -> None:
         GradientEMA(lin.named_parameters()).sensitivity("weight", lin.weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_ema_device_fold_is_the_host_fold(dtype: torch.dtype) -> None:
+    """The fold a CUDA device runs (fused over all gradients; here on CPU tensors, where the same
+    torch calls run) gives the host fold's averages bit for bit, float32 whatever the gradients'
+    dtype, for averages seeded at different steps; a seed is a copy, never the gradient."""
+    torch.manual_seed(0)
+    shapes = {"a": (5, 7), "b": (11,), "c": (3, 2)}
+    host, here = GradientEMA([], beta=0.9), GradientEMA([], beta=0.9)
+    for step in range(4):
+        grads = [(n, torch.randn(shape).to(dtype)) for n, shape in shapes.items() if step or n != "c"]  # c: late
+        for name, g in grads:
+            host._fold(name, g)
+        assert here._fold_here(grads)
+        for name, g in grads:
+            assert here.ema[name].dtype == torch.float32 and here.ema[name].data_ptr() != g.data_ptr()
+            assert torch.equal(here.ema[name], host.ema[name]), (step, name)
+
+
+def test_a_process_that_neither_writes_nor_searches_drops_the_window_average(tmp_path, tiny_net) -> None:
+    """A checkpoint taken on a process that does not write it (no search) releases the window's
+    gradient average: nothing would read it, and on a GPU it is device memory."""
+    from hf_dynaquant.training.manager import CheckpointManager
+
+    comp = Compressor(tiny_net, tmp_path / "s", QuantConfig(bins=4, prune=0.0, min_numel=16))
+    manager = CheckpointManager(comp, background=False)
+    for p in tiny_net.parameters():
+        p.grad = torch.ones_like(p)
+    comp.on_backward_pass_end()
+    comp.before_gradient_flush()
+    assert comp.ema.ema
+    pending = manager.take(1, writer=False)
+    assert pending.snapshot is None and comp.ema.ema == {}
+
+
 def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
     opt = torch.optim.AdamW(tiny_net.parameters(), lr=1e-3)
     comp = Compressor(

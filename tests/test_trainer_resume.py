@@ -323,6 +323,7 @@ class HoldEncoder(TrainerCallback):
 
     def __init__(self, trainer: DynaQuantTrainer, release: int) -> None:
         self.trainer, self.release, self.gate = trainer, release, __import__("threading").Event()
+        self.averages: dict[int, int] = {}  # step -> gradient averages still held after its save
 
     def on_train_begin(self, args, state, control, **kwargs):
         compressor = self.trainer.dynaquant.manager.compressor
@@ -335,6 +336,7 @@ class HoldEncoder(TrainerCallback):
         compressor.write = held
 
     def on_save(self, args, state, control, **kwargs):
+        self.averages[state.global_step] = len(self.trainer.dynaquant.manager.compressor.ema.ema)
         if state.global_step == self.release:
             self.gate.set()
 
@@ -347,10 +349,12 @@ def test_saves_faster_than_the_encoder_are_plain_and_resumable(tmp_path) -> None
     """A save that arrives while the previous checkpoint is still encoding is the Trainer's own
     plain save (no wait for the encoder, no second snapshot), recorded; the run resumes from it."""
     trainer = trainer_for(tmp_path, max_steps=5, save_steps=1, busy_saves="plain")  # (the default)
-    trainer.add_callback(HoldEncoder(trainer, release=3))
+    trainer.add_callback(hold := HoldEncoder(trainer, release=3))
     trainer.train()
     manager = trainer.dynaquant.manager
     assert manager.plain_steps == [2, 3]
+    # every save, plain ones too, lets its window's gradient average go (on a GPU it is device memory)
+    assert hold.averages == {step: 0 for step in range(1, 6)}
     for step in (1, 4, 5):  # compressed: a marker, no weights of the Trainer's
         folder = tmp_path / f"checkpoint-{step}"
         assert read_marker(folder) is not None and not (folder / "model.safetensors").exists(), step

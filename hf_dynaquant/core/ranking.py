@@ -11,7 +11,8 @@ Without room each gradient is copied into a small reusable pinned buffer with
 ``non_blocking=True`` on a side stream after the backward pass, and :meth:`GradientEMA.finish`
 (before the gradients are zeroed) waits for those copies and folds them in on the CPU; that
 costs a training step some 60 ms at 353M on an H200 (``benchmarks/RESULTS.md``, "On a GPU,
-session 36"), the device copy about 1.
+session 36"), the device copy about 1. (``ShardedCompressor``'s subclass folds each rank's local
+shard where it lies.)
 """
 
 from __future__ import annotations
@@ -71,15 +72,8 @@ class GradientEMA:
         in there; otherwise their copies to the host begun)."""
         grads = [(name, p.grad.detach()) for name, p in self.params if p.grad is not None]
         cuda = [(name, g) for name, g in grads if g.device.type == "cuda"]
-        if self._here is None and cuda:
-            device = on_accelerator(g for _, g in cuda)
-            self._here = (
-                self.on_device
-                and device is not None
-                and has_room(device, 4 * sum(g.numel() for _, g in cuda if g.device == device))
-            )
-        if cuda and self._here:
-            self._fold_here(cuda)
+        if cuda and self._here is not False:
+            self._here = self._room_for(cuda) and self._fold_here(cuda)
         for name, g in grads:
             if g.device.type != "cuda":
                 self._fold(name, g)
@@ -87,18 +81,51 @@ class GradientEMA:
                 self._copy_async(name, g)
         self.steps += 1
 
-    def _fold_here(self, grads: list[tuple[str, torch.Tensor]]) -> None:
+    def _room_for(self, grads: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether the averages of CUDA gradients ``grads`` stay on their device: ``on_device``,
+        one device for them all, and room there for those not averaged yet (checked whenever
+        one first arrives: a gradient may first come late in a window). If not, any average
+        already there moves to the host, for the rest of the window."""
+        new = sum(4 * g.numel() for name, g in grads if name not in self.ema)
+        if self._here and not new:
+            return True
+        device = on_accelerator(g for _, g in grads)
+        if self.on_device and device is not None and has_room(device, new):
+            return True
+        self._to_host()
+        return False
+
+    def _fold_here(self, grads: list[tuple[str, torch.Tensor]]) -> bool:
         """Fold CUDA gradients in where they are, queued on the current stream (the same sums as
-        :meth:`_fold`, a few fused kernels for all of them)."""
+        :meth:`_fold`: fused kernels for the float32 ones, one addition each for the others,
+        whose values are widened in the kernel, with no copy). Only seeding a new average
+        allocates; if the device runs out of memory there (the room was checked, but other work
+        may have taken it since), the averages move to the host and False says the step's
+        gradients are still to be recorded there."""
         new = [(name, g) for name, g in grads if name not in self.ema]
-        for name, g in new:  # the first gradient seeds the average
-            self.ema[name] = g.reshape(-1).to(torch.float32, copy=True)
+        try:
+            for name, g in new:  # the first gradient seeds the average
+                self.ema[name] = g.reshape(-1).to(torch.float32, copy=True)
+        except torch.OutOfMemoryError:
+            for name, _ in new:
+                self.ema.pop(name, None)
+            self._to_host()
+            return False
         seen = {name for name, _ in new}
         old = [(self.ema[name], g.reshape(-1)) for name, g in grads if name not in seen]
         if old:
-            emas = [e for e, _ in old]
-            torch._foreach_mul_(emas, 1 - self.beta)
-            torch._foreach_add_(emas, [g if g.dtype == torch.float32 else g.float() for _, g in old], alpha=self.beta)
+            torch._foreach_mul_([e for e, _ in old], 1 - self.beta)
+            wide = [(e, g) for e, g in old if g.dtype == torch.float32]
+            if wide:
+                torch._foreach_add_([e for e, _ in wide], [g for _, g in wide], alpha=self.beta)
+            for e, g in old:
+                if g.dtype != torch.float32:
+                    e.add_(g, alpha=self.beta)
+        return True
+
+    def _to_host(self) -> None:
+        """Move the averages held on a CUDA device to the host (after the folds queued there)."""
+        self.ema = {name: t.cpu() if t.is_cuda else t for name, t in self.ema.items()}
 
     def _copy_async(self, name: str, grad: torch.Tensor) -> None:
         if grad.numel() > _STAGING:  # larger than the staging buffer: one blocking copy

@@ -6,7 +6,7 @@
 ...     loss.backward()
 ...     compressor.on_backward_pass_end()     # record gradients for sensitivity (in the window)
 ...     optimizer.step()
-...     compressor.before_gradient_flush()    # finish the gradient copies before they are zeroed
+...     compressor.before_gradient_flush()    # finish any gradient copies before they are zeroed
 ...     optimizer.zero_grad()
 ...     if step % 500 == 0:
 ...         compressor.compress(step)
@@ -373,12 +373,14 @@ class Compressor:
         return to_next < self.settings.ema_steps
 
     def on_backward_pass_end(self) -> None:
-        """Call after ``loss.backward()``: starts copying gradients off the accelerator."""
+        """Call after ``loss.backward()``: records the gradients in the window before a
+        checkpoint (:class:`~hf_dynaquant.core.ranking.GradientEMA`: folded in on a CUDA device
+        with room, else their copies to the host begun)."""
         if self._collecting():
             self.ema.start()
 
     def before_gradient_flush(self) -> None:
-        """Call before ``optimizer.zero_grad()``: completes this step's gradient copies."""
+        """Call before ``optimizer.zero_grad()``: completes this step's gradient copies to the host, if any."""
         self.ema.finish()
         self.step += 1
 

@@ -106,6 +106,7 @@ class CheckpointManager:
         distributed = is_distributed()
         searching_here = distributed and self.compressor.search is not None
         if not (writer or searching_here):
+            self.compressor.ema.reset()  # (the window's average, which only a writer or a search reads)
             return PendingCheckpoint(step, None, None, started)
         # a foreground write finishes before training goes on: it reads the live CPU tensors
         background = self.worker is not None
@@ -210,6 +211,7 @@ class CheckpointManager:
         if not busy or self.compressor.settings.busy_saves == "wait" or is_distributed() or rotated_away:
             return False
         self.plain_steps.append(step)
+        self.compressor.ema.reset()  # (its window's average, which a plain save does not read)
         logger.info(
             "hf_dynaquant: checkpoint %d saved uncompressed: the previous checkpoint is still being encoded "
             "(saves come faster than the encoder; %d so far)",

@@ -145,10 +145,11 @@ class CheckpointSettings:
     )
     use_accelerator: bool = _setting(
         True,
-        "With the model on a CUDA device that has room: take a background save's snapshot as a copy on the device "
-        "(milliseconds of stall; moved to host memory in the background) and evaluate the search's candidates "
-        "there. False: snapshot straight into host memory (a stall of one device-to-host copy) and search a CPU "
-        "copy of the model, using no device memory.",
+        "With the model on a CUDA device that has room: keep the gradient EMA of the window before a save there "
+        "(float32, 4 bytes a parameter), take a background save's snapshot as a copy on the device (milliseconds "
+        "of stall; moved to host memory in the background) and evaluate the search's candidates there. False: "
+        "gradients copied to the host at every window step, the snapshot straight into host memory (a stall of one "
+        "device-to-host copy) and the search on a CPU copy of the model, using no device memory.",
         _boolean,
     )
     busy_saves: str = _setting(

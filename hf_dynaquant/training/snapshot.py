@@ -71,14 +71,15 @@ class Snapshot:
     state: dict[str, torch.Tensor]  # copies (on the CPU once settled); tied weights share one tensor
     params: dict[str, str]  # state name -> parameter name, for the tensors that are parameters
     types: dict[str, str]
-    gradient_ema: dict[str, torch.Tensor]  # parameter name -> EMA of its gradient (flat; on the CPU once settled)
+    # parameter name -> EMA of its gradient (flat; on the CPU once settled, except a sharded model's local shards)
+    gradient_ema: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None  # copy of the optimizer's state_dict (on the CPU once settled)
     model: torch.nn.Module | ModelSkeleton | None  # what the search evaluates: the live model or a skeleton
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, bytes] = field(default_factory=dict)
     optimizer_params: dict[int, str] | None = None  # optimizer state id -> parameter name (codec "excp")
     # recorded on the training thread's stream after the copies, while ``state`` and ``optimizer``
-    # are copies on a CUDA device (settle() moves them to the host)
+    # (and ``gradient_ema``, when it was kept there) are on a CUDA device (settle() moves them to the host)
     staged: torch.cuda.Event | None = None
     stream: torch.cuda.Stream | None = None  # the background's own stream on the model's CUDA device
     search_device: torch.device | None = None  # where a skeleton is evaluated (None: the CPU)
