@@ -31,9 +31,11 @@ loop on a save step, the Trainer's save and every ``on_save`` included, after a
 time up to the last optimizer step and the **final wait** after it (``train()`` returns once the
 last checkpoint is written: DynaQuant's ``on_train_end`` waits for the encoder; for DCP the
 bench awaits the last ``async_save``), the **step time** (each optimizer step's, median: over the
-steps that began while a save worked in the background, and over the others), the **background
-seconds** per checkpoint (DCP: from ``async_save``'s return until its write is done; DynaQuant:
-the encoder's time, and the configuration search's part of it), the
+steps that began while a save worked in the background, and over the others; for DynaQuant also
+the steps with no save beside them, in the gradient window before a save and outside it), the
+**background seconds** per checkpoint (DCP: from ``async_save``'s return until its write is done;
+DynaQuant: the encoder's time, and the parts of it that moved the staged snapshot into host
+memory and that searched the configuration), the
 stored bytes against the plain checkpoint (fp32 weights + AdamW state), the **peak extra host
 memory** (the resident set sampled every 20 ms, above its value after the first optimizer step,
 in units of the plain checkpoint's bytes), peak GPU memory, the final eval loss and, for
@@ -277,11 +279,23 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
     callbacks: list[TrainerCallback] = [Baseline(memory), last_step, step_times]  # (the evaluation at saves goes last)
     search_seconds: list[float] = []
     search_devices: list[str] = []
+    settle_seconds: list[float] = []
     if a.arm in OURS:
         from hf_dynaquant.integrations.trainer import DynaQuantCallback, DynaQuantTrainer
         from hf_dynaquant.search import ConfigurationSearch
+        from hf_dynaquant.training.snapshot import Snapshot
 
-        search = ConfigurationSearch.search
+        search, settle = ConfigurationSearch.search, Snapshot.settle
+
+        def timed_settle(self) -> None:  # the move of a snapshot staged on the device into host memory
+            staged, started = self.staged is not None, time.perf_counter()
+            try:
+                settle(self)
+            finally:
+                if staged:
+                    settle_seconds.append(time.perf_counter() - started)
+
+        Snapshot.settle = timed_settle
 
         def timed_search(self, model, *args: Any, **kwargs: Any) -> Any:  # the search's share of the background
             search_devices.append(str(next(model.parameters()).device))
@@ -341,6 +355,8 @@ def run_arm(a: argparse.Namespace) -> dict[str, Any]:
             callback_stalls=[r["dynaquant/stall_seconds"] for r in reports],
             search_seconds=search_seconds,
             search_devices=search_devices,
+            settle_seconds=settle_seconds,
+            ema_steps=callback.settings.ema_steps,
             evaluations=[r.get("dynaquant/search_evaluations", 0) for r in reports],
             plain_steps=callback.plain_steps,
             compressed_steps=[r["step"] for r in reports],
@@ -377,6 +393,16 @@ def step_ms(r: dict[str, Any]) -> str:
         return median_ms(steps)
     return (f"{median_ms(steps)} ({median_ms([s for s, f in zip(steps, flags) if f])} / "
             f"{median_ms([s for s, f in zip(steps, flags) if not f])})")
+
+
+def window_ms(r: dict[str, Any], save_steps: int) -> str:
+    """Median step in ms of the steps with no save working beside them: those in the gradient
+    window (the ``ema_steps`` steps up to each save, where DynaQuant records the gradient EMA) /
+    the others."""
+    steps, flags = r.get("step_seconds", []), r.get("busy_steps") or [False] * len(r.get("step_seconds", []))
+    window = [-(i + 1) % save_steps < r["ema_steps"] for i in range(len(steps))]  # (step i + 1 of the run)
+    free = [(s, w) for s, w, f in zip(steps, window, flags) if not f]
+    return f"{median_ms([s for s, w in free if w])} / {median_ms([s for s, w in free if not w])} ms"
 
 
 def median_ms(xs: list[float]) -> str:
@@ -423,7 +449,9 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> None:
                 f"saved plainly (encoder busy) "
                 f"{r['plain_steps']}; search seconds per checkpoint {[round(s, 1) for s in r['search_seconds']]} "
                 f"(evaluated on {sorted(set(r['search_devices']))}), "
-                f"evaluations {r['evaluations']}; background seconds {[round(s, 1) for s in r['background']]}; "
+                f"evaluations {r['evaluations']}; background seconds {[round(s, 1) for s in r['background']]} "
+                f"(moving the staged snapshot to host memory {[round(s, 1) for s in r['settle_seconds']]}); "
+                f"steps with no save beside them, in the gradient window / not: {window_ms(r, a.save_steps)}; "
                 f"weights {r['weights_bytes'] / 1e6:.1f} MB, optimizer {r['optimizer_bytes'] / 1e6:.1f} MB; "
                 f"last compressed checkpoint (step {r['decoded_step']}) decoded: eval loss "
                 f"{r['decoded_eval_loss']:.4f} ({(r['decoded_eval_loss'] - live) / live * 100:+.2f}% against the "

@@ -56,3 +56,5 @@ def test_gpu_bench_runs_every_arm_on_a_toy_model(tmp_path):
     # every step timed; the steps beside a background save marked, for the arms that save in the background
     assert all(len(r["step_seconds"]) == 20 for r in results.values())
     assert len(dq["busy_steps"]) == 20 and len(results["dcp"]["busy_steps"]) == 20
+    # on the CPU nothing is staged on a device, so no snapshot moves; the gradient window is reported
+    assert dq["settle_seconds"] == [] and dq["ema_steps"] == 50 and "in the gradient window / not" in done.stdout
