@@ -58,3 +58,21 @@ def test_gpu_bench_runs_every_arm_on_a_toy_model(tmp_path):
     assert len(dq["busy_steps"]) == 20 and len(results["dcp"]["busy_steps"]) == 20
     # on the CPU nothing is staged on a device, so no snapshot moves; the gradient window is reported
     assert dq["settle_seconds"] == [] and dq["ema_steps"] == 50 and "in the gradient window / not" in done.stdout
+
+
+def test_settle_bench_runs_every_variant(tmp_path):
+    """``bench_settle.py`` (for a lent GPU, whose time is short) end to end at toy size on the
+    CPU: every variant timed and checked against the tensors it copies, the table and the plot."""
+    import json
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_settle.py"
+    out = tmp_path / "settle.json"
+    argv = ["--layers", "1", "--width", "32", "--heads", "2", "--context", "32", "--rounds", "2", "--json", str(out),
+            "--plot", str(tmp_path / "settle.png")]
+    done = subprocess.run([sys.executable, str(bench), *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds = json.loads(out.read_text())["seconds"]
+    assert set(seconds) == {"to_cpu", "prefault", "reused", "pinned", "threads"}
+    assert all(len(s) == 2 for s in seconds.values()) and (tmp_path / "settle.png").is_file()
+    assert "| to_cpu |" in done.stdout
