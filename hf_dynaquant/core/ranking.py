@@ -3,8 +3,9 @@
 The gradient EMA (``EMA_t = beta * g_t + (1 - beta) * EMA_{t-1}``, beta = 0.9, so recent steps
 dominate) holds one float32 per parameter and nothing more, fed only during a window of steps
 before a checkpoint. On the CPU the gradients are folded in directly. On CUDA it is kept *on the
-device* when the device has room for it (:func:`~hf_dynaquant.core.memory.has_room`, decided at
-each window's first step; ``on_device=False`` never does): :meth:`GradientEMA.start` folds the
+device* when the device has room for it (:func:`~hf_dynaquant.core.memory.has_room`, checked at
+each window's first step and for a gradient that first arrives later; ``on_device=False`` never
+does): :meth:`GradientEMA.start` folds the
 gradients in on the training thread's stream with a few fused kernels, a millisecond a step at
 353M parameters, with no synchronisation, and whoever takes the average moves it to the host.
 Without room each gradient is copied into a small reusable pinned buffer with
@@ -57,7 +58,7 @@ class GradientEMA:
         self._pending: list[tuple[str, torch.Tensor, torch.cuda.Event]] = []
         self._staging: torch.Tensor | None = None
         self._stream = None
-        self._here: bool | None = None  # this window folds CUDA gradients on their device (decided at its first step)
+        self._here: bool | None = None  # this window folds CUDA gradients on their device (None: not decided yet)
 
     def _fold(self, name: str, grad: torch.Tensor) -> None:
         g = grad.reshape(-1).float()
