@@ -5,15 +5,14 @@ dominate) holds one float32 per parameter and nothing more, fed only during a wi
 before a checkpoint. On the CPU the gradients are folded in directly. On CUDA it is kept *on the
 device* when the device has room for it (:func:`~hf_dynaquant.core.memory.has_room`, checked at
 each window's first step and for a gradient that first arrives later; ``on_device=False`` never
-does): :meth:`GradientEMA.start` folds the
-gradients in on the training thread's stream with a few fused kernels, a millisecond a step at
-353M parameters, with no synchronisation, and whoever takes the average moves it to the host.
+does): :meth:`GradientEMA.start` folds the gradients in on the training thread's stream with a
+few fused kernels, with no synchronisation, and whoever takes the average moves it to the host.
 Without room each gradient is copied into a small reusable pinned buffer with
 ``non_blocking=True`` on a side stream after the backward pass, and :meth:`GradientEMA.finish`
-(before the gradients are zeroed) waits for those copies and folds them in on the CPU; that
-costs a training step some 60 ms at 353M on an H200 (``benchmarks/RESULTS.md``, "On a GPU,
-session 36"), the device copy about 1. (``ShardedCompressor``'s subclass folds each rank's local
-shard where it lies.)
+(before the gradients are zeroed) waits for those copies and folds them in on the CPU. At 353M
+parameters on an H200 a training step in the window took 184 ms that way and 120 ms with the
+fold on the device, against 117-119 ms outside the window (``benchmarks/RESULTS.md``, "On a GPU,
+session 36"). (``ShardedCompressor``'s subclass folds each rank's local shard where it lies.)
 """
 
 from __future__ import annotations
