@@ -384,6 +384,10 @@ def test_ans_encode_refuses_histograms_it_cannot_use() -> None:
         ans_encode(symbols, histograms=np.array([1, 2, 1]))
     with pytest.raises(ValueError, match="does not count"):  # the symbol 2 lies beyond its table
         ans_encode(symbols, histograms=np.array([[1, 3]]))
+    with pytest.raises(ValueError, match="symbols 0-4 hold"):  # in a group of one symbol, which writes no words
+        ans_encode(symbols, histograms=np.array([[0, 4]]))
+    with pytest.raises(ValueError, match="symbols 4-8 hold"):  # in the second group, found as it is coded
+        ans_encode(np.concatenate([symbols, symbols]), histograms=np.array([[1, 2, 1], [1, 3, 0]]))
     with pytest.raises(ValueError, match="cyclic"):
         from hf_dynaquant.core.kernels import native
 

@@ -84,29 +84,41 @@ def quantized_cdf(counts: np.ndarray) -> np.ndarray:
     (``fast_quantized_cdf``): ``p = counts / sum``, the running sum of ``p`` added left to right
     in float64 (``np.cumsum`` is sequential, unlike ``np.sum``), ``cdf[i] = floor(sum_{j<i} p_j *
     (2**24 - K) / sum_j p_j) + i``. Every symbol, even one of count 0, gets a frequency of at least 1."""
-    freq = counts.astype(np.float64)
-    p = freq / freq.sum()
-    running = np.cumsum(p)
-    scale = float((1 << 24) - p.size) / float(running[-1])
-    cdf = np.empty(p.size + 1, dtype=np.uint32)
-    cdf[0] = 0
-    cdf[1:-1] = (running[:-1] * scale).astype(np.uint32) + np.arange(1, p.size, dtype=np.uint32)
-    cdf[-1] = 1 << 24
-    return cdf
+    counts = np.asarray(counts)
+    return _cdfs(counts[None, :], np.array([counts.size]))
 
 
-def _tables(coded: list[tuple[int, int, np.ndarray]]) -> tuple[np.ndarray, ...]:
-    """The C kernels' arguments for coded groups ``(start, stop, counts)``: the concatenated
-    cumulative tables, each one's offset and symbol count, the starts and the stops."""
-    cdfs = [quantized_cdf(counts) for _, _, counts in coded]
-    offsets = np.cumsum([0] + [c.size for c in cdfs[:-1]], dtype=np.int64)
-    return (
-        np.concatenate(cdfs) if cdfs else np.zeros(0, np.uint32),
-        offsets,
-        np.array([c.size - 1 for c in cdfs], dtype=np.int64),
-        np.array([start for start, _, _ in coded], dtype=np.int64),
-        np.array([stop for _, stop, _ in coded], dtype=np.int64),
-    )
+def _cdfs(rows: np.ndarray, symbols: np.ndarray) -> np.ndarray:
+    """The :func:`quantized_cdf` of each row's first ``symbols`` counts (the row zero past
+    them), concatenated: the same float64 operations, element for element, on all the rows at
+    once (a delta's groups are hundreds a checkpoint; the counts are integers, so their sums
+    are exact in any order, and the running sums are sequential along each row)."""
+    p = rows.astype(np.float64)
+    p /= p.sum(axis=1, keepdims=True)
+    running = np.cumsum(p, axis=1)
+    scale = ((1 << 24) - symbols).astype(np.float64) / running[np.arange(rows.shape[0]), symbols - 1]
+    width = rows.shape[1] + 1
+    cdf = np.zeros((rows.shape[0], width), dtype=np.uint32)
+    cdf[:, 1:] = (running * scale[:, None]).astype(np.uint32) + np.arange(1, width, dtype=np.uint32)
+    column = np.arange(width)
+    cdf[column == symbols[:, None]] = 1 << 24
+    return cdf[column <= symbols[:, None]]
+
+
+def _tables(rows: np.ndarray, symbols: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The C kernels' arguments for the coded groups: their cumulative tables (of ``rows`` of
+    counts, each row's first ``symbols``) concatenated, each one's offset and symbol count,
+    the groups' starts and stops."""
+    symbols, starts, stops = (np.ascontiguousarray(a, dtype=np.int64) for a in (symbols, starts, stops))
+    offsets = np.cumsum(symbols + 1) - (symbols + 1)  # (each table has K + 1 entries)
+    cdf = _cdfs(rows, symbols) if symbols.size else np.zeros(0, np.uint32)
+    return cdf, offsets, symbols, starts, stops
+
+
+def table_symbols(rows: np.ndarray) -> np.ndarray:
+    """Each row's largest symbol with a count, plus one: ``K``, the symbols of its rANS table
+    (every row holding a count)."""
+    return rows.shape[1] - np.argmax(rows[:, ::-1] != 0, axis=1)
 
 
 def _sizes(n: int, groups: np.ndarray | None) -> np.ndarray:
@@ -141,33 +153,42 @@ def ans_encode(
         raise ValueError(f"histograms must be rows of at most 256 non-negative counts, not of shape {histograms.shape}")
     sizes = _sizes(sym.size, groups if histograms is None else histograms.sum(axis=1))
     bounds = np.concatenate(([0], np.cumsum(sizes)))
-    table, coded = [], []
-    for g in np.flatnonzero(sizes):
-        start, stop = int(bounds[g]), int(bounds[g + 1])
-        if histograms is None:
+    present = np.flatnonzero(sizes)
+    starts, stops = bounds[present], bounds[present + 1]
+    if histograms is None:
+        rows = np.zeros((present.size, 256), dtype=np.int64)
+        for row, start, stop in zip(rows, starts, stops):
             counts = byte_counts(sym[start:stop])
-        else:  # byte_counts' length: the largest symbol present, plus one
-            counts = histograms[g, : int(np.flatnonzero(histograms[g])[-1]) + 1].astype(np.int64)
-            if int(sym[start:stop].max()) >= counts.size:  # (the coder's tables end there)
+            row[: counts.size] = counts
+    else:
+        rows = histograms[present].astype(np.int64)
+    k = table_symbols(rows)  # byte_counts' length: the largest symbol present, plus one
+    # the table: each group's K and its K counts
+    table = [np.concatenate((k[:, None], rows), axis=1)[np.arange(rows.shape[1] + 1) <= k[:, None]]]
+    coded = np.count_nonzero(rows, axis=1) > 1
+    if histograms is not None:  # (a coded group's symbols are checked as they are coded)
+        for start, stop, top in zip(starts[~coded], stops[~coded], k[~coded]):
+            if int(sym[start:stop].max()) >= top:
                 raise ValueError(f"symbols {start}-{stop} hold a symbol their histogram does not count")
-        table += [counts.size, *counts.tolist()]
-        if np.count_nonzero(counts) > 1:
-            coded.append((start, stop, counts))
     if native is not None:
-        cdf, offsets, _, starts, stops = _tables(coded)
-        words, lane_words = native.ans_encode(sym, cdf, offsets, starts, stops, lanes)  # little-endian words
+        encoded = native.ans_encode(sym, *_tables(rows[coded], k[coded], starts[coded], stops[coded]), lanes)
+        if isinstance(encoded, int):  # (the coder's tables end there)
+            start, stop = starts[coded][encoded], stops[coded][encoded]
+            raise ValueError(f"symbols {start}-{stop} hold a symbol their histogram does not count")
+        words, lane_words = encoded  # little-endian words
     else:
         streams = []
         for j in range(lanes):
             coder = constriction.stream.stack.AnsCoder()
-            for start, stop, counts in reversed(coded):  # a stack: encode backwards so the groups decode forwards
-                model, mine = _model(counts), sym[_lane(start, stop, j, lanes)]
+            # a stack: encode backwards so the groups decode forwards
+            for start, stop, counts, top in reversed(list(zip(starts[coded], stops[coded], rows[coded], k[coded]))):
+                model, mine = _model(counts[:top]), sym[_lane(int(start), int(stop), j, lanes)]
                 for at in reversed(range(0, mine.size, _SLICE)):
                     coder.encode_reverse(mine[at : at + _SLICE].astype(np.int32), model)
             streams.append(coder.get_compressed().astype("<u4").tobytes())
         words, lane_words = b"".join(streams), [len(w) // 4 for w in streams]
-    table += list(lane_words[:-1])
-    header = uleb128_encode(np.array(table, dtype=np.uint64)).tobytes()
+    table.append(np.asarray(lane_words[:-1], dtype=np.int64))
+    header = uleb128_encode(np.concatenate(table).astype(np.uint64)).tobytes()
     # (a join copies a long stream's words with the GIL released; ``+`` holds it)
     return b"".join((uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes(), header, words))
 
@@ -210,7 +231,10 @@ def ans_decode(
         raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
     lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
     if native is not None:  # the kernel counts the symbols as it decodes them
-        tables = _tables(coded)
+        rows = np.zeros((len(coded), 256), dtype=np.int64)
+        for row, (_, _, counts) in zip(rows, coded):
+            row[: counts.size] = counts
+        tables = _tables(rows, *np.array([(c.size, a, b) for a, b, c in coded], dtype=np.int64).reshape(-1, 3).T)
         hist = np.zeros(tables[0].size, dtype=np.int64)
         empty = native.ans_decode(words, lane_bounds, *tables, out, hist)
         decoded = np.split(hist, tables[1][1:])

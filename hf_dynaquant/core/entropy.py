@@ -18,7 +18,7 @@ import numpy as np
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
+from .ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for, table_symbols
 from .bitplanes import PackedCodes, pack_bits, unpack_bits
 from .histogram import byte_counts
 
@@ -116,14 +116,19 @@ def ans_bytes(counts: np.ndarray) -> float:
     """The size an rANS payload (:func:`~hf_dynaquant.core.ans.ans_encode`) takes for symbols
     with these counts, one row per group (a 2-D array, a group per row; empty rows are no
     group): each group's order-0 entropy, which rANS reaches to within a few bytes, plus the
-    exact table. Lets a coder choose between two streams without coding both."""
+    exact table. Lets a coder choose between two streams without coding both. All the rows at
+    once: a checkpoint's deltas ask this of hundreds of tensors, and row by row it held the
+    interpreter lock about a tenth of a second of a 124M model's delta save."""
     rows = np.atleast_2d(counts)
     rows = rows[rows.any(axis=1)]
     if not rows.size:
         return 0.0
-    bits = sum(entropy_bits(row) for row in rows)
-    used = [row[: int(np.flatnonzero(row)[-1]) + 1] for row in rows]  # K = largest symbol + 1
-    table = sum(int(_uleb128_length(row).sum()) + int(_uleb128_length(np.array([row.size]))[0]) for row in used)
+    total = rows.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bits = -float(np.where(rows > 0, rows * np.log2(rows / total), 0.0).sum())
+    used = table_symbols(rows)  # K = largest symbol + 1
+    within = np.arange(rows.shape[1]) < used[:, None]
+    table = int(_uleb128_length(rows[within]).sum() + _uleb128_length(used).sum())
     return bits / 8 + table + float(_uleb128_length(np.array([table]))[0])
 
 

@@ -186,148 +186,167 @@ PyObject *py_ans_decode(PyObject *self, PyObject *args) {
     return empty < 0 ? NULL : PyBool_FromLong(empty);
 }
 
-/* One lane's words while encoding: a buffer that grows as needed. */
+/* A symbol of a group as the encoder uses it: its frequency and cumulative start, the state
+ * from which pushing it first writes a word (freq << (64 - PRECISION)), and the reciprocal
+ * floor(2^64 / freq) by which state / freq is made with a multiply: it underestimates the
+ * quotient by at most one, which the remainder corrects (a 64-bit division took a sixth of the
+ * time; the same quotient, so the same stream). Frequency 1's reciprocal, 2^64, does not fit:
+ * 2^64 - 1 underestimates by one as well. Made for the group's symbols before its first one is
+ * coded (made as each symbol first occurred, a branch on every symbol tested for it). */
 typedef struct {
-    uint32_t *buf;
-    Py_ssize_t n, cap;
-} words_t;
+    uint64_t rcp, flush_from;
+    uint32_t freq, left;
+} esym_t;
 
-/* Room for two more words (a final state's two words too); 0 when memory ran out. */
-INLINE int room(words_t *w) {
-    if (w->n + 2 <= w->cap) return 1;
-    const Py_ssize_t cap = 2 * w->cap + 2;
-    uint32_t *grown = realloc(w->buf, (size_t)cap * 4);
-    if (grown == NULL) return 0;
-    w->buf = grown;
-    w->cap = cap;
-    return 1;
+static void esym_init(esym_t *e, const uint32_t *c, int64_t k) {
+    for (int64_t s = 0; s < k; s++) {
+        const uint32_t freq = c[s + 1] - c[s];
+        e[s].freq = freq;
+        e[s].left = c[s];
+        e[s].flush_from = (uint64_t)freq << (64 - PRECISION);
+        e[s].rcp = freq == 1 ? UINT64_MAX : UINT64_MAX / freq + (UINT64_MAX % freq == freq - 1);
+    }
 }
 
-/* state / freq and state % freq by the reciprocal floor(2^64 / freq), made in *rcp as the
- * symbol first occurs: it underestimates the quotient by at most one, which the remainder
- * corrects (a 64-bit division took a sixth of the time; the same quotient, so the same
- * stream). freq 1 has no 64-bit reciprocal. */
-INLINE uint64_t divide(uint64_t state, uint32_t freq, uint64_t *rcp, uint64_t *r) {
+/* One symbol pushed onto a lane's state st and its words, which end at *at (the buffer has room
+ * for a word a symbol, so no step checks it). */
+INLINE void encode_symbol(uint64_t *st, uint32_t **at, const esym_t *restrict e) {
+    uint64_t x = *st;
+    if (x >= e->flush_from) {
+        *(*at)++ = (uint32_t)x;
+        x >>= 32;
+    }
 #ifdef __SIZEOF_INT128__
-    if (freq == 1) {
-        *r = 0;
-        return state;
-    }
-    if (*rcp == 0) *rcp = UINT64_MAX / freq + (UINT64_MAX % freq == freq - 1);
-    uint64_t q = (uint64_t)(((unsigned __int128)state * *rcp) >> 64);
-    *r = state - q * freq;
-    if (*r >= freq) {
+    uint64_t q = (uint64_t)(((unsigned __int128)x * e->rcp) >> 64);
+    uint64_t r = x - q * e->freq;
+    if (r >= e->freq) {
         q++;
-        *r -= freq;
+        r -= e->freq;
     }
-    return q;
 #else
-    *r = state % freq;
-    return state / freq;
+    const uint64_t q = x / e->freq, r = x % e->freq;
 #endif
-}
-
-/* One symbol of a lane, pushed onto state st and the lane's words; 0 when memory ran out. */
-INLINE int encode_symbol(uint64_t *st, words_t *lane, uint8_t sym, const uint32_t *restrict c, uint64_t *restrict rcp) {
-    const uint32_t left = c[sym], freq = c[sym + 1] - left;
-    if ((*st >> (64 - PRECISION)) >= freq) {
-        if (!room(lane)) return 0;
-        lane->buf[lane->n++] = (uint32_t)*st;
-        *st >>= 32;
-    }
-    uint64_t r;
-    const uint64_t q = divide(*st, freq, &rcp[sym], &r);
-    *st = (q << PRECISION) | (left + r);
-    return 1;
+    *st = (q << PRECISION) | (e->left + r);
 }
 
 /* The encoder of a stream in L lanes: the groups in reverse, each group's symbols in reverse,
- * each pushing words onto its lane's buffer; then each lane's final state's words, least
- * significant first (none for a state of 0, one below 2^32). Returns 0, or -1 when memory ran
- * out. */
-INLINE int encode(const int L, const uint8_t *restrict sym, const uint32_t *cdf, const int64_t *cdf_off,
-                  const int64_t *start, const int64_t *stop, Py_ssize_t n_groups, words_t *restrict lane) {
-    uint64_t st[MAX_LANES], rcp[256];
+ * each pushing words onto its lane's buffer (at[j], its end, advanced); then each lane's final
+ * state's words, least significant first (none for a state of 0, one below 2^32). The states
+ * and the lanes' ends are locals the unrolled loop keeps in registers. Returns a group holding
+ * a symbol at or past its table's k (the last such: the stream is then not to be used), or -1. */
+INLINE Py_ssize_t encode(const int L, const uint8_t *restrict sym, const uint32_t *cdf, const int64_t *cdf_off,
+                         const int64_t *cdf_k, const int64_t *start, const int64_t *stop, Py_ssize_t n_groups,
+                         uint32_t **at) {
+    uint64_t st[MAX_LANES];
+    esym_t e[256];
+    for (int s = 0; s < 256; s++) /* symbols past a group's k: harmless values, refused below */
+        e[s] = (esym_t){UINT64_MAX, (uint64_t)1 << (64 - PRECISION), 1, 0};
     for (int j = 0; j < L; j++) st[j] = 0;
     for (Py_ssize_t g = n_groups - 1; g >= 0; g--) {
-        const uint32_t *c = cdf + cdf_off[g];
-        const int64_t a = start[g], b = stop[g];
-        memset(rcp, 0, sizeof(rcp)); /* the group's reciprocals */
+        const int64_t a = start[g], b = stop[g], k = cdf_k[g];
+        esym_init(e, cdf + cdf_off[g], k);
+        unsigned past = 0; /* whether a symbol is at or past k: one compare a symbol, no branch */
         int64_t row = (b - 1) & ~(int64_t)(L - 1);
         for (; row > a - L && (row + L > b || row < a); row -= L) /* rows the group ends or begins in */
             for (int j = L - 1; j >= 0; j--)
-                if (row + j >= a && row + j < b && !encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
-        for (; row >= a; row -= L) /* whole rows: the lanes unrolled, their states in registers */
+                if (row + j >= a && row + j < b) {
+                    past |= sym[row + j] >= k;
+                    encode_symbol(&st[j], &at[j], &e[sym[row + j]]);
+                }
+        for (; row >= a; row -= L) /* whole rows: the lanes unrolled */
 #pragma GCC unroll 8
-            for (int j = L - 1; j >= 0; j--)
-                if (!encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
+            for (int j = L - 1; j >= 0; j--) {
+                past |= sym[row + j] >= k;
+                encode_symbol(&st[j], &at[j], &e[sym[row + j]]);
+            }
         for (; row > a - L; row -= L) /* the first row */
             for (int j = L - 1; j >= 0; j--)
-                if (row + j >= a && !encode_symbol(&st[j], &lane[j], sym[row + j], c, rcp)) return -1;
+                if (row + j >= a) {
+                    past |= sym[row + j] >= k;
+                    encode_symbol(&st[j], &at[j], &e[sym[row + j]]);
+                }
+        if (past) return g;
     }
     for (int j = 0; j < L; j++) {
-        if (!room(&lane[j])) return -1;
         if (st[j] >= STATE_LOW) {
-            lane[j].buf[lane[j].n++] = (uint32_t)st[j];
-            lane[j].buf[lane[j].n++] = (uint32_t)(st[j] >> 32);
+            *at[j]++ = (uint32_t)st[j];
+            *at[j]++ = (uint32_t)(st[j] >> 32);
         } else if (st[j] > 0) {
-            lane[j].buf[lane[j].n++] = (uint32_t)st[j];
+            *at[j]++ = (uint32_t)st[j];
         }
     }
-    return 0;
+    return -1;
 }
 
-#define ENCODE_ARGS const uint8_t *sym, const uint32_t *cdf, const int64_t *off, const int64_t *start, \
-                    const int64_t *stop, Py_ssize_t n, words_t *lane
-static int encode_1(ENCODE_ARGS) { return encode(1, sym, cdf, off, start, stop, n, lane); }
-static int encode_2(ENCODE_ARGS) { return encode(2, sym, cdf, off, start, stop, n, lane); }
-static int encode_4(ENCODE_ARGS) { return encode(4, sym, cdf, off, start, stop, n, lane); }
-static int encode_8(ENCODE_ARGS) { return encode(8, sym, cdf, off, start, stop, n, lane); }
+#define ENCODE_ARGS const uint8_t *sym, const uint32_t *cdf, const int64_t *off, const int64_t *k, \
+                    const int64_t *start, const int64_t *stop, Py_ssize_t n, uint32_t **at
+static Py_ssize_t encode_1(ENCODE_ARGS) { return encode(1, sym, cdf, off, k, start, stop, n, at); }
+static Py_ssize_t encode_2(ENCODE_ARGS) { return encode(2, sym, cdf, off, k, start, stop, n, at); }
+static Py_ssize_t encode_4(ENCODE_ARGS) { return encode(4, sym, cdf, off, k, start, stop, n, at); }
+static Py_ssize_t encode_8(ENCODE_ARGS) { return encode(8, sym, cdf, off, k, start, stop, n, at); }
 
-/* ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the words of lane 0, then of
- * lane 1, ..., as little-endian bytes; the word count of each lane) */
+/* ans_encode(symbols, cdf, cdf_offsets, cdf_symbols, starts, stops, lanes) -> (the words of
+ * lane 0, then of lane 1, ..., as little-endian bytes; the word count of each lane), or an int:
+ * a group holding a symbol its table does not have (the tables are checked to fit
+ * cdf and the groups to lie in the symbols). Each lane's buffer has room for a word for each of
+ * its symbols and the final state's two: pages past the words written are never touched, so
+ * never made resident. */
 PyObject *py_ans_encode(PyObject *self, PyObject *args) {
-    Py_buffer sym, cdf, cdf_off, start, stop;
+    Py_buffer sym, cdf, cdf_off, cdf_k, start, stop;
     Py_ssize_t lanes;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*n", &sym, &cdf, &cdf_off, &start, &stop, &lanes)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*n", &sym, &cdf, &cdf_off, &cdf_k, &start, &stop, &lanes)) return NULL;
     PyObject *result = NULL;
-    if (valid_lanes(lanes)) {
-        words_t lane[MAX_LANES];
-        for (Py_ssize_t j = 0; j < lanes; j++) {
-            lane[j].n = lane[j].cap = 0;
-            lane[j].buf = NULL; /* room() allocates */
+    const Py_ssize_t n_groups = start.len / 8;
+    int fits = valid_lanes(lanes); /* (sets the error when not) */
+    if (fits) {
+        fits = cdf_off.len == start.len && cdf_k.len == start.len && stop.len == start.len;
+        for (Py_ssize_t g = 0; fits && g < n_groups; g++) {
+            const int64_t o = ((const int64_t *)cdf_off.buf)[g], k = ((const int64_t *)cdf_k.buf)[g];
+            const int64_t a = ((const int64_t *)start.buf)[g], b = ((const int64_t *)stop.buf)[g];
+            fits = k >= 1 && k <= 256 && o >= 0 && o + k + 1 <= cdf.len / 4 && a >= 0 && a <= b && b <= sym.len;
         }
-        int (*fn)(ENCODE_ARGS) = lanes == 1 ? encode_1 : lanes == 2 ? encode_2 : lanes == 4 ? encode_4 : encode_8;
-        int failed;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t j = 0; j < lanes; j++) { /* a first guess: a quarter of a word a symbol */
-            lane[j].cap = sym.len / 16 / lanes + 16;
-            lane[j].buf = malloc((size_t)lane[j].cap * 4);
-            if (lane[j].buf == NULL) lane[j].cap = 0;
-        }
-        failed = fn(sym.buf, cdf.buf, cdf_off.buf, start.buf, stop.buf, start.len / 8, lane);
-        Py_END_ALLOW_THREADS
-        Py_ssize_t total = 0;
-        for (Py_ssize_t j = 0; j < lanes; j++) total += lane[j].n;
-        PyObject *data = failed ? NULL : PyBytes_FromStringAndSize(NULL, total * 4);
-        PyObject *counts = failed ? NULL : PyTuple_New(lanes);
-        if (failed) PyErr_NoMemory();
-        if (data != NULL && counts != NULL) {
-            char *at = PyBytes_AS_STRING(data);
-            Py_BEGIN_ALLOW_THREADS /* (the words of a long stream: megabytes) */
-            for (Py_ssize_t j = 0; j < lanes; j++) {
-                memcpy(at, lane[j].buf, (size_t)lane[j].n * 4);
-                at += lane[j].n * 4;
-            }
-            Py_END_ALLOW_THREADS
-            for (Py_ssize_t j = 0; j < lanes; j++) PyTuple_SET_ITEM(counts, j, PyLong_FromSsize_t(lane[j].n));
-            result = Py_BuildValue("NN", data, counts);
-        } else {
-            Py_XDECREF(data);
-            Py_XDECREF(counts);
-        }
-        for (Py_ssize_t j = 0; j < lanes; j++) free(lane[j].buf);
+        if (!fits) PyErr_SetString(PyExc_ValueError, "ans_encode: tables or groups that do not fit the symbols");
     }
+    if (fits) {
+        uint32_t *buf[MAX_LANES] = {NULL}, *at[MAX_LANES];
+        int failed = 0;
+        for (Py_ssize_t j = 0; j < lanes; j++) {
+            buf[j] = at[j] = malloc((size_t)((sym.len - j + lanes - 1) / lanes + 2) * 4);
+            failed |= buf[j] == NULL;
+        }
+        Py_ssize_t (*fn)(ENCODE_ARGS) = lanes == 1 ? encode_1 : lanes == 2 ? encode_2 : lanes == 4 ? encode_4 : encode_8;
+        Py_ssize_t past = -1;
+        if (failed) {
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            past = fn(sym.buf, cdf.buf, cdf_off.buf, cdf_k.buf, start.buf, stop.buf, n_groups, at);
+            Py_END_ALLOW_THREADS
+        }
+        if (!failed && past >= 0) {
+            result = PyLong_FromSsize_t(past);
+        } else if (!failed) {
+            Py_ssize_t total = 0;
+            for (Py_ssize_t j = 0; j < lanes; j++) total += at[j] - buf[j];
+            PyObject *data = PyBytes_FromStringAndSize(NULL, total * 4);
+            PyObject *counts = data == NULL ? NULL : PyTuple_New(lanes);
+            if (counts != NULL) {
+                char *out = PyBytes_AS_STRING(data);
+                Py_BEGIN_ALLOW_THREADS /* (the words of a long stream: megabytes) */
+                for (Py_ssize_t j = 0; j < lanes; j++) {
+                    memcpy(out, buf[j], (size_t)(at[j] - buf[j]) * 4);
+                    out += (at[j] - buf[j]) * 4;
+                }
+                Py_END_ALLOW_THREADS
+                for (Py_ssize_t j = 0; j < lanes; j++) PyTuple_SET_ITEM(counts, j, PyLong_FromSsize_t(at[j] - buf[j]));
+                result = Py_BuildValue("NN", data, counts);
+            } else {
+                Py_XDECREF(data);
+            }
+        }
+        for (Py_ssize_t j = 0; j < lanes; j++) free(buf[j]);
+    }
+    PyBuffer_Release(&cdf_k);
     PyBuffer_Release(&sym); PyBuffer_Release(&cdf); PyBuffer_Release(&cdf_off);
     PyBuffer_Release(&start); PyBuffer_Release(&stop);
     return result;

@@ -57,7 +57,8 @@ static PyMethodDef methods[] = {
      "dequantize_u8(codes, table, protected, ref, has_ref, out) -> protected codes"},
     {"pack", py_pack, METH_VARARGS, "pack(values, bits, out, base=0) -> all fit: b-bit values less base packed LSB first"},
     {"ans_encode", py_ans_encode, METH_VARARGS,
-     "ans_encode(symbols, cdf, cdf_offsets, starts, stops, lanes) -> (the lanes' rANS words, each lane's word count)"},
+     "ans_encode(symbols, cdf, cdf_offsets, cdf_symbols, starts, stops, lanes) -> (the lanes' rANS words, each lane's"
+     " word count), or a group holding a symbol past its table"},
     {"ans_decode", py_ans_decode, METH_VARARGS,
      "ans_decode(words, lane_bounds, cdf, cdf_offsets, sizes, starts, stops, out, hist) -> every lane ended empty"},
     {"lloyd_f64", py_lloyd_f64, METH_VARARGS,
