@@ -171,6 +171,60 @@ def test_the_compiled_decoder_refuses_tables_it_cannot_hold() -> None:
         native.ans_decode(words, bounds, cdf[:5], offsets, sizes, starts, stops, out, hist)
 
 
+def test_the_compiled_coders_refuse_tables_and_groups_that_do_not_fit() -> None:
+    """Called directly, the encoder checks what ``ans_encode`` always passes: groups in order and
+    apart inside the symbols (its lanes' buffers hold a word for each symbol, coded once), each
+    table inside the tables' buffer (an offset near 2^63 too), from 0 to 2^24 with every
+    frequency at least 1 (it divides by each), and two symbols at least; the decoder checks its
+    groups against its output and its lanes against the words. A ValueError, never a write past a
+    buffer or a division by zero."""
+    assert native is not None, "the compiled kernels were not built"
+    symbols = np.zeros(1000, np.uint8)
+    cdf = np.array([0, 1, 1 << 24], np.uint32)  # two symbols, frequencies 1 and 2^24 - 1
+    one, k, whole = np.zeros(1, np.int64), np.array([2], np.int64), np.array([1000], np.int64)
+
+    def encode(cdf=cdf, offsets=one, k=k, starts=one, stops=whole):
+        return native.ans_encode(symbols, cdf, offsets, k, starts, stops, 4)
+
+    assert isinstance(encode(), tuple)  # (fits)
+    overlapping = dict(offsets=np.zeros(8, np.int64), k=np.full(8, 2, np.int64), starts=np.zeros(8, np.int64),
+                       stops=np.full(8, 1000, np.int64))  # fmt: skip
+    for wrong in (
+        overlapping,
+        dict(stops=np.array([1001], np.int64)),  # past the symbols
+        dict(offsets=np.array([(1 << 63) - 1], np.int64)),  # o + k + 1 overflows
+        dict(cdf=np.array([0, 0, 1 << 24], np.uint32)),  # a frequency of 0
+        dict(cdf=np.array([0, 1, 1 << 23], np.uint32)),  # not up to 2^24
+        dict(cdf=np.array([0, 1 << 24], np.uint32), k=np.array([1], np.int64)),  # one symbol
+    ):
+        with pytest.raises(ValueError, match="do not fit"):
+            encode(**wrong)
+    words, bounds = np.zeros(2, np.uint32), np.array([0, 2], np.int64)
+    out, hist = np.zeros(4, np.uint8), np.zeros(3, np.int64)
+    with pytest.raises(ValueError, match="do not fit"):  # a group past the output
+        native.ans_decode(words, bounds, cdf, one, k, one, np.array([5], np.int64), out, hist)
+    with pytest.raises(ValueError, match="do not fit"):  # a lane past the words
+        native.ans_decode(words, np.array([0, 3], np.int64), cdf, one, k, one, np.array([4], np.int64), out, hist)
+
+
+def test_histograms_that_are_not_the_symbols_own_are_refused_with_or_without_the_kernels(monkeypatch) -> None:
+    """A group of one symbol writes no words, so each of its symbols must be that one (one below
+    it decoded silently as it); without the kernels a coded group's symbols are checked before
+    constriction codes them, with the same error; groups that leave symbols over are refused."""
+    import hf_dynaquant.core.ans as ans
+
+    symbols = np.array([0, 0, 0, 0, 0, 1, 1, 2], np.uint8)
+    with pytest.raises(ValueError, match="symbols 0-4 hold"):  # zeros where the table says all are 1
+        ans_encode(symbols[:4], histograms=np.array([[0, 4]]))
+    with pytest.raises(ValueError, match="sum to 0"):
+        ans_encode(symbols, groups=np.zeros(0, np.int64))
+    for kernel in (ans.native, None):
+        with monkeypatch.context() as patch:
+            patch.setattr(ans, "native", kernel)
+            with pytest.raises(ValueError, match="symbols 4-8 hold"):  # the symbol 2 in a coded group of two
+                ans_encode(symbols, histograms=np.array([[4, 0], [1, 3]]))
+
+
 def test_the_compiled_decoder_reads_a_lone_symbol_alphabet() -> None:
     """A group of one symbol (which ``ans_encode`` never codes, but the kernel accepts) has all
     2^24 of the frequency: it decodes to that symbol without a word, not through the slot table,

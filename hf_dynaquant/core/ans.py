@@ -123,7 +123,7 @@ def table_symbols(rows: np.ndarray) -> np.ndarray:
 
 def _sizes(n: int, groups: np.ndarray | None) -> np.ndarray:
     sizes = np.array([n], dtype=np.int64) if groups is None else np.asarray(groups, dtype=np.int64)
-    if sizes.size and (int(sizes.min()) < 0 or int(sizes.sum()) != n):
+    if (sizes.size and int(sizes.min()) < 0) or int(sizes.sum()) != n:
         raise ValueError(f"group sizes sum to {int(sizes.sum())}, not to the {n} symbols")
     return sizes
 
@@ -142,8 +142,8 @@ def ans_encode(
     ``histograms``, in place of ``groups``: each group's symbol counts, a row per group (the
     sizes are the rows' sums), where the caller has them already (the delta encoder's pair
     counts), so the symbols are not counted again. They must be the symbols' own: the payload
-    is coded with them (a symbol beyond a group's histogram is refused here; other mismatches
-    make a stream :func:`ans_decode` refuses)."""
+    is coded with them (a symbol beyond a group's histogram, or another than a group of one
+    symbol's, is refused here; other mismatches make a stream :func:`ans_decode` refuses)."""
     if lanes not in (1, 2, 4, 8):
         raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
     if histograms is not None and groups is not None:
@@ -166,10 +166,14 @@ def ans_encode(
     # the table: each group's K and its K counts
     table = [np.concatenate((k[:, None], rows), axis=1)[np.arange(rows.shape[1] + 1) <= k[:, None]]]
     coded = np.count_nonzero(rows, axis=1) > 1
-    if histograms is not None:  # (a coded group's symbols are checked as they are coded)
+    if histograms is not None:  # a group of one symbol writes no words: its symbols must all be it
         for start, stop, top in zip(starts[~coded], stops[~coded], k[~coded]):
-            if int(sym[start:stop].max()) >= top:
+            if np.any(sym[start:stop] != top - 1):
                 raise ValueError(f"symbols {start}-{stop} hold a symbol their histogram does not count")
+        if native is None:  # (the C coder checks a coded group's symbols as it codes them)
+            for start, stop, top in zip(starts[coded], stops[coded], k[coded]):
+                if int(sym[start:stop].max()) >= top:
+                    raise ValueError(f"symbols {start}-{stop} hold a symbol their histogram does not count")
     if native is not None:
         encoded = native.ans_encode(sym, *_tables(rows[coded], k[coded], starts[coded], stops[coded]), lanes)
         if isinstance(encoded, int):  # (the coder's tables end there)

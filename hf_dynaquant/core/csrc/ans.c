@@ -72,6 +72,35 @@ static int valid_lanes(Py_ssize_t lanes) {
     return 0;
 }
 
+/* Whether the lanes' bounds into the words (lanes + 1 of them) are in order, inside n_words. */
+static int lanes_fit(const int64_t *bound, Py_ssize_t lanes, Py_ssize_t n_words) {
+    if (bound[0] < 0 || bound[lanes] > (int64_t)n_words) return 0;
+    for (Py_ssize_t j = 0; j < lanes; j++)
+        if (bound[j + 1] < bound[j]) return 0;
+    return 1;
+}
+
+/* Whether n_groups groups and their tables fit what the kernels assume (ans.py always passes
+ * such; a direct call may not): each group's alphabet of min_k to 256 symbols, its cumulative
+ * table inside the cdf_n entries of cdf, from 0 to 2^24 and strictly increasing (every
+ * frequency at least 1: the encoder divides by each), and the groups in order, apart, inside the
+ * n symbols (a lane's buffers hold a word for each of its symbols, coded once). */
+static int tables_fit(const uint32_t *cdf, Py_ssize_t cdf_n, const int64_t *off, const int64_t *k, const int64_t *start,
+                      const int64_t *stop, Py_ssize_t n_groups, Py_ssize_t n, int64_t min_k) {
+    int64_t end = 0;
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        const int64_t o = off[g], kg = k[g], a = start[g], b = stop[g];
+        if (kg < min_k || kg > 256 || o < 0 || o > (int64_t)cdf_n - 1 - kg) return 0;
+        if (a < end || b < a || b > (int64_t)n) return 0;
+        end = b;
+        const uint32_t *c = cdf + o;
+        if (c[0] != 0 || c[kg] != (1u << PRECISION)) return 0;
+        for (int64_t s = 0; s < kg; s++)
+            if (c[s + 1] <= c[s]) return 0;
+    }
+    return 1;
+}
+
 /* One symbol of a lane: its state st, whose words are words[low..*top), with the model of
  * slot (the whole slots), first (the guesses), cdf and k (model_t's fields, passed as values so
  * that nothing is reloaded after each byte written). */
@@ -170,6 +199,10 @@ PyObject *py_ans_decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "ans_decode: a group's alphabet is not of 1 to 256 symbols");
     else if (hist.len / 8 < cdf.len / 4)
         PyErr_SetString(PyExc_ValueError, "ans_decode: the histogram has fewer entries than the tables");
+    else if (cdf_off.len != k.len || start.len != k.len || stop.len != k.len || lanes < 1 ||
+             !lanes_fit(bound.buf, lanes, words.len / 4) ||
+             !tables_fit(cdf.buf, cdf.len / 4, cdf_off.buf, k.buf, start.buf, stop.buf, n_groups, out.len, 1))
+        PyErr_SetString(PyExc_ValueError, "ans_decode: tables, groups or lanes that do not fit the words and symbols");
     else if (valid_lanes(lanes) && (model = PyMem_RawMalloc(sizeof(model_t))) == NULL)
         PyErr_NoMemory();
     if (model != NULL) {
@@ -298,13 +331,9 @@ PyObject *py_ans_encode(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     const Py_ssize_t n_groups = start.len / 8;
     int fits = valid_lanes(lanes); /* (sets the error when not) */
-    if (fits) {
-        fits = cdf_off.len == start.len && cdf_k.len == start.len && stop.len == start.len;
-        for (Py_ssize_t g = 0; fits && g < n_groups; g++) {
-            const int64_t o = ((const int64_t *)cdf_off.buf)[g], k = ((const int64_t *)cdf_k.buf)[g];
-            const int64_t a = ((const int64_t *)start.buf)[g], b = ((const int64_t *)stop.buf)[g];
-            fits = k >= 1 && k <= 256 && o >= 0 && o + k + 1 <= cdf.len / 4 && a >= 0 && a <= b && b <= sym.len;
-        }
+    if (fits) { /* (a coded group has two symbols at least: one alone would write a word for each) */
+        fits = cdf_off.len == start.len && cdf_k.len == start.len && stop.len == start.len &&
+               tables_fit(cdf.buf, cdf.len / 4, cdf_off.buf, cdf_k.buf, start.buf, stop.buf, n_groups, sym.len, 2);
         if (!fits) PyErr_SetString(PyExc_ValueError, "ans_encode: tables or groups that do not fit the symbols");
     }
     if (fits) {
