@@ -76,3 +76,28 @@ def test_settle_bench_runs_every_variant(tmp_path):
     assert set(seconds) == {"to_cpu", "prefault", "reused", "pinned", "threads"}
     assert all(len(s) == 2 for s in seconds.values()) and (tmp_path / "settle.png").is_file()
     assert "| to_cpu |" in done.stdout
+
+
+def test_gpu_session_script_names_what_exists():
+    """``benchmarks/gpu_session.sh`` (one call of a lent GPU, whose time is short: a slip costs
+    the call) parses, names test files that exist, and passes each benchmark only options it
+    takes (an option's name checked against the benchmark's ``--help``)."""
+    import re
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "gpu_session.sh"
+    bash = shutil.which("bash")
+    assert bash is not None
+    assert subprocess.run([bash, "-n", str(script)], capture_output=True, text=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    tests = re.findall(r"tests/test_\w+\.py", text)
+    assert tests and all((root / t).is_file() for t in tests)
+    runs = re.findall(r"python3 (benchmarks/\w+\.py)([^|\n]*)", text)
+    assert {b for b, _ in runs} == {"benchmarks/bench_settle.py", "benchmarks/bench_gpu.py"}
+    for bench, args in runs:
+        usage = subprocess.run([sys.executable, str(root / bench), "--help"], capture_output=True, text=True)
+        assert usage.returncode == 0, usage.stderr[-2000:]
+        for option in re.findall(r"(--[a-z][a-z-]*)", args):
+            assert option in usage.stdout, f"{bench} takes no {option}"
