@@ -5,8 +5,7 @@ import os, sys, time, tempfile, shutil, gc
 sys.path.insert(0, "/work/main/benchmarks")
 import torch
 from transformers import GPT2Config
-from bench_scale import SIZES, CONFIG, fresh, train_step, _rss
-import hf_dynaquant
+from bench_scale import SIZES, CONFIG, fresh, train_step
 from hf_dynaquant import Compressor
 dtype = torch.bfloat16 if os.environ.get("DTYPE") == "bf16" else torch.float32
 torch.manual_seed(0)
