@@ -225,7 +225,7 @@ PyObject *py_ans_decode(PyObject *self, PyObject *args) {
  * quotient by at most one, which the remainder corrects (a 64-bit division took a sixth of the
  * time; the same quotient, so the same stream). Frequency 1's reciprocal, 2^64, does not fit:
  * 2^64 - 1 underestimates by one as well. Made for the group's symbols before its first one is
- * coded (made as each symbol first occurred, a branch on every symbol tested for it). */
+ * coded (made lazily, as each symbol first occurred, it cost a test on every symbol). */
 typedef struct {
     uint64_t rcp, flush_from;
     uint32_t freq, left;
