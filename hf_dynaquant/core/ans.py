@@ -78,21 +78,15 @@ def _model(counts: np.ndarray) -> constriction.stream.model.Categorical:
     return constriction.stream.model.Categorical(freq / freq.sum(), perfect=False)
 
 
-def quantized_cdf(counts: np.ndarray) -> np.ndarray:
-    """The cumulative table (``uint32``, ``K + 1`` entries from 0 to ``2**24``) that
-    :func:`_model` makes of ``counts``, computed as constriction 0.5 does
-    (``fast_quantized_cdf``): ``p = counts / sum``, the running sum of ``p`` added left to right
-    in float64 (``np.cumsum`` is sequential, unlike ``np.sum``), ``cdf[i] = floor(sum_{j<i} p_j *
-    (2**24 - K) / sum_j p_j) + i``. Every symbol, even one of count 0, gets a frequency of at least 1."""
-    counts = np.asarray(counts)
-    return _cdfs(counts[None, :], np.array([counts.size]))
-
-
 def _cdfs(rows: np.ndarray, symbols: np.ndarray) -> np.ndarray:
-    """The :func:`quantized_cdf` of each row's first ``symbols`` counts (the row zero past
-    them), concatenated: the same float64 operations, element for element, on all the rows at
-    once (a delta's groups are hundreds a checkpoint; the counts are integers, so their sums
-    are exact in any order, and the running sums are sequential along each row)."""
+    """The cumulative tables (``uint32``, ``K + 1`` entries from 0 to ``2**24`` each,
+    concatenated) that :func:`_model` makes of each row's first ``K = symbols`` counts (the row
+    zero past them), computed as constriction 0.5 does (``fast_quantized_cdf``): ``p = counts /
+    sum``, the running sum of ``p`` added left to right in float64 (``np.cumsum`` is sequential
+    along each row, unlike ``np.sum``), ``cdf[i] = floor(sum_{j<i} p_j * (2**24 - K) / sum_j p_j) +
+    i``. Every symbol, even one of count 0, gets a frequency of at least 1. All the rows at once
+    (a delta's groups are hundreds a checkpoint; the counts are integers, so their sums are exact
+    in any order)."""
     p = rows.astype(np.float64)
     p /= p.sum(axis=1, keepdims=True)
     running = np.cumsum(p, axis=1)
@@ -113,6 +107,14 @@ def _tables(rows: np.ndarray, symbols: np.ndarray, starts: np.ndarray, stops: np
     offsets = np.cumsum(symbols + 1) - (symbols + 1)  # (each table has K + 1 entries)
     cdf = _cdfs(rows, symbols) if symbols.size else np.zeros(0, np.uint32)
     return cdf, offsets, symbols, starts, stops
+
+
+def _rows(counts: list[np.ndarray]) -> np.ndarray:
+    """Groups' counts (each of up to 256 symbols) as the rows of one int64 array, zero past each."""
+    rows = np.zeros((len(counts), 256), dtype=np.int64)
+    for row, c in zip(rows, counts):
+        row[: c.size] = c
+    return rows
 
 
 def table_symbols(rows: np.ndarray) -> np.ndarray:
@@ -156,10 +158,7 @@ def ans_encode(
     present = np.flatnonzero(sizes)
     starts, stops = bounds[present], bounds[present + 1]
     if histograms is None:
-        rows = np.zeros((present.size, 256), dtype=np.int64)
-        for row, start, stop in zip(rows, starts, stops):
-            counts = byte_counts(sym[start:stop])
-            row[: counts.size] = counts
+        rows = _rows([byte_counts(sym[start:stop]) for start, stop in zip(starts, stops)])
     else:
         rows = histograms[present].astype(np.int64)
     k = table_symbols(rows)  # byte_counts' length: the largest symbol present, plus one
@@ -235,10 +234,8 @@ def ans_decode(
         raise ValueError(f"rANS lane sizes {table[pos:].tolist()} do not fit the stream's {words.size} words")
     lane_bounds = np.array([*ends.tolist(), words.size], dtype=np.int64)
     if native is not None:  # the kernel counts the symbols as it decodes them
-        rows = np.zeros((len(coded), 256), dtype=np.int64)
-        for row, (_, _, counts) in zip(rows, coded):
-            row[: counts.size] = counts
-        tables = _tables(rows, *np.array([(c.size, a, b) for a, b, c in coded], dtype=np.int64).reshape(-1, 3).T)
+        symbols, starts, stops = ([c.size for _, _, c in coded], [a for a, _, _ in coded], [b for _, b, _ in coded])
+        tables = _tables(_rows([c for _, _, c in coded]), symbols, starts, stops)
         hist = np.zeros(tables[0].size, dtype=np.int64)
         empty = native.ans_decode(words, lane_bounds, *tables, out, hist)
         decoded = np.split(hist, tables[1][1:])
