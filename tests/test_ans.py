@@ -14,6 +14,7 @@ from hf_dynaquant.codecs.dynaquant import DynaQuantCodec
 from hf_dynaquant.core.ans import LANES, ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from hf_dynaquant.core.bitplanes import pack_bits
 from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes, encode_codes_packed, encode_stream
+from hf_dynaquant.core.histogram import byte_counts
 from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
@@ -50,13 +51,13 @@ def test_reaches_the_order0_entropy() -> None:
     payload = ans_encode(symbols)
     assert len(payload) <= _entropy_bytes(symbols) + 64
     in_lanes = ans_encode(symbols, lanes=LANES)
-    assert len(in_lanes) <= len(payload) + 40  # the other lanes' states and word counts
+    assert len(in_lanes) <= len(payload) + 11 * (LANES - 1)  # the other lanes' states (8 bytes) and word counts
     import zstandard
 
     assert len(zstandard.ZstdCompressor(level=1).compress(symbols.tobytes())) > 1.3 * len(payload)
     skewed = rng.choice(3, 200_000, p=[0.9, 0.05, 0.05]).astype(np.uint8)  # where packing loses over 10%
     coding, coded = encode_codes(skewed)
-    assert coding == ans_coding(LANES) == "ans4" and coded == ans_encode(skewed, lanes=LANES)
+    assert coding == ans_coding(LANES) == "ans8" and coded == ans_encode(skewed, lanes=LANES)
     assert len(coded) <= _entropy_bytes(skewed) + 64
 
 
@@ -94,7 +95,7 @@ PINNED = "0c050100070a020502000508013faeb9a54fb3635656cf0000"
 def test_lanes_are_streams_of_their_own_and_pinned() -> None:
     """Lane ``j`` holds the symbols at positions ``j mod L``, each a stream of one lane coded
     with the groups' models; the table ends with the first lanes' word counts. A long stream
-    takes four lanes, a short one keeps one (the extra states would cost more than they save)."""
+    takes eight lanes, a short one keeps one (the extra states would cost more than they save)."""
     symbols = np.array([2, 3, 3, 2, 4, 2, 3, 3, 0, 3, 2, 3] * 3, dtype=np.uint8)
     groups = np.array([20, 16])
     payload = ans_encode(symbols, groups, lanes=4)
@@ -480,7 +481,6 @@ def test_long_streams_choose_from_a_sampled_histogram_as_from_the_whole(monkeypa
     with its whole histogram, rANS included (which is given the whole one); a code the sample
     missed, outside the packing's range, is found by the packing and the stream coded whole."""
     import hf_dynaquant.core.entropy as entropy
-    from hf_dynaquant.core.histogram import byte_counts
 
     rng = np.random.default_rng(21)
     n = 4_000_000
@@ -495,7 +495,7 @@ def test_long_streams_choose_from_a_sampled_histogram_as_from_the_whole(monkeypa
     streams.update({"stray low code": stray_low, "stray far code": stray_far})
     counted = []
     monkeypatch.setattr(entropy, "byte_counts", lambda codes, *a: counted.append(codes.size) or byte_counts(codes, *a))
-    expected = ["zstd:pack4+2", "ans4", "pack1+2", "zstd:pack4+0", "ans4"]  # (the far code: too wide to pack)
+    expected = ["zstd:pack4+2", "ans8", "pack1+2", "zstd:pack4+0", "ans8"]  # (the far code: too wide to pack)
     for (name, codes), stored in zip(streams.items(), expected):
         counted.clear()
         coding, payload = encode_codes(codes)
@@ -523,7 +523,7 @@ def test_codec_stores_deltas_as_rans_and_keyframes_packed(tmp_path) -> None:
         sizes[coding] = delta["blobs"]["delta"]["nbytes"]
         if coding == "ans":
             assert key["params"]["codes_stream"] == "zstd:pack4+1"
-            assert delta["params"]["delta_stream"] == ["ans4", 256 * 256]
+            assert delta["params"]["delta_stream"] == ["ans8", 256 * 256]
         else:  # the paper's coding keeps zstd keyframes (faster to decode)
             assert key["params"]["codes_stream"] == ZSTD
         assert store.verify(deep=True) == []
@@ -532,8 +532,8 @@ def test_codec_stores_deltas_as_rans_and_keyframes_packed(tmp_path) -> None:
 
 def test_one_lane_streams_of_earlier_writers_still_read(tmp_path, monkeypatch) -> None:
     """Writers before lanes (codec version 1) coded long keyframes and deltas in one lane
-    (``"ans"``), and packed no codes (version 4 on): such a chain reads back to exactly what the
-    same chain in four lanes reads to."""
+    (``"ans"``), and packed no codes (version 4 on), and later ones in four lanes (``"ans4"``):
+    such chains read back to exactly what the same chain in today's lanes reads to."""
     import hf_dynaquant.codecs.dynaquant as dynaquant_codec
     import hf_dynaquant.core.entropy as entropy
 
@@ -542,7 +542,7 @@ def test_one_lane_streams_of_earlier_writers_still_read(tmp_path, monkeypatch) -
     moved = {"layer.weight": w["layer.weight"] + 0.004 * torch.randn(256, 256)}
     config = QuantConfig(bins=6, prune=0.0, protect=0.001, min_numel=1000)
     decoded, streams = {}, {}
-    for lanes in (1, LANES):
+    for lanes in (1, 4, LANES):
         with monkeypatch.context() as patch:
             for module in (entropy, dynaquant_codec):
                 patch.setattr(module, "lanes_for", lambda n, lanes=lanes: lanes)
@@ -553,8 +553,8 @@ def test_one_lane_streams_of_earlier_writers_still_read(tmp_path, monkeypatch) -
         key, delta = store.open("k").record("model", "layer.weight"), store.open("d").record("model", "layer.weight")
         streams[lanes] = (key["params"]["codes_stream"], delta["params"]["delta_stream"][0])
         decoded[lanes] = [store.open(ref).load_section("model")["layer.weight"] for ref in ("k", "d")]
-    assert streams == {1: ("ans", "ans"), LANES: ("ans4", "ans4")}
-    assert all(torch.equal(a, b) for a, b in zip(decoded[1], decoded[LANES]))
+    assert streams == {1: ("ans", "ans"), 4: ("ans4", "ans4"), LANES: ("ans8", "ans8")}
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(decoded[1], decoded[4], decoded[LANES]))
 
 
 def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch) -> None:
@@ -573,6 +573,53 @@ def test_long_groups_are_coded_in_slices_without_changing_the_bytes(monkeypatch)
 
 
 @pytest.mark.skipif(native is None, reason="the C kernels are not built")
+def test_the_vector_encoder_writes_the_plain_loops_words() -> None:
+    """Eight lanes are coded a row at a time in one AVX-512 vector where the CPU has it (the
+    quotient in double precision, corrected where it is one off): the words are the plain
+    loops', byte for byte, for alphabets looked up from registers (up to 16 and 32 symbols) and
+    gathered (up to 256), frequencies of 1 beside ones near 2^24, groups of every alignment to
+    the rows (empty and shorter than a row included), some 3 million steps; a symbol past its
+    group's table names the same group both ways. (On a CPU without AVX-512 both runs take the
+    plain loops.)"""
+    assert native is not None, "the compiled kernels were not built"
+    import hf_dynaquant.core.ans as ans
+
+    rng = np.random.default_rng(38)
+    cases = []
+    for k in (2, 3, 9, 16, 17, 30, 32, 33, 100, 256):
+        for _ in range(3):
+            p = rng.pareto(0.7, k) + 1e-9
+            p[rng.integers(k)] += 50.0 * p.sum()  # one symbol of nearly all the mass: others near frequency 1
+            sizes = rng.integers(0, 40, 6).tolist() + rng.integers(1000, 120_000, 3).tolist()
+            rng.shuffle(sizes)
+            symbols = np.concatenate([rng.choice(k, int(n), p=p / p.sum()) for n in sizes]).astype(np.uint8)
+            cases.append((symbols, np.array(sizes)))
+    steps = 0
+    for symbols, sizes in cases:
+        bounds = np.concatenate(([0], np.cumsum(sizes)))
+        present = np.flatnonzero(sizes)
+        rows = ans._rows([byte_counts(symbols[a:b]) for a, b in zip(bounds[present], bounds[present + 1])])
+        coded = np.count_nonzero(rows, axis=1) > 1
+        tables = ans._tables(rows[coded], ans.table_symbols(rows)[coded], bounds[present][coded],
+                             bounds[present + 1][coded])  # fmt: skip
+        last = np.flatnonzero(coded)[-1]  # the last coded group, coded first
+        past = symbols.copy()
+        past[bounds[present][last]] = min(int(ans.table_symbols(rows)[last]), 255)  # past its table, if it can be
+        words = {}
+        for vector in (True, False):
+            before = native.allow_simd(vector)
+            try:
+                words[vector] = native.ans_encode(symbols, *tables, 8)
+                words[vector, "past"] = native.ans_encode(past, *tables, 8)
+            finally:
+                native.allow_simd(before)
+        assert words[True] == words[False] and isinstance(words[True], tuple)
+        assert words[True, "past"] == words[False, "past"]
+        assert words[True, "past"] == int(np.count_nonzero(coded)) - 1 or ans.table_symbols(rows)[last] == 256
+        steps += symbols.size
+    assert steps > 3_000_000
+
+
 def test_c_kernels_code_constrictions_streams_bit_for_bit(monkeypatch) -> None:
     """The C coder writes the words constriction writes and reads them back to the same symbols,
     on skewed alphabets of 2-256 symbols with gaps (counts of 0 inside the alphabet), symbols

@@ -413,7 +413,7 @@ def test_delta_of_unknown_coding_or_levels_is_corrupt(change) -> None:
 
 
 def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> None:
-    """A long delta of few levels is coded two deltas to an rANS symbol (``"ans4:pairs"``) where
+    """A long delta of few levels is coded two deltas to an rANS symbol (``"ans8:pairs"``) where
     that is smaller than one a symbol, reads back to the codes (groups of odd size included), and
     is corrupt against a base holding a code past its levels, or under a suffix it does not know."""
     from hf_dynaquant.codecs import dynaquant as dynaquant_mod
@@ -430,7 +430,7 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
 
     codec = DynaQuantCodec()
     paired = codec._encode_state(state(cur), state(prev), {})
-    assert paired.params["mode"] == "delta" and paired.params["delta_stream"] == ["ans4:pairs", prev.size]
+    assert paired.params["mode"] == "delta" and paired.params["delta_stream"] == ["ans8:pairs", prev.size]
 
     def blobs(name: str) -> np.ndarray:
         return np.frombuffer(paired.blobs[name], np.uint8)
@@ -441,9 +441,9 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
     with monkeypatch.context() as patch:
         patch.setattr(dynaquant_mod, "PAIRED_LEVELS", 0)  # one delta a symbol
         single = codec._encode_state(state(cur), state(prev), {})
-    assert single.params["delta_stream"] == ["ans4", prev.size]
+    assert single.params["delta_stream"] == ["ans8", prev.size]
     assert len(paired.blobs["delta"]) < 0.995 * len(single.blobs["delta"])
-    from hf_dynaquant.core.ans import ans_encode
+    from hf_dynaquant.core.ans import LANES, ans_encode
     from hf_dynaquant.core.delta import grouped_delta, pair_up, paired_sizes
 
     sizes = np.bincount(prev, minlength=4)
@@ -451,7 +451,7 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
     for at, bad in ((0, 16), (-1, 4)):  # no pair of values below 4; an odd group's last value past them
         damaged = symbols.copy()
         damaged[at] = bad
-        payload = ans_encode(damaged, paired_sizes(sizes), lanes=4)
+        payload = ans_encode(damaged, paired_sizes(sizes), lanes=LANES)
         blob = lambda name, payload=payload: np.frombuffer(payload, np.uint8)  # noqa: E731
         blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
         with pytest.raises(CorruptCheckpointError, match="tensor w: .*no pair"):
@@ -463,7 +463,7 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
     with pytest.raises(CorruptCheckpointError, match="tensor w"):
         codec.decode("F32", cur.shape, paired.params, blobs, state(far))
     with pytest.raises(CorruptCheckpointError, match="tensor w"):
-        unknown = {**paired.params, "delta_stream": ["ans4:pairz", prev.size]}
+        unknown = {**paired.params, "delta_stream": ["ans8:pairz", prev.size]}
         codec.decode("F32", cur.shape, unknown, blobs, state(prev.copy()))
 
 

@@ -219,7 +219,7 @@ class DynaQuantCodec(Codec):
     """Quantize with a plan (encode); decode needs only the stored params and blobs."""
 
     name = "dynaquant"
-    # 2: rANS streams in lanes ("ans4"); version 1 records use one lane ("ans") only. 3: trellis
+    # 2: rANS streams in lanes ("ans<L>"); version 1 records use one lane ("ans") only. 3: trellis
     # symbols (blob "symbols"); records without the "trellis" param read as version 2's. 4: codes
     # packed from their smallest ("pack<N>+<B>"), which earlier records never use. 5: packed codes
     # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use. 6: deltas two to an

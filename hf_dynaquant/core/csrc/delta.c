@@ -248,6 +248,9 @@ int dq_simd_paths(void) {
         if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2") &&
             __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
             have |= DQ_AVX512_VBMI2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+            have |= DQ_AVX512DQ;
 #endif
         __atomic_store_n(&known, have, __ATOMIC_RELAXED);
     }

@@ -80,9 +80,11 @@ PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
 PyObject *py_unpair_u8(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
 /* The hand-written AVX-512 paths this CPU has and kernels may take (py_allow_simd: tests turn
- * them off): DQ_AVX512F (the partition), DQ_AVX512_VBMI2 (the grouping); asked of the CPU once. */
+ * them off): DQ_AVX512F (the partition), DQ_AVX512_VBMI2 (the grouping), DQ_AVX512DQ (the rANS
+ * encoder's 8 lanes); asked of the CPU once. */
 #define DQ_AVX512F 1
 #define DQ_AVX512_VBMI2 2
+#define DQ_AVX512DQ 4
 int dq_simd_paths(void);
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_ans_encode(PyObject *self, PyObject *args);
