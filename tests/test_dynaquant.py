@@ -1028,12 +1028,16 @@ def test_protected_values_are_selected_as_a_mask_selects_them(monkeypatch) -> No
     monkeypatch.undo()
     values = np.arange(codes.size, dtype=np.float32)
     out = np.empty(kept.size, np.float32)
-    assert quantizer_mod.native.select_u8_f32(codes, PROTECTED, values, out) == kept.size
+    assert quantizer_mod.native.select_u8(codes, PROTECTED, values, out) == kept.size
     assert np.array_equal(out, values[codes == PROTECTED])
+    bits = np.arange(codes.size, dtype=np.uint16)  # (bfloat16 bits: two bytes a value)
+    out16 = np.empty(kept.size, np.uint16)
+    assert quantizer_mod.native.select_u8(codes, PROTECTED, bits, out16) == kept.size
+    assert np.array_equal(out16, bits[codes == PROTECTED])
     with pytest.raises(ValueError, match="more values hold the code than out holds"):
-        quantizer_mod.native.select_u8_f32(codes, PROTECTED, values, out[:-1])
-    with pytest.raises(ValueError, match="float32, one per code"):
-        quantizer_mod.native.select_u8_f32(codes, PROTECTED, values[:-1], out)
+        quantizer_mod.native.select_u8(codes, PROTECTED, values, out[:-1])
+    with pytest.raises(ValueError, match="of 2 or 4 bytes, one per code"):
+        quantizer_mod.native.select_u8(codes, PROTECTED, values[:-1], out)
 
 
 def _partition_reference(w, sens, tau_mag, tau_sens, tau_prune, by_sens, mids) -> tuple[np.ndarray, int]:
@@ -1081,19 +1085,68 @@ def test_partition_kernel_follows_its_rules_at_every_edge(simd_path, nmids: int)
     if nmids:
         w[100 : 100 + nmids] = mids  # values exactly on a midpoint
         w[400 : 400 + nmids] = np.nextafter(mids, np.float32(np.inf))  # and just above one
+    bits = torch.from_numpy(w).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)  # the values bfloat16 weights hold
     for with_sens, by_sens, prune in [(False, False, tau_prune), (True, False, tau_prune), (True, True, tau_prune),
                                       (False, False, -1.0), (True, True, -1.0)]:  # fmt: skip
         s = sens if with_sens else None
-        codes = np.empty(w.size, np.uint8)
-        given = s if with_sens else w
-        nprot = native.partition_f32(w, given, with_sens, tau_mag, tau_sens, prune, by_sens, mids, codes)
-        want, want_prot = _partition_reference(w, s, tau_mag, tau_sens, prune, by_sens, mids)
-        bad = np.flatnonzero(codes != want)
-        assert bad.size == 0, (with_sens, by_sens, prune, w[bad[:5]], codes[bad[:5]], want[bad[:5]])
-        assert nprot == want_prot
-        short = np.empty(13, np.uint8)  # fewer values than a vector holds: all in the plain loop's tail
-        native.partition_f32(w[:13], given[:13], with_sens, tau_mag, tau_sens, prune, by_sens, mids, short)
-        assert np.array_equal(short, want[:13])
+        given = s if with_sens else mids
+        for values, read in ((w, w), (widened, bits)):  # float32, and bfloat16 read as its bits
+            codes = np.empty(w.size, np.uint8)
+            as_bits = read is bits
+            nprot = native.partition(read, as_bits, given, with_sens, tau_mag, tau_sens, prune, by_sens, mids, codes)
+            want, want_prot = _partition_reference(values, s, tau_mag, tau_sens, prune, by_sens, mids)
+            bad = np.flatnonzero(codes != want)
+            assert bad.size == 0, (with_sens, by_sens, prune, values[bad[:5]], codes[bad[:5]], want[bad[:5]])
+            assert nprot == want_prot
+            short = np.empty(13, np.uint8)  # fewer values than a vector holds: all in the plain loop's tail
+            native.partition(read[:13], as_bits, s[:13] if with_sens else mids, with_sens, tau_mag, tau_sens,
+                             prune, by_sens, mids, short)  # fmt: skip
+            assert np.array_equal(short, want[:13])
+    with pytest.raises(ValueError, match="disagree in length"):  # bfloat16 bits are two bytes a value
+        native.partition(bits.view(np.uint8)[:-1], True, mids, False, tau_mag, tau_sens, -1.0, False, mids, codes)
+
+
+@pytest.mark.parametrize("config", [
+    QuantConfig(bins=8, prune=0.1, protect=0.01, min_numel=1),
+    QuantConfig(bins=40, prune=0.0, protect=0.0, min_numel=1),  # (more midpoints than the vector search takes)
+    QuantConfig(bins=8, prune=0.1, protect=0.01, min_numel=1, rounding="stochastic"),
+])  # fmt: skip
+def test_bf16_weights_are_quantized_as_they_are(monkeypatch, simd_path, config) -> None:
+    """A bfloat16 tensor is partitioned as its bits (no float32 copy of the whole tensor is made
+    to quantize it or to sketch it): the codes and protected values are those of its float32
+    copy, with a sensitivity or without, with the kernels or numpy; under stochastic rounding it
+    is widened, as the rounding reads float32, to the same result as its copy's."""
+    from hf_dynaquant.core.quantizer import quantize
+
+    torch.manual_seed(3)
+    w = (torch.randn(300, 257) * 0.05).to(torch.bfloat16)
+    w[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.5])  # zeros, a subnormal in float32, a far value
+    sens = {"w": torch.rand(300, 257)}
+    widened: list[int] = []
+    flat_f32 = quantizer_mod.flat_f32
+    def recorded(t: torch.Tensor) -> torch.Tensor:  # the bfloat16 values widened, and how many
+        if t.dtype == torch.bfloat16:
+            widened.append(t.numel())
+        return flat_f32(t)
+
+    monkeypatch.setattr(quantizer_mod, "flat_f32", recorded)
+    for sensitivity in (None, sens):
+        plan = plan_quantization({"w": w}, config, sensitivity=sensitivity).tensors["w"]
+        widened.clear()
+        codes, kept = quantize(w, plan)
+        assert (max(widened, default=0) < w.numel()) == (config.rounding == "nearest"), widened
+        want_codes, want_kept = quantize(w.float(), plan)
+        assert np.array_equal(codes, want_codes) and np.array_equal(kept, want_kept)
+        assert kept.size == int((codes == PROTECTED).sum()) and (kept.size > 0) == (config.protect > 0)
+        with monkeypatch.context() as patch:
+            patch.setattr(quantizer_mod, "native", None)
+            slow_codes, slow_kept = quantize(w, plan)
+        assert np.array_equal(codes, slow_codes) and np.array_equal(kept, slow_kept)
+    large = (torch.randn(1024, 1100) * 0.05).to(torch.bfloat16)  # (sketched from a sample: past SAMPLE_FROM)
+    widened.clear()
+    plan_quantization({"w": large}, config)
+    assert 0 < max(widened) < large.numel() / 4, widened  # the sample's values widened, not the tensor's
 
 
 def test_rle_rejects_malformed_streams() -> None:

@@ -334,6 +334,13 @@ class TensorPlan:
         """This tensor's sensitivity, flat float32 on the host, computed now (None: unused)."""
         return None if self.sensitivity is None else flat_f32(self.sensitivity()).numpy()
 
+    def reads_bf16(self) -> bool:
+        """Whether :func:`quantize` partitions a bfloat16 tensor's bits as they are: the plan
+        codes the values themselves (no reference) by the partition alone (no dither, error
+        feedback, trellis grid or rare rows)."""
+        no_dither = self.dither_seed is None or not self.centres.size
+        return self.reference is None and no_dither and self.partitions_on_device() and self.rare_rows is None
+
     def partitions_on_device(self) -> bool:
         """Whether :meth:`device_codes` takes this plan (error feedback, trellis grids and rare
         rows: host only)."""
@@ -458,13 +465,15 @@ class TensorPlan:
         return self.protect_magnitude == math.inf and (not has_sens or tau_sens == math.inf) and tau_prune < 0
 
     def _partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
-        """``(codes, protected count)``: protected, pruned, else the nearest centre."""
+        """``(codes, protected count)``: protected, pruned, else the nearest centre. ``w``: flat
+        float32 values, or bfloat16 ones as their bits (uint16), read as they are."""
         mids, tau_sens, tau_prune, by_sens = self.rules(centres, sens is not None)
         if native is not None:
             codes = np.empty(w.size, dtype=np.uint8)
-            nprot = native.partition_f32(
+            nprot = native.partition(
                 w,
-                sens if sens is not None else w,
+                w.dtype == np.uint16,
+                sens if sens is not None else mids,
                 sens is not None,
                 self.protect_magnitude,
                 tau_sens,
@@ -474,6 +483,8 @@ class TensorPlan:
                 codes,
             )
             return codes, nprot
+        if w.dtype == np.uint16:
+            w = (w.astype(np.uint32) << 16).view(np.float32)
         mag = np.abs(w)
         protected = mag > self.protect_magnitude
         if sens is not None:
@@ -798,11 +809,16 @@ def plan_quantization(
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
     def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
-        """That sketch, made on the host from the sample of the values it reads."""
-        w = plan.target(tensors[n])
-        if rare is not None:
-            w = plan.row_values(w, rare)
-        x, weight = sample(torch.from_numpy(w), w.size, given=presampled.get(n))
+        """That sketch, made on the host from the sample of the values it reads (of the tensor
+        as it is, where its values are the target: a bfloat16 one is not widened whole)."""
+        if rare is None and plan.reference is None:
+            x, weight = sample(tensors[n].detach().reshape(-1), tensors[n].numel(), given=presampled.get(n))
+            x = flat_f32(x)
+        else:
+            w = plan.target(tensors[n])
+            if rare is not None:
+                w = plan.row_values(w, rare)
+            x, weight = sample(torch.from_numpy(w), w.size, given=presampled.get(n))
         s = None if plan.keeps_every_value(n in sens) else sensitivity_sample(plan, n, rare)  # (read only then)
         return remaining_sketch(plan, x.numpy(), s, x.numel(), weight=weight)
 
@@ -892,7 +908,14 @@ def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
-    residual when the plan has a reference)."""
+    residual when the plan has a reference). A bfloat16 tensor that the partition alone codes
+    (no reference, dither, error feedback, trellis or rare rows) is read as it is: no float32
+    copy (2 bytes a value of new memory), the same codes, and its protected values are its own
+    bits."""
+    bits = _bf16_bits(w) if plan.reads_bf16() else None
+    if bits is not None:
+        codes, protected = plan.codes(bits)
+        return codes, _selected(codes, protected, bits)
     flat = plan.target(w)
     protected: int | None = None  # how many, where the partition counted them
     if plan.feedback is not None and not plan.nearest:
@@ -904,12 +927,26 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     if protected == 0:  # (optimizer moments are never protected: no pass over the codes for them)
         return codes, np.zeros(0, dtype=np.uint16)
     if protected is not None and native is not None and flat.dtype == np.float32:
-        # found where the codes say, into an array of the partition's count (no mask of every value)
-        values = np.empty(protected, dtype=np.float32)
-        values = values[: native.select_u8_f32(codes, PROTECTED, np.ascontiguousarray(flat), values)]
+        values = _selected(codes, protected, np.ascontiguousarray(flat))
     else:
         values = flat[codes == PROTECTED]
     return codes, torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _bf16_bits(w: torch.Tensor) -> np.ndarray | None:
+    """The flat bits (uint16) of a bfloat16 CPU tensor, None for another."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or native is None:
+        return None
+    return w.detach().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _selected(codes: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:
+    """The ``count`` values (flat float32, or bfloat16 bits) whose code is ``PROTECTED``, in
+    order: found where the codes say, into an array of that size (no mask of every value)."""
+    if count == 0:
+        return values[:0]
+    out = np.empty(count, dtype=values.dtype)
+    return out[: native.select_u8(codes, PROTECTED, values, out)]
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:

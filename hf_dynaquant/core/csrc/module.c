@@ -12,10 +12,10 @@ static PyMethodDef methods[] = {
      "sketch_f32(values, lut, inv_log_gamma, tiny_bits, kmin, counts, codes, only) -> (nans, least key slot, largest)"},
     {"sketch_table", py_sketch_table, METH_VARARGS,
      "sketch_table(lut, inv_log_gamma, tiny_bits, kmin, nkeys): the lut of sketch_f32, by the exact rule"},
-    {"select_u8_f32", py_select_u8_f32, METH_VARARGS,
-     "select_u8_f32(codes, code, values, out) -> count: the float32 values whose code is code, in order, into out"},
-    {"partition_f32", py_partition_f32, METH_VARARGS,
-     "partition_f32(w, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
+    {"select_u8", py_select_u8, METH_VARARGS,
+     "select_u8(codes, code, values, out) -> count: the values (float32 or bfloat16 bits) whose code is code, in order, into out"},
+    {"partition", py_partition, METH_VARARGS,
+     "partition(w, w_bf16, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
     {"feedback_block_f32", py_feedback_block_f32, METH_VARARGS,
      "feedback_block_f32(block, sens, has_sens, rows, u, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints,"

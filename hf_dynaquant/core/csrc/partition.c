@@ -1,6 +1,8 @@
 #include "kernels.h"
 
-/* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights:
+/* DynaQuant partition and code assignment (quantizer.py), one pass over float32 weights, or
+ * bfloat16 ones read as they are (WB: their bits widened in registers, exactly, so the codes are
+ * those of the float32 copy the partition otherwise needs, 2 bytes a value of new memory less):
  * code 1 if protected (|w| > tau_mag, or sens > tau_sens), else 0 if pruned (metric <
  * tau_prune, or metric exactly 0, the metric being |w| or sens; tau_prune < 0 disables pruning),
  * else 2 + the nearest of the sorted centres (2 when there are none yet): the number of the
@@ -30,14 +32,25 @@ static float f32_at_least(double t) {
     return (double)f < t ? nextafterf(f, INFINITY) : f;
 }
 
-/* The loop for HAS_SENS (a sensitivity given) and BY_SENS (pruning by it), M midpoints counted
- * (mids padded with +inf to M), instantiated for each combination below. */
-INLINE Py_ssize_t partition_loop(const int HAS_SENS, const int BY_SENS, const int M, const float *restrict w,
-                                 const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp, int prune,
-                                 const float *restrict mids, uint8_t *restrict codes) {
+/* Weight i of w: float32, or bfloat16 bits (WB) widened exactly. */
+INLINE float weight_at(const int WB, const void *restrict w, Py_ssize_t i) {
+    if (!WB) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
+
+/* The loop for HAS_SENS (a sensitivity given), BY_SENS (pruning by it) and WB (bfloat16
+ * weights), M midpoints counted (mids padded with +inf to M), instantiated for each
+ * combination below. */
+INLINE Py_ssize_t partition_loop(const int HAS_SENS, const int BY_SENS, const int WB, const int M,
+                                 const void *restrict w, const float *restrict sens, Py_ssize_t n, float tm,
+                                 float ts, float tp, int prune, const float *restrict mids,
+                                 uint8_t *restrict codes) {
     Py_ssize_t nprot = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const float x = w[i], a = fabsf(x), s = HAS_SENS ? sens[i] : 0.0f;
+        const float x = weight_at(WB, w, i), a = fabsf(x), s = HAS_SENS ? sens[i] : 0.0f;
         const int protect = HAS_SENS ? (a > tm) | (s > ts) : a > tm;
         const float m = BY_SENS ? s : a;
         const int pruned = prune & ((m < tp) | (m == 0.0f));
@@ -50,14 +63,14 @@ INLINE Py_ssize_t partition_loop(const int HAS_SENS, const int BY_SENS, const in
     return nprot;
 }
 
-#define PARTITION_LOOPS(M)                                                                                    \
-    SIMD_CLONES static Py_ssize_t partition_##M(int has_sens, int by_sens, const float *w, const float *sens, \
-                                                Py_ssize_t n, float tm, float ts, float tp, int prune,        \
-                                                const float *mids, uint8_t *codes) {                          \
-        if (!has_sens) return partition_loop(0, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);            \
-        if (!by_sens) return partition_loop(1, 0, M, w, sens, n, tm, ts, tp, prune, mids, codes);             \
-        return partition_loop(1, 1, M, w, sens, n, tm, ts, tp, prune, mids, codes);                           \
+#define PARTITION_LOOPS_OF(M, WB, NAME)                                                                       \
+    SIMD_CLONES static Py_ssize_t NAME(int has_sens, int by_sens, const void *w, const float *sens, Py_ssize_t n, \
+                                       float tm, float ts, float tp, int prune, const float *mids, uint8_t *codes) { \
+        if (!has_sens) return partition_loop(0, 0, WB, M, w, sens, n, tm, ts, tp, prune, mids, codes);           \
+        if (!by_sens) return partition_loop(1, 0, WB, M, w, sens, n, tm, ts, tp, prune, mids, codes);            \
+        return partition_loop(1, 1, WB, M, w, sens, n, tm, ts, tp, prune, mids, codes);                          \
     }
+#define PARTITION_LOOPS(M) PARTITION_LOOPS_OF(M, 0, partition_##M) PARTITION_LOOPS_OF(M, 1, partition_bf16_##M)
 PARTITION_LOOPS(3)
 PARTITION_LOOPS(7)
 PARTITION_LOOPS(15)
@@ -73,17 +86,20 @@ PARTITION_LOOPS(31)
 #define PARTITION_SIMD 1
 #define AVX512F __attribute__((target("avx512f,popcnt")))
 
-INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS, const int STEPS, const float *restrict w,
-                                         const float *restrict sens, Py_ssize_t n, float tm, float ts, float tp,
-                                         int prune, const float *restrict padded, uint8_t *restrict codes,
-                                         Py_ssize_t *done) {
+INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS, const int WB, const int STEPS,
+                                         const void *restrict w, const float *restrict sens, Py_ssize_t n, float tm,
+                                         float ts, float tp, int prune, const float *restrict padded,
+                                         uint8_t *restrict codes, Py_ssize_t *done) {
     const __m512 t0 = _mm512_loadu_ps(padded), t1 = _mm512_loadu_ps(padded + 16);
     const __m512 t2 = _mm512_loadu_ps(padded + 32), t3 = _mm512_loadu_ps(padded + 48);
     const __m512 vtm = _mm512_set1_ps(tm), vts = _mm512_set1_ps(ts), vtp = _mm512_set1_ps(tp), zero = _mm512_setzero_ps();
     const __m512i two = _mm512_set1_epi32(2), one = _mm512_set1_epi32(1);
     Py_ssize_t nprot = 0, i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(w + i), a = _mm512_abs_ps(x);
+        const __m512 x = WB ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))), 16))
+                            : _mm512_loadu_ps((const float *)w + i);
+        const __m512 a = _mm512_abs_ps(x);
         __mmask16 protect = _mm512_cmp_ps_mask(a, vtm, _CMP_GT_OQ);
         __m512 m = a;
         if (HAS_SENS) {
@@ -116,13 +132,19 @@ INLINE AVX512F Py_ssize_t partition_avx512(const int HAS_SENS, const int BY_SENS
     return nprot;
 }
 
-#define PARTITION_AVX512(STEPS)                                                                                  \
-    AVX512F static Py_ssize_t partition_avx512_##STEPS(int has_sens, int by_sens, const float *w, const float *sens, \
-                                                       Py_ssize_t n, float tm, float ts, float tp, int prune,         \
-                                                       const float *padded, uint8_t *codes, Py_ssize_t *done) {       \
-        if (!has_sens) return partition_avx512(0, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);      \
-        if (!by_sens) return partition_avx512(1, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);       \
-        return partition_avx512(1, 1, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);                     \
+#define PARTITION_AVX512(STEPS)                                                                                 \
+    AVX512F static Py_ssize_t partition_avx512_##STEPS(int has_sens, int by_sens, int wb, const void *w,            \
+                                                       const float *sens, Py_ssize_t n, float tm, float ts, float tp, \
+                                                       int prune, const float *padded, uint8_t *codes,              \
+                                                       Py_ssize_t *done) {                                         \
+        if (wb) {                                                                                                    \
+            if (!has_sens) return partition_avx512(0, 0, 1, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done); \
+            if (!by_sens) return partition_avx512(1, 0, 1, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);  \
+            return partition_avx512(1, 1, 1, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);                \
+        }                                                                                                            \
+        if (!has_sens) return partition_avx512(0, 0, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);     \
+        if (!by_sens) return partition_avx512(1, 0, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);      \
+        return partition_avx512(1, 1, 0, STEPS, w, sens, n, tm, ts, tp, prune, padded, codes, done);                    \
     }
 PARTITION_AVX512(2)
 PARTITION_AVX512(3)
@@ -131,32 +153,36 @@ PARTITION_AVX512(5)
 PARTITION_AVX512(6)
 #endif
 
-static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n, double tau_mag,
-                                double tau_sens, double tau_prune, int prune_by_sens,
-                                const float *mids, Py_ssize_t nmids, uint8_t *codes) {
+/* The partition of n weights w (float32, or bfloat16 bits with wb), with their sensitivities
+ * sens (float32, or NULL). */
+static Py_ssize_t partition(const void *w, int wb, const float *sens, Py_ssize_t n, double tau_mag, double tau_sens,
+                            double tau_prune, int prune_by_sens, const float *mids, Py_ssize_t nmids, uint8_t *codes) {
     const float tm = f32_at_most(tau_mag), ts = f32_at_most(tau_sens), tp = f32_at_least(tau_prune);
     const int prune = tau_prune >= 0, has_sens = sens != NULL, by_sens = prune_by_sens && has_sens;
+    const size_t size = wb ? 2 : 4;
     float padded[SIMD_MIDS + 1];
     for (Py_ssize_t k = 0; k <= SIMD_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
     Py_ssize_t done = 0, nprot = 0;
 #ifdef PARTITION_SIMD
     if (nmids <= SIMD_MIDS && (dq_simd_paths() & DQ_AVX512F)) {
-        Py_ssize_t (*simd)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
+        Py_ssize_t (*simd)(int, int, int, const void *, const float *, Py_ssize_t, float, float, float, int,
                            const float *, uint8_t *, Py_ssize_t *) =
             nmids <= 3    ? partition_avx512_2
             : nmids <= 7  ? partition_avx512_3
             : nmids <= 15 ? partition_avx512_4
             : nmids <= 31 ? partition_avx512_5
                           : partition_avx512_6;
-        nprot = simd(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes, &done);
+        nprot = simd(has_sens, by_sens, wb, w, sens, n, tm, ts, tp, prune, padded, codes, &done);
         if (done == n) return nprot;
-        w += done, sens = has_sens ? sens + done : NULL, n -= done, codes += done;
+        w = (const char *)w + done * size, sens = has_sens ? sens + done : NULL, n -= done, codes += done;
     }
 #endif
     if (nmids <= SMALL_MIDS) {
-        Py_ssize_t (*loop)(int, int, const float *, const float *, Py_ssize_t, float, float, float, int,
+        Py_ssize_t (*loop)(int, int, const void *, const float *, Py_ssize_t, float, float, float, int,
                            const float *, uint8_t *) =
-            nmids <= 3 ? partition_3 : nmids <= 7 ? partition_7 : nmids <= 15 ? partition_15 : partition_31;
+            wb ? (nmids <= 3 ? partition_bf16_3 : nmids <= 7 ? partition_bf16_7 : nmids <= 15 ? partition_bf16_15
+                                                                                              : partition_bf16_31)
+               : (nmids <= 3 ? partition_3 : nmids <= 7 ? partition_7 : nmids <= 15 ? partition_15 : partition_31);
         return nprot + loop(has_sens, by_sens, w, sens, n, tm, ts, tp, prune, padded, codes);
     }
     /* below[b]: how many midpoints lie below the least value whose order key (the float's bits,
@@ -183,7 +209,7 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
     steps = nmids - last > steps ? nmids - last : steps;
     for (Py_ssize_t k = 0; k <= nmids; k++) ordered[k] = k < nmids ? mids[k] : INFINITY;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const float x = w[i], a = fabsf(x), s = has_sens ? sens[i] : 0.0f;
+        const float x = weight_at(wb, w, i), a = fabsf(x), s = has_sens ? sens[i] : 0.0f;
         if (a > tm || (has_sens && s > ts)) { codes[i] = 1; nprot++; continue; }
         const float m = by_sens ? s : a;
         if (prune && (m < tp || m == 0.0f)) { codes[i] = 0; continue; }
@@ -198,20 +224,20 @@ static Py_ssize_t partition_f32(const float *w, const float *sens, Py_ssize_t n,
     return nprot;
 }
 
-PyObject *py_partition_f32(PyObject *self, PyObject *args) {
+PyObject *py_partition(PyObject *self, PyObject *args) {
     Py_buffer w, sens, mids, codes;
     double tau_mag, tau_sens, tau_prune;
-    int prune_by_sens, has_sens;
-    if (!PyArg_ParseTuple(args, "y*y*pdddpy*w*", &w, &sens, &has_sens, &tau_mag, &tau_sens, &tau_prune,
+    int prune_by_sens, has_sens, wb;
+    if (!PyArg_ParseTuple(args, "y*py*pdddpy*w*", &w, &wb, &sens, &has_sens, &tau_mag, &tau_sens, &tau_prune,
                           &prune_by_sens, &mids, &codes))
         return NULL;
-    Py_ssize_t n = w.len / 4, nprot = -1;
-    if (codes.len != n || (has_sens && sens.len != w.len) || mids.len / 4 > 253)
+    Py_ssize_t n = w.len / (wb ? 2 : 4), nprot = -1;
+    if (w.len % (wb ? 2 : 4) || codes.len != n || (has_sens && sens.len != n * 4) || mids.len / 4 > 253)
         PyErr_SetString(PyExc_ValueError, "partition: buffers disagree in length or too many centres");
     else {
         Py_BEGIN_ALLOW_THREADS
-        nprot = partition_f32(w.buf, has_sens ? sens.buf : NULL, n, tau_mag, tau_sens, tau_prune,
-                              prune_by_sens, mids.buf, mids.len / 4, codes.buf);
+        nprot = partition(w.buf, wb, has_sens ? sens.buf : NULL, n, tau_mag, tau_sens, tau_prune, prune_by_sens,
+                          mids.buf, mids.len / 4, codes.buf);
         Py_END_ALLOW_THREADS
         if (nprot < 0) PyErr_NoMemory();
     }
@@ -219,31 +245,32 @@ PyObject *py_partition_f32(PyObject *self, PyObject *args) {
     return nprot < 0 ? NULL : PyLong_FromSsize_t(nprot);
 }
 
-/* The float32 values whose code is `code`, in order, into out (quantizer.py's quantize: the
- * protected values a partition found): returns how many there are, or -1 when out cannot hold
- * them all (then out holds the first ones). memchr finds the rare codes, as in dequantize_u8. */
-static Py_ssize_t select_u8_f32(const uint8_t *codes, Py_ssize_t n, uint8_t code, const float *values, float *out,
-                                Py_ssize_t cap) {
+/* The values (of `size` bytes: float32, or bfloat16 bits) whose code is `code`, in order, into
+ * out (quantizer.py's quantize: the protected values a partition found): returns how many there
+ * are, or -1 when out cannot hold them all (then out holds the first ones). memchr finds the
+ * rare codes, as in dequantize_u8. */
+static Py_ssize_t select_u8(const uint8_t *codes, Py_ssize_t n, uint8_t code, const char *values, size_t size,
+                            char *out, Py_ssize_t cap) {
     Py_ssize_t j = 0;
     const uint8_t *c = codes, *end = codes + n;
     while ((c = memchr(c, code, (size_t)(end - c))) != NULL) {
         if (j == cap) return -1;
-        out[j++] = values[c - codes];
+        memcpy(out + (size_t)j++ * size, values + (size_t)(c - codes) * size, size);
         c++;
     }
     return j;
 }
-
-PyObject *py_select_u8_f32(PyObject *self, PyObject *args) {
+PyObject *py_select_u8(PyObject *self, PyObject *args) {
     Py_buffer codes, values, out;
     int code;
     if (!PyArg_ParseTuple(args, "y*iy*w*", &codes, &code, &values, &out)) return NULL;
     Py_ssize_t found = -2;
-    if (values.len != codes.len * 4 || code < 0 || code > 255 || out.len % 4)
-        PyErr_SetString(PyExc_ValueError, "select: values must be float32, one per code, and code 0..255");
+    const Py_ssize_t size = codes.len ? values.len / codes.len : 4;
+    if ((size != 2 && size != 4) || values.len != codes.len * size || code < 0 || code > 255 || out.len % size)
+        PyErr_SetString(PyExc_ValueError, "select: values must be of 2 or 4 bytes, one per code, and code 0..255");
     else {
         Py_BEGIN_ALLOW_THREADS
-        found = select_u8_f32(codes.buf, codes.len, (uint8_t)code, values.buf, out.buf, out.len / 4);
+        found = select_u8(codes.buf, codes.len, (uint8_t)code, values.buf, (size_t)size, out.buf, out.len / size);
         Py_END_ALLOW_THREADS
         if (found < 0) PyErr_SetString(PyExc_ValueError, "select: more values hold the code than out holds");
     }
@@ -312,7 +339,7 @@ static float bf16_round(float x) {
 
 /* One block of error feedback (feedback.py, GPTQ's lazy batch), columns stored one after the
  * other (block[k * rows + r] is row r of the block's column k, and so are sens, codes and
- * errors). Column j is partitioned and rounded as partition_f32 does (protected values to their
+ * errors). Column j is partitioned and rounded as partition does (protected values to their
  * bfloat16, the rest to table[code]: 0, 0, then the centres); its error e = (w - q) / u[j][j]
  * goes to errors, and every later column k of the block takes w -= e * u[j][k]; the column is
  * left holding q. u is the block's b x b corner of the factor, row-major. With a trellis scratch
@@ -325,8 +352,8 @@ static void feedback_block_f32(float *block, const float *sens, Py_ssize_t rows,
     for (Py_ssize_t j = 0; j < b; j++) {
         float *col = block + j * rows, *err = errors + j * rows;
         uint8_t *code = codes + j * rows;
-        partition_f32(col, sens ? sens + j * rows : NULL, rows, tau_mag, tau_sens, tau_prune, prune_by_sens, mids,
-                      nmids, code);
+        partition(col, 0, sens ? sens + j * rows : NULL, rows, tau_mag, tau_sens, tau_prune, prune_by_sens, mids,
+                  nmids, code);
         if (trellis) trellis_round_f32(col, rows, c0, step, table, nmids + 1, code, trellis);
         const float pivot = u[j * b + j];
         for (Py_ssize_t r = 0; r < rows; r++) {
