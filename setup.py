@@ -41,7 +41,9 @@ setup(
             "hf_dynaquant.core._kernels",
             sources=[
                 f"{CSRC}/{name}.c"
-                for name in ("module", "bitplanes", "sketch", "partition", "moments", "delta", "ans", "kmeans", "trellis")
+                for name in (
+                    "module", "bitplanes", "sketch", "partition", "rounding", "moments", "delta", "ans", "kmeans", "trellis"
+                )
             ],
             depends=[f"{CSRC}/kernels.h"],
             # sqrt, log and exp never set errno (nothing reads it), so sqrtf vectorises; the

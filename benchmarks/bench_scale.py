@@ -16,7 +16,9 @@ the optimizer state (fp32, 3x the weights' bytes). In the same process, on the s
 * our **keyframe** (``Compressor.compress`` with the fixed configuration of the issue: bins 8,
   prune 0.1, protect 0.005, optimizer state compressed), two more training steps, then a
   **delta** on it, and a **restore** of the delta into a fresh model and optimizer (decoding the
-  chain: the keyframe, then the delta).
+  chain: the keyframe, then the delta); then one training step of the restored model and the
+  **save after resume** (the next checkpoint of the chain, rounded stochastically as every save
+  after a resume is).
 
 Every operation is timed and its **peak extra host memory** measured: the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident set before it, in units
@@ -222,6 +224,10 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     update_error = relative_error(restored, original)
     name = str(dtype)[6:]
     print(f"  {size} {name}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
+    chain_mb = key_mb + stored["delta"]
+    train_step(m3, o3, 3)
+    record("save after resume", lambda: reader.compress(4), store)
+    stored["save after resume"] -= chain_mb
     return Row(size, params, ckpt / 1e6, seconds, peak, stored, name, weights_error, update_error, cpu_seconds=cpu)
 
 
@@ -270,7 +276,10 @@ def exponent(rows: list[Row], key: str) -> float:
 
 
 def table(rows: list[Row]) -> str:
-    ops = ["torch.save", "keyframe", "delta", "safetensors save", "torch.load", "restore", "safetensors load"]
+    ops = [
+        "torch.save", "keyframe", "delta", "safetensors save", "torch.load", "restore", "safetensors load",
+        "save after resume",
+    ]  # fmt: skip
     head = "| size | params | checkpoint | " + " | ".join(ops) + " | keyframe / save | restore / load |"
     lines = [head, "|" + "---|" * (len(ops) + 5)]
     for r in rows:
@@ -300,7 +309,8 @@ def table(rows: list[Row]) -> str:
         ))
     lines.append("stored MB: " + "; ".join(
         f"{r.size}: torch.save {r.stored_mb['torch.save']:,.0f}, keyframe {r.stored_mb['keyframe']:,.1f} "
-        f"({r.checkpoint_mb / r.stored_mb['keyframe']:.1f}x), delta {r.stored_mb['delta']:,.1f}"
+        f"({r.checkpoint_mb / r.stored_mb['keyframe']:.1f}x), delta {r.stored_mb['delta']:,.1f}, "
+        f"save after resume {r.stored_mb['save after resume']:,.1f}"
         for r in rows
     ))
     return "\n".join(lines)
@@ -315,7 +325,7 @@ def plot(rows: list[Row], path: Path) -> None:
     times, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     x = [r.params / 1e6 for r in rows]
     for op, style in [("torch.save", "k--"), ("torch.load", "k:"), ("safetensors save", "c--"),
-                      ("keyframe", "b-o"), ("delta", "g-o"), ("restore", "r-o")]:
+                      ("keyframe", "b-o"), ("delta", "g-o"), ("restore", "r-o"), ("save after resume", "m-o")]:
         times.plot(x, [r.seconds[op] for r in rows], style, label=op)
         mem.plot(x, [r.peak_extra[op] for r in rows], style, label=op)
     for ax, title in [(times, "seconds"), (mem, "peak extra host memory (checkpoints)")]:

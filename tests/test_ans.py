@@ -618,6 +618,18 @@ def test_the_vector_encoder_writes_the_plain_loops_words() -> None:
         assert words[True, "past"] == int(np.count_nonzero(coded)) - 1 or ans.table_symbols(rows)[last] == 256
         steps += symbols.size
     assert steps > 3_000_000
+    flags = _cpu_flags()
+    if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:  # (else both runs took the plain loops)
+        assert native.simd_paths() & 4, "the CPU has AVX-512 DQ/BW/VL, but the vector encoder is not taken"
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (none elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def test_c_kernels_code_constrictions_streams_bit_for_bit(monkeypatch) -> None:

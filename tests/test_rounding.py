@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import FIRST_CENTRE, PRUNED, QuantConfig, dequantize, plan_quantization, quantize
-from hf_dynaquant.core.rounding import stochastic_codes, uniform
+from hf_dynaquant.core.rounding import seeded_stochastic_codes, stochastic_codes, uniform
 from hf_dynaquant.training.compressor import Compressor
 
 CENTRES = np.array([-0.3, -0.1, 0.1, 0.3], dtype=np.float32)
@@ -54,6 +55,48 @@ def test_protected_codes_are_left_alone() -> None:
     codes = np.array([FIRST_CENTRE + 2, 1, FIRST_CENTRE + 2], dtype=np.uint8)
     out = stochastic_codes(codes.copy(), w, CENTRES, np.zeros(3, np.float32), FIRST_CENTRE, PRUNED)
     assert out[1] == 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 40, 254])
+def test_the_compiled_rounding_is_numpys_bit_for_bit(monkeypatch, k: int) -> None:
+    """The kernel makes each value's uniform number as it reads the value, and rounds as the
+    numpy steps do, to the same codes: float32 weights and bfloat16 bits, one centre to 254,
+    centres at zero and two equal ones (a gap of 0), values on the midpoints and the centres,
+    zeros of both signs, NaN, infinities and values past the outer centres, protected codes,
+    a seed past 2^63 and an offset (a shard's rows); a code past the centres is refused."""
+    from hf_dynaquant.core import rounding
+
+    assert native is not None, "the compiled kernels were not built"
+    rng = np.random.default_rng(k)
+    for case in range(3):
+        c = rng.normal(0, 0.05, k).astype(np.float32)
+        if case == 1 and k > 2:
+            c[k // 2] = 0.0
+        if case == 2 and k > 3:
+            c[1] = c[2]
+        c = np.sort(c)
+        mids = (c[1:] + c[:-1]) / 2
+        w = rng.normal(0, 0.06, 100_003).astype(np.float32)
+        w[:10] = [0.0, -0.0, np.nan, np.inf, -np.inf, c[0], c[-1], -c[0], 1e-38, 0.5]
+        w[10 : 10 + mids.size] = mids
+        codes = (np.searchsorted(mids, w) + FIRST_CENTRE).astype(np.uint8)
+        codes[np.abs(w) < 0.01] = PRUNED
+        codes[np.abs(w) > 0.15] = 1  # protected
+        seed, offset = (1 << 63) + 12345 * k + case, 777 * case
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 values, as their bits
+        for values in (w, bits):
+            compiled = seeded_stochastic_codes(codes.copy(), values, c, seed, offset, FIRST_CENTRE, PRUNED)
+            with monkeypatch.context() as patch:
+                patch.setattr(rounding, "native", None)
+                reference = seeded_stochastic_codes(codes.copy(), values, c, seed, offset, FIRST_CENTRE, PRUNED)
+            widened = values if values is w else (bits.astype(np.uint32) << 16).view(np.float32)
+            direct = stochastic_codes(codes.copy(), widened, c, uniform(seed, offset, w.size), FIRST_CENTRE, PRUNED)
+            assert np.array_equal(compiled, reference) and np.array_equal(reference, direct), (case, values.dtype)
+            assert (compiled != codes).any() or k == 1
+    if FIRST_CENTRE + k <= 255:
+        past = np.full(4, FIRST_CENTRE + k, np.uint8)  # a code one past the last centre
+        with pytest.raises(ValueError, match="a code past the centres"):
+            seeded_stochastic_codes(past, np.zeros(4, np.float32), c, 1, 0, FIRST_CENTRE, PRUNED)
 
 
 def test_small_updates_survive_stochastic_but_not_nearest_rounding() -> None:

@@ -84,7 +84,7 @@ from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
 from .memory import cached_on_device, on_accelerator
 from .pool import VALUES_IN_FLIGHT, ForkSafePool, ordered_map
-from .rounding import device_stochastic_codes, device_uniform, stochastic_codes, tensor_seed, uniform
+from .rounding import device_stochastic_codes, device_uniform, seeded_stochastic_codes, tensor_seed
 from .sketch import LogSketch, sample
 
 __all__ = [
@@ -306,17 +306,17 @@ class TensorPlan:
         return flat if self.reference is None else flat - self.reference_values()
 
     def codes(self, w: np.ndarray, centres: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-        """``(codes, protected count)`` of flat float32 weights; without centres every value
-        that is neither pruned nor protected gets code ``FIRST_CENTRE``. Rounding is to the
-        nearest centre, or stochastic when the plan has a ``dither_seed``."""
+        """``(codes, protected count)`` of flat float32 weights (or bfloat16 ones as their bits,
+        uint16, where :meth:`reads_bf16`); without centres every value that is neither pruned
+        nor protected gets code ``FIRST_CENTRE``. Rounding is to the nearest centre, or
+        stochastic when the plan has a ``dither_seed``."""
         centres = self.centres if centres is None else centres
         sens = self.sensitivity_values()
         if self.rare_rows is not None and centres.size:
             return self._rows_partition(w, sens, centres)
         codes, nprot = self._partition(w, sens, centres)
         if self.dither_seed is not None and centres.size:
-            u = uniform(self.dither_seed, self.dither_offset, w.size)
-            stochastic_codes(codes, w, centres, u, FIRST_CENTRE, PRUNED)
+            seeded_stochastic_codes(codes, w, centres, self.dither_seed, self.dither_offset, FIRST_CENTRE, PRUNED)
         return codes, nprot
 
     def reference_values(self) -> np.ndarray | None:
@@ -335,11 +335,10 @@ class TensorPlan:
         return None if self.sensitivity is None else flat_f32(self.sensitivity()).numpy()
 
     def reads_bf16(self) -> bool:
-        """Whether :func:`quantize` partitions a bfloat16 tensor's bits as they are: the plan
-        codes the values themselves (no reference) by the partition alone (no dither, error
-        feedback, trellis grid or rare rows)."""
-        no_dither = self.dither_seed is None or not self.centres.size
-        return self.reference is None and no_dither and self.partitions_on_device() and self.rare_rows is None
+        """Whether :func:`quantize` codes a bfloat16 tensor's bits as they are: the plan codes
+        the values themselves (no reference) by the partition and, after a restore, the
+        stochastic rounding (no error feedback, trellis grid or rare rows)."""
+        return self.reference is None and self.partitions_on_device() and self.rare_rows is None
 
     def partitions_on_device(self) -> bool:
         """Whether :meth:`device_codes` takes this plan (error feedback, trellis grids and rare
@@ -809,13 +808,14 @@ def plan_quantization(
         return (n, "rest", residual, tau_mag, tau_sens, prune_tau[kinds[n]], prune_by, n in sens, rare)
 
     def rest_sketch(plan: TensorPlan, n: str, rare: bool | None = None) -> LogSketch:
-        """That sketch, made on the host from the sample of the values it reads (of the tensor
-        as it is, where its values are the target: a bfloat16 one is not widened whole)."""
-        if rare is None and plan.reference is None:
-            x, weight = sample(tensors[n].detach().reshape(-1), tensors[n].numel(), given=presampled.get(n))
+        """That sketch, made on the host from the sample of the values it reads (of a host
+        tensor as it is, where its values are the target: a bfloat16 one is not widened whole)."""
+        tensor = tensors[n]  # (read once: a lazy mapping loads it at each read)
+        if rare is None and plan.reference is None and tensor.device.type == "cpu":
+            x, weight = sample(tensor.detach().reshape(-1), tensor.numel(), given=presampled.get(n))
             x = flat_f32(x)
         else:
-            w = plan.target(tensors[n])
+            w = plan.target(tensor)
             if rare is not None:
                 w = plan.row_values(w, rare)
             x, weight = sample(torch.from_numpy(w), w.size, given=presampled.get(n))
@@ -935,16 +935,19 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
 
 def _bf16_bits(w: torch.Tensor) -> np.ndarray | None:
     """The flat bits (uint16) of a bfloat16 CPU tensor, None for another."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or native is None:
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
         return None
     return w.detach().reshape(-1).contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def _selected(codes: np.ndarray, count: int, values: np.ndarray) -> np.ndarray:
     """The ``count`` values (flat float32, or bfloat16 bits) whose code is ``PROTECTED``, in
-    order: found where the codes say, into an array of that size (no mask of every value)."""
+    order, in an array of their own (never a view of ``values``, which may be the tensor's
+    memory): found where the codes say, into an array of that size (no mask of every value)."""
     if count == 0:
-        return values[:0]
+        return np.zeros(0, dtype=values.dtype)
+    if native is None:
+        return values[codes == PROTECTED]
     out = np.empty(count, dtype=values.dtype)
     return out[: native.select_u8(codes, PROTECTED, values, out)]
 

@@ -37,9 +37,17 @@ import zlib
 import numpy as np
 import torch
 
+from .kernels import native
 from .kmeans import assign
 
-__all__ = ["tensor_seed", "uniform", "stochastic_codes", "device_uniform", "device_stochastic_codes"]
+__all__ = [
+    "tensor_seed",
+    "uniform",
+    "stochastic_codes",
+    "seeded_stochastic_codes",
+    "device_uniform",
+    "device_stochastic_codes",
+]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -96,6 +104,23 @@ def stochastic_codes(
         keep = u[sel] < p
         codes[sel[keep]] = (k[keep] + first_centre).astype(codes.dtype)
     return codes
+
+
+def seeded_stochastic_codes(
+    codes: np.ndarray, w: np.ndarray, centres: np.ndarray, seed: int, offset: int, first_centre: int, pruned: int
+) -> np.ndarray:
+    """:func:`stochastic_codes` with ``uniform(seed, offset, w.size)``, in place (returned):
+    in one pass in the compiled kernel, each value's number made as it is read (no array of
+    them; numpy's passes took some 150 ns a value), else in numpy. ``w``: flat float32 values,
+    or bfloat16 ones as their bits (uint16), read as they are."""
+    if centres.size == 0:
+        return codes
+    if native is not None and codes.dtype == np.uint8 and codes.flags.c_contiguous:
+        c = np.ascontiguousarray(centres, dtype=np.float32)
+        native.stochastic_codes(codes, w, w.dtype == np.uint16, c, int(seed), int(offset), first_centre, pruned)
+        return codes
+    x = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w
+    return stochastic_codes(codes, x, centres, uniform(seed, offset, w.size), first_centre, pruned)
 
 
 _MASK64 = (1 << 64) - 1

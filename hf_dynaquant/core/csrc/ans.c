@@ -392,7 +392,8 @@ AVX512DQ static Py_ssize_t encode_8_avx512(const uint8_t *restrict sym, const ui
                                            Py_ssize_t n_groups, uint32_t **at) {
     uint64_t fl[256] __attribute__((aligned(64)));
     double inv[256] __attribute__((aligned(64)));
-    for (int s = 0; s < 256; s++) { /* symbols past a group's k: harmless values, refused below */
+    for (int s = 0; s < 256; s++) { /* symbols past a group's k: harmless values (these, or an earlier
+                                        * group's), refused below */
         fl[s] = 1;
         inv[s] = 1.0;
     }

@@ -257,6 +257,8 @@ int dq_simd_paths(void) {
     return __atomic_load_n(&simd_allowed, __ATOMIC_RELAXED) ? have : 0;
 }
 
+PyObject *py_simd_paths(PyObject *self, PyObject *args) { return PyLong_FromLong(dq_simd_paths()); }
+
 PyObject *py_allow_simd(PyObject *self, PyObject *args) {
     int flag;
     if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;

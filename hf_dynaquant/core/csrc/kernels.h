@@ -4,17 +4,20 @@
  *   bitplanes.c  the float bit-plane split and join of bitplanes.py (FORMAT.md section 8), and
  *                dense b-bit packing;
  *   sketch.c     log-sketch bucket counts of float32 values and their look-up table (sketch.py);
- *   partition.c  DynaQuant's partition and code assignment of float32 weights (AVX-512 where the
- *                CPU has it, chosen at run time), a block of
+ *   partition.c  DynaQuant's partition and code assignment of float32 or bfloat16 weights
+ *                (AVX-512 where the CPU has it, chosen at run time), a block of
  *                error feedback over it (feedback.py), and codes back to float32 values
  *                (quantizer.py);
+ *   rounding.c   stochastic rounding of a partition's codes, its uniform numbers made as each
+ *                value is read (rounding.py);
  *   moments.c    the float64 sums of the optimizer moments' fidelity check, Adam's update
  *                and scale, the finiteness, maximum and scale-gain sum of the scale, and Adam's
  *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
  *                previous codes (delta.py; AVX-512 VBMI2 where the CPU has it, chosen at run
  *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
- *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py);
+ *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py; the
+ *                encoder's eight lanes in one AVX-512 vector where the CPU has it);
  *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
  *   trellis.c    trellis-coded quantization: the Viterbi search inside a block of error feedback,
  *                and the decoder's state machine (trellis.py);
@@ -29,6 +32,16 @@
 
 /* A function the compiler must inline (specialised for its constant arguments at each call). */
 #define INLINE static inline __attribute__((always_inline))
+
+/* Value i of w: float32, or bfloat16 bits (WB) widened exactly (the partition and the stochastic
+ * rounding read a bfloat16 tensor as it is). */
+INLINE float weight_at(const int WB, const void *restrict w, Py_ssize_t i) {
+    if (!WB) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float x;
+    memcpy(&x, &bits, 4);
+    return x;
+}
 /* A loop the compiler vectorises, built three times on x86-64 Linux with glibc (the loader picks
  * the x86-64-v4 build, AVX-512, where the CPU has it, else AVX2, else the baseline SSE2 build,
  * through an ifunc, which musl lacks); the same results either way, as the loops are elementwise
@@ -57,6 +70,7 @@ PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition(PyObject *self, PyObject *args);
 PyObject *py_select_u8(PyObject *self, PyObject *args);
+PyObject *py_stochastic_codes(PyObject *self, PyObject *args);
 PyObject *py_lloyd_f64(PyObject *self, PyObject *args);
 PyObject *py_feedback_block_f32(PyObject *self, PyObject *args);
 PyObject *py_trellis_unpack_u8(PyObject *self, PyObject *args);
@@ -79,6 +93,7 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
 PyObject *py_unpair_u8(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
+PyObject *py_simd_paths(PyObject *self, PyObject *args);
 /* The hand-written AVX-512 paths this CPU has and kernels may take (py_allow_simd: tests turn
  * them off): DQ_AVX512F (the partition), DQ_AVX512_VBMI2 (the grouping), DQ_AVX512DQ (the rANS
  * encoder's 8 lanes); asked of the CPU once. */

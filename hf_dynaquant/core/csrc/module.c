@@ -14,6 +14,9 @@ static PyMethodDef methods[] = {
      "sketch_table(lut, inv_log_gamma, tiny_bits, kmin, nkeys): the lut of sketch_f32, by the exact rule"},
     {"select_u8", py_select_u8, METH_VARARGS,
      "select_u8(codes, code, values, out) -> count: the values (float32 or bfloat16 bits) whose code is code, in order, into out"},
+    {"stochastic_codes", py_stochastic_codes, METH_VARARGS,
+     "stochastic_codes(codes, w, w_bf16, centres, seed, offset, first_centre, pruned): rounding.py's"
+     " stochastic_codes with uniform(seed, offset, n), in place"},
     {"partition", py_partition, METH_VARARGS,
      "partition(w, w_bf16, sens, has_sens, tau_mag, tau_sens, tau_prune, prune_by_sens, midpoints, codes)"
      " -> protected count"},
@@ -33,7 +36,11 @@ static PyMethodDef methods[] = {
      "cyclic_u8(a, b, levels, out[, pairs]): (a - b) mod levels; with pairs[65536], regrouped by a (out apart from "
      "a and b) and the pairs (a, difference) counted"},
     {"allow_simd", py_allow_simd, METH_VARARGS,
-     "allow_simd(flag) -> previous: whether the grouping and partition kernels may take their AVX-512 paths (for tests)"},
+     "allow_simd(flag) -> previous: whether the grouping, partition and rANS encoder kernels may take their"
+     " AVX-512 paths (for tests)"},
+    {"simd_paths", py_simd_paths, METH_NOARGS,
+     "simd_paths() -> the AVX-512 paths the kernels take on this CPU now: 1 the partition, 2 the grouping,"
+     " 4 the rANS encoder (0 while allow_simd(False))"},
     {"pair_up_u8", py_pair_up_u8, METH_VARARGS,
      "pair_up_u8(values, sizes, levels, out, counts): each group's values two to a byte, then the odd groups' last"},
     {"unpair_u8", py_unpair_u8, METH_VARARGS, "unpair_u8(symbols, sizes, levels, out): the inverse of pair_up_u8"},

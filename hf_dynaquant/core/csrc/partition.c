@@ -32,15 +32,6 @@ static float f32_at_least(double t) {
     return (double)f < t ? nextafterf(f, INFINITY) : f;
 }
 
-/* Weight i of w: float32, or bfloat16 bits (WB) widened exactly. */
-INLINE float weight_at(const int WB, const void *restrict w, Py_ssize_t i) {
-    if (!WB) return ((const float *)w)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
-    float x;
-    memcpy(&x, &bits, 4);
-    return x;
-}
-
 /* The loop for HAS_SENS (a sensitivity given), BY_SENS (pruning by it) and WB (bfloat16
  * weights), M midpoints counted (mids padded with +inf to M), instantiated for each
  * combination below. */
@@ -266,7 +257,9 @@ PyObject *py_select_u8(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*iy*w*", &codes, &code, &values, &out)) return NULL;
     Py_ssize_t found = -2;
     const Py_ssize_t size = codes.len ? values.len / codes.len : 4;
-    if ((size != 2 && size != 4) || values.len != codes.len * size || code < 0 || code > 255 || out.len % size)
+    if (codes.len == 0 && values.len == 0 && code >= 0 && code <= 255)
+        found = 0; /* (no values: nothing to select, whatever their size) */
+    else if ((size != 2 && size != 4) || values.len != codes.len * size || code < 0 || code > 255 || out.len % size)
         PyErr_SetString(PyExc_ValueError, "select: values must be of 2 or 4 bytes, one per code, and code 0..255");
     else {
         Py_BEGIN_ALLOW_THREADS
