@@ -17,8 +17,8 @@ the optimizer state (fp32, 3x the weights' bytes). In the same process, on the s
   prune 0.1, protect 0.005, optimizer state compressed), two more training steps, then a
   **delta** on it, and a **restore** of the delta into a fresh model and optimizer (decoding the
   chain: the keyframe, then the delta); then one training step of the restored model and the
-  **save after resume** (the next checkpoint of the chain, rounded stochastically as every save
-  after a resume is).
+  **save after resume** (the chain continued as the Trainer's callback continues it: a delta on
+  the restored entry, rounded stochastically as every save after a resume is).
 
 Every operation is timed and its **peak extra host memory** measured: the peak resident set
 (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident set before it, in units
@@ -225,6 +225,7 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     name = str(dtype)[6:]
     print(f"  {size} {name}: restored weights rel. error {weights_error:.4f}, Adam update {update_error:.4f}")
     chain_mb = key_mb + stored["delta"]
+    reader.continue_chain("step-3")  # as the Trainer's callback does on a resume: the chain goes on
     train_step(m3, o3, 3)
     record("save after resume", lambda: reader.compress(4), store)
     stored["save after resume"] -= chain_mb
