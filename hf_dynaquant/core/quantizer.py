@@ -908,10 +908,10 @@ def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
-    residual when the plan has a reference). A bfloat16 tensor that the partition alone codes
-    (no reference, dither, error feedback, trellis or rare rows) is read as it is: no float32
-    copy (2 bytes a value of new memory), the same codes, and its protected values are its own
-    bits."""
+    residual when the plan has a reference). A bfloat16 tensor that the partition and the
+    stochastic rounding code (no reference, error feedback, trellis or rare rows) is read as it
+    is: no float32 copy (2 bytes a value of new memory), the same codes, and its protected values
+    are its own bits."""
     bits = _bf16_bits(w) if plan.reads_bf16() else None
     if bits is not None:
         codes, protected = plan.codes(bits)

@@ -408,8 +408,11 @@ class Compressor:
                 # save after a resume so took 1.8x a delta's time and held 1.1x a pure-bf16 checkpoint)
                 for section in entry.sections:
                     for n in entry.names(section):  # (each packed as it is read: not all held a byte a code at once)
-                        if _is_quantized(entry.record(section, n)) and isinstance(st := entry.state(section, n), QuantState):
-                            self._states[(section, n)] = _kept(st, f"{store.path}: entry {self.last_entry}: {section}/{n}")
+                        if not _is_quantized(entry.record(section, n)):
+                            continue
+                        if isinstance(st := entry.state(section, n), QuantState):
+                            where = f"{store.path}: entry {self.last_entry}: {section}/{n}"
+                            self._states[(section, n)] = _kept(st, where)
         self.resumed_from(self.last_entry)
 
     def resumed_from(self, entry: str) -> None:
