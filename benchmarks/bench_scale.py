@@ -215,7 +215,7 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
     record("delta", lambda: compressor.compress(3), store)
     stored["delta"] -= key_mb
     m3, o3 = fresh(config, dtype)
-    reader = Compressor(m3, store, optimizer=o3)
+    reader = Compressor(m3, store, CONFIG, optimizer=o3)  # (its save after the resume keeps the run's configuration)
     record("restore", lambda: reader.restore(3))
     weights_error = relative_error(m3.state_dict(), model.state_dict())
     restored, original = (

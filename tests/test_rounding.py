@@ -163,8 +163,8 @@ def test_a_resumed_chain_keeps_its_base_codes_as_a_run_does(tmp_path, monkeypatc
     """Going on from a stored delta in a new process (``continue_chain``, as the Trainer's
     callback does), the compressor reads the base entry's codes of every quantized tensor, the
     weights' and the optimizer state's, packed as a run keeps them between saves: the next save
-    (a delta, rounded stochastically) decodes none of those from the store (it held 1.1x a
-    pure-bf16 checkpoint at 124M doing so), and reads back."""
+    (a delta, rounded stochastically) decodes none of those from the store (it held up to 1.04x
+    a pure-bf16 checkpoint at 124M doing so), and reads back."""
     from hf_dynaquant.store.store import EntryReader
 
     torch.manual_seed(0)

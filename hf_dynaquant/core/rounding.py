@@ -115,7 +115,8 @@ def seeded_stochastic_codes(
     or bfloat16 ones as their bits (uint16), read as they are."""
     if centres.size == 0:
         return codes
-    if native is not None and codes.dtype == np.uint8 and codes.flags.c_contiguous:
+    compiled = codes.dtype == np.uint8 and w.dtype in (np.float32, np.uint16) and w.size == codes.size
+    if native is not None and compiled and codes.flags.c_contiguous and w.flags.c_contiguous:
         c = np.ascontiguousarray(centres, dtype=np.float32)
         native.stochastic_codes(codes, w, w.dtype == np.uint16, c, int(seed), int(offset), first_centre, pruned)
         return codes

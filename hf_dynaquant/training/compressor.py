@@ -402,10 +402,12 @@ class Compressor:
                     entry.metadata.get("quant_config") if record is not None else None, (record or {}).get("delta_bits")
                 )
             if not self._next_is_keyframe():
-                # the next delta's base codes, kept as a run keeps them between saves (packed: at 124M
-                # in fp32 with Adam 0.11x the checkpoint): its search sizes candidates as stored, and
-                # its write does not decode the chain tensor by tensor beside the codes it makes (a
-                # save after a resume so took 1.8x a delta's time and held 1.1x a pure-bf16 checkpoint)
+                # the next delta's base codes, kept as a run keeps them between saves (packed by their
+                # levels: 1, 2 or 4 bits a code up to 16, a byte past that, where a run keeps a wider
+                # tensor as its keyframe's stream packed it): its search sizes candidates as stored,
+                # and its write does not decode the chain tensor by tensor beside the codes it makes
+                # (at 124M a save after a resume so took twice a delta's time and up to 1.04x a pure-bf16
+                # checkpoint's memory)
                 for section in entry.sections:
                     for n in entry.names(section):  # (each packed as it is read: not all held a byte a code at once)
                         if not _is_quantized(entry.record(section, n)):

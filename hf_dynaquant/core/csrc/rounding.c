@@ -4,7 +4,8 @@
  * value's uniform number made as the value is read (rounding.py's uniform: SplitMix64 of the seed
  * and the element's index), so no array of them is made: numpy made them with a dozen passes over
  * 8-byte integers, and the rounding with a dozen more over gathered copies, some 150 ns a value
- * against about 4 here, the centres' codes vectorised (a 124M model's saves after a restore took
+ * against about 4 here, the centres' codes vectorised (with AVX-512; the other builds of the loop
+ * are scalar, 12-20 ns) (a 124M model's saves after a restore took
  * 4-5x a save before one). The float32 operations are numpy's, in its order, so the codes are the
  * same:
  *   a code of a centre i (code >= first): x rounds to the other centre j bracketing it (i + 1
