@@ -25,6 +25,7 @@ __all__ = [
     "itemsize",
     "storage_key",
     "all_finite",
+    "bf16_bits_to_f32",
 ]
 
 # safetensors name -> (torch dtype, item size in bytes)
@@ -170,3 +171,8 @@ def raw_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview 
     if bits.size != expected:
         raise UnsupportedTensorError(f"buffer holds {bits.size} elements of {dtype}, shape {shape} needs {expected}")
     return RawTensor(dtype, tuple(shape), bits)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values given as their bits (uint16) widened to float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -78,7 +78,7 @@ import torch
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from ..renames import renamed_attribute, renamed_keywords
 from . import trellis
-from .dtypes import all_finite, check_storable, storage_key
+from .dtypes import all_finite, bf16_bits_to_f32, check_storable, storage_key
 from .feedback import columnwise, feedback_round, inverse_factor
 from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
@@ -483,7 +483,7 @@ class TensorPlan:
             )
             return codes, nprot
         if w.dtype == np.uint16:
-            w = (w.astype(np.uint32) << 16).view(np.float32)
+            w = bf16_bits_to_f32(w)
         mag = np.abs(w)
         protected = mag > self.protect_magnitude
         if sens is not None:
@@ -1012,7 +1012,7 @@ def decoded_values(
         prot = codes == PROTECTED
         used = int(prot.sum())
         if used == protected_bf16.size:
-            values[prot] = (protected_bf16.astype(np.uint32) << 16).view(np.float32)
+            values[prot] = bf16_bits_to_f32(protected_bf16)
         if reference is not None:
             values += reference
         if out is None:

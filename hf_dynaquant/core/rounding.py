@@ -37,6 +37,7 @@ import zlib
 import numpy as np
 import torch
 
+from .dtypes import bf16_bits_to_f32
 from .kernels import native
 from .kmeans import assign
 
@@ -120,7 +121,7 @@ def seeded_stochastic_codes(
         c = np.ascontiguousarray(centres, dtype=np.float32)
         native.stochastic_codes(codes, w, w.dtype == np.uint16, c, int(seed), int(offset), first_centre, pruned)
         return codes
-    x = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w
+    x = bf16_bits_to_f32(w) if w.dtype == np.uint16 else w
     return stochastic_codes(codes, x, centres, uniform(seed, offset, w.size), first_centre, pruned)
 
 

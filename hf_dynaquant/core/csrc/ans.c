@@ -262,6 +262,19 @@ INLINE void encode_symbol(uint64_t *st, uint32_t **at, const esym_t *restrict e)
     *st = (q << PRECISION) | (e->left + r);
 }
 
+/* Each lane's final state pushed as its last words, least significant first (none for a state of
+ * 0, one below 2^32). */
+INLINE void flush_states(const uint64_t *st, const int L, uint32_t **at) {
+    for (int j = 0; j < L; j++) {
+        if (st[j] >= STATE_LOW) {
+            *at[j]++ = (uint32_t)st[j];
+            *at[j]++ = (uint32_t)(st[j] >> 32);
+        } else if (st[j] > 0) {
+            *at[j]++ = (uint32_t)st[j];
+        }
+    }
+}
+
 /* The encoder of a stream in L lanes: the groups in reverse, each group's symbols in reverse,
  * each pushing words onto its lane's buffer (at[j], its end, advanced); then each lane's final
  * state's words, least significant first (none for a state of 0, one below 2^32). The states
@@ -300,14 +313,7 @@ INLINE Py_ssize_t encode(const int L, const uint8_t *restrict sym, const uint32_
                 }
         if (past) return g;
     }
-    for (int j = 0; j < L; j++) {
-        if (st[j] >= STATE_LOW) {
-            *at[j]++ = (uint32_t)st[j];
-            *at[j]++ = (uint32_t)(st[j] >> 32);
-        } else if (st[j] > 0) {
-            *at[j]++ = (uint32_t)st[j];
-        }
-    }
+    flush_states(st, L, at);
     return -1;
 }
 
@@ -431,14 +437,7 @@ AVX512DQ static Py_ssize_t encode_8_avx512(const uint8_t *restrict sym, const ui
     }
     uint64_t st[8] __attribute__((aligned(64)));
     _mm512_store_si512(st, x);
-    for (int j = 0; j < 8; j++) {
-        if (st[j] >= STATE_LOW) {
-            *at[j]++ = (uint32_t)st[j];
-            *at[j]++ = (uint32_t)(st[j] >> 32);
-        } else if (st[j] > 0) {
-            *at[j]++ = (uint32_t)st[j];
-        }
-    }
+    flush_states(st, 8, at);
     return -1;
 }
 #endif
