@@ -252,10 +252,10 @@ def simd_path(request):
     native.allow_simd(before)
 
 
-@pytest.mark.parametrize("keys", [1, 2, 10, 32, 33])
+@pytest.mark.parametrize("keys", [1, 2, 10, 33, 48, 49])
 def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, keys) -> None:
     """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
-    allows (AVX-512 VBMI2, at most 32 groups), else four at a time; either way the bytes are the
+    allows (AVX-512 VBMI2, at most 48 groups), else four at a time; either way the bytes are the
     numpy references', at every length around the blocks, at 256 levels, and with codes past the
     levels (a corrupt stream) too."""
     from hf_dynaquant.core import delta as delta_mod
@@ -526,9 +526,9 @@ def test_byte_counts_is_bincount(size, top) -> None:
 
 
 def test_byte_counts_of_few_values_and_many() -> None:
-    """The kernel counts a span of 2^20 bytes value by value where all are below 32 (a byte
+    """The kernel counts a span of 2^20 bytes value by value where all are below 36 (a byte
     counter per lane, summed every 255 blocks of 64) and byte by byte otherwise: spans of each
-    kind side by side, values at the edge (31, 32), a run longer than a counter counts, and
+    kind side by side, values at the edge (35, 36), a run longer than a counter counts, and
     lengths that end inside a block."""
     from hf_dynaquant.core.histogram import byte_counts
 
@@ -538,11 +538,12 @@ def test_byte_counts_of_few_values_and_many() -> None:
     mixed[span + 12345] = 200  # the second span counted byte by byte, the others value by value
     cases = [
         mixed,
-        np.full(2 * span + 5, 31, np.uint8),  # one value: each lane's counter reaches 255 per block
-        np.full(span + 3, 32, np.uint8),
-        rng.integers(0, 32, span - 1).astype(np.uint8),
-        rng.integers(0, 33, span + 1).astype(np.uint8),
-        rng.integers(29, 32, 64 * 255 + 63).astype(np.uint8),
+        np.full(2 * span + 5, 35, np.uint8),  # one value: each lane's counter reaches 255 per block
+        np.full(span + 3, 36, np.uint8),
+        rng.integers(0, 36, span - 1).astype(np.uint8),
+        rng.integers(0, 37, span + 1).astype(np.uint8),
+        rng.integers(33, 36, 64 * 255 + 63).astype(np.uint8),
+        rng.integers(0, 34, 64 * 255 * 3 + 5).astype(np.uint8),  # an embedding's levels: not a multiple of four
     ]
     for symbols in cases:
         assert np.array_equal(byte_counts(symbols), np.bincount(symbols)), symbols[:4]
