@@ -1,0 +1,91 @@
+# session 39: would a delta coded as change flags be as small as today's? On one 124M fp32 delta (bench_scale's
+# setup: a keyframe, two AdamW steps, a delta), each tensor's codes against its base's, sized by ans_bytes (each
+# group's order-0 entropy plus its exact table, what rANS reaches to a few bytes):
+#   now:        today's delta (regrouped by the previous code, one model a group; pairs where smaller)
+#   bitmap8:    which values changed, in element order, 8 flags a byte, one model; then the changed values' deltas,
+#               one model per previous code (no regrouping pass: the encoder's cheapest form)
+#   group8:     the flags regrouped by the previous code, 8 a byte, a model a group; the deltas as bitmap8's
+#   group4:     the same, 4 flags a symbol (tables of 16)
+# by how many of a tensor's values changed and its level count; log: delta_change_flags_size_s39.log
+import collections
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+import torch
+from bench_scale import CONFIG, SIZES, fresh, train_step
+from transformers import GPT2Config
+
+import hf_dynaquant.codecs.dynaquant as dq
+from hf_dynaquant import Compressor
+from hf_dynaquant.core.delta import PAIRED_LEVELS, pair_up
+from hf_dynaquant.core.entropy import ans_bytes
+
+captured = []
+grouped_delta = dq.grouped_delta
+
+
+def capture(prev, cur, levels):
+    grouped, pairs = grouped_delta(prev, cur, levels)
+    captured.append((prev.copy(), cur.copy(), levels, pairs.copy(), grouped.copy()))
+    return grouped, pairs
+
+
+dq.grouped_delta = capture
+torch.manual_seed(0)
+model, opt = fresh(GPT2Config(**SIZES["124M"]), torch.float32)
+train_step(model, opt, 0)
+folder = tempfile.mkdtemp()
+c = Compressor(model, os.path.join(folder, "s"), CONFIG, optimizer=opt)
+c.compress(1)
+train_step(model, opt, 1)
+train_step(model, opt, 2)
+captured.clear()
+c.compress(3)
+shutil.rmtree(folder)
+
+
+def flag_rows(changed, prev, levels, width):
+    """Histograms of the flags of each previous code's values, `width` to a symbol."""
+    rows = []
+    for k in range(levels):
+        mine = changed[prev == k]
+        if mine.size:
+            symbols = np.packbits(mine, bitorder="little")
+            if width == 4:
+                symbols = np.stack([symbols & 15, symbols >> 4], 1).ravel()[: (mine.size + 3) // 4]
+            rows.append(np.bincount(symbols, minlength=1 << width))
+    return np.array(rows)
+
+
+total = collections.defaultdict(float)
+for prev, cur, levels, pairs, grouped in captured:
+    now = ans_bytes(pairs)
+    if levels <= PAIRED_LEVELS:
+        now = min(now, ans_bytes(pair_up(grouped, pairs.sum(axis=1), levels)[1]))
+    changed = prev != cur
+    values = pairs.copy()
+    values[:, 0] = 0  # the changed values' deltas, a model per previous code
+    deltas = ans_bytes(values)
+    sizes = {
+        "now": now,
+        "bitmap8": ans_bytes(np.bincount(np.packbits(changed, bitorder="little"), minlength=256)[None]) + deltas,
+        "group8": ans_bytes(flag_rows(changed, prev, levels, 8)) + deltas,
+        "group4": ans_bytes(flag_rows(changed, prev, levels, 4)) + deltas,
+    }
+    share = changed.mean()
+    kind = "changed <5%" if share < 0.05 else "changed 5-25%" if share < 0.25 else "changed >=25%"
+    key = (kind, f"{levels} levels" if prev.size > 100_000 else "small tensors")
+    total[key + ("values",)] += prev.size
+    for name, size in sizes.items():
+        total[key + (name,)] += size
+        total[("all", "", name)] += size
+for key in sorted({k[:2] for k in total if k[0] != "all"}):
+    row = {name: total[key + (name,)] for name in ("now", "bitmap8", "group8", "group4")}
+    print(f"{key[0]:14} {key[1]:14} {total[key + ('values',)] / 1e6:6.1f}M values  "
+          + "  ".join(f"{n} {v / 1e6:.3f} MB ({v / row['now'] - 1:+.1%})" for n, v in row.items()))  # fmt: skip
+row = {name: total[("all", "", name)] for name in ("now", "bitmap8", "group8", "group4")}
+print("all tensors   " + "  ".join(f"{n} {v / 1e6:.3f} MB ({v / row['now'] - 1:+.1%})" for n, v in row.items()))
