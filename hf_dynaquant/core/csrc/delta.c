@@ -137,8 +137,8 @@ static int groups_in(const int64_t count[256]) {
  * packed together (vpcompressb) and stored at its group's next place (forward), or each group's
  * next values spread to its keys' lanes (vpexpandb, inverse). One pass per group and block, so
  * it is used for at most GROUP_SIMD_KEYS groups (a checkpoint's codes have 3-34 levels; at 34
- * and 48 groups it groups in 1.9-2.6 ns a value against 2.5-3.1 and undoes in 1.6-2.0 against
- * 2.1-2.7, but at 64 it groups in 2.9 against 2.4); a
+ * and 48 groups it groups in 2.0 and 2.5 ns a value against 2.6 and 3.1 and undoes in 1.6 and
+ * 2.0 against 2.2 and 2.7, but at 64 it grouped in 2.9 against 2.4); a
  * value at a time, as the scalar loops do, costs a dependent update of its group's place. The
  * results are those of the scalar loops, byte for byte (tested against the numpy references). */
 #define GROUP_SIMD_KEYS 48
