@@ -143,6 +143,48 @@ def test_completed_map_gives_results_as_they_finish_under_the_same_bounds() -> N
         pool.shutdown()
 
 
+def test_completed_map_lets_light_items_pass_a_heavy_one_that_waits_and_never_starves_it() -> None:
+    """In any order with a budget, a heavy item that does not fit beside a heavy one running
+    waits while light items after it go past (a restore's two large moments, each over half the
+    budget, left a thread idle while the second waited for the first); once the first is done
+    it goes in before any more light ones, and what runs never weighs more than the budget."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, completed_map
+
+    pool = ForkSafePool("test-passing", max_workers=2)
+    release, lock = threading.Event(), threading.Lock()
+    running, peak, started = [0], [0], []
+
+    def work(item: tuple[int, int]) -> int:
+        with lock:
+            started.append(item[0])
+            running[0] += min(item[1], 6)  # (what the budget counts an item over three quarters as)
+            peak[0] = max(peak[0], running[0])
+        if item[0] == 0:
+            release.wait(timeout=10)
+        with lock:
+            running[0] -= min(item[1], 6)
+        return item[0]
+
+    items = [(0, 7), (1, 7)] + [(i, 1) for i in range(2, 40)]
+    seen: list[int] = []
+    try:
+        for item, result in completed_map(pool, work, items, weight=lambda it: it[1], budget=8):
+            assert result == item[0]
+            seen.append(item[0])
+            if len(seen) == 6:  # six light items went past the waiting heavy one
+                with lock:
+                    before_release = len(started)
+                release.set()
+        assert sorted(seen) == list(range(40)) and seen.index(0) >= 6 and 1 not in seen[:6]
+        assert started.index(1) <= before_release + 2  # next in once the first heavy one is done
+        assert peak[0] <= 8
+    finally:
+        release.set()
+        pool.shutdown()
+
+
 def test_a_slow_item_at_the_head_leaves_the_other_threads_working() -> None:
     """With a budget, items behind a slow one keep running on the other threads while the
     caller waits for it (the budget, not a count of one more than the threads, bounds them)."""

@@ -185,13 +185,21 @@ def _bounded_map(
     """The loop of :func:`ordered_map` (``in_order``) and :func:`completed_map`: submit the
     items while the bounds allow, and take results (the oldest, or any that are done) to make
     room. In order with ``held``, an item done but not yet taken weighs ``held(result)`` and is
-    no longer referenced here (``None`` is yielded in its place)."""
+    no longer referenced here (``None`` is yielded in its place). In any order with a budget,
+    an item that does not fit waits while the items after it that fit beside what runs go past
+    it, as long as they leave it its room once the items before it are done (so it is never
+    starved); it goes in first as soon as it fits. A restore's optimizer state takes the large
+    embedding's two moments first, each over half the budget: the second waited for the first
+    while the other threads idled (a second of one thread at the end of a 124M delta chain)."""
     ahead = (pool.max_workers + 1 if budget is None else _AHEAD_WITH_BUDGET) if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
-    pending: dict[Future[T], list[Any]] = {}  # in submission order: [item, weight now, whether settled]
+    # in submission order: [item, weight now, whether settled, whether it went past the waiting item]
+    pending: dict[Future[T], list[Any]] = {}
     load = 0
     settles = in_order and held is not None and budget is not None
+    waiting: list[Any] | None = None  # [item, weight] that waits for room, in any order with a budget
+    passed = 0  # the weight in flight of the items that went past it
 
     def settle() -> None:
         """Weigh the items done (not yet taken) by what their results hold."""
@@ -205,7 +213,7 @@ def _bounded_map(
     def take(block: bool) -> Iterator[tuple[U | None, T]]:
         """Results to make room: the oldest (in order, waiting for it, or for any item to be
         done when that makes room too), else those done (waiting for one if ``block``)."""
-        nonlocal load
+        nonlocal load, passed
         if in_order:
             head = next(iter(pending))
             if block and settles and not head.done():
@@ -219,19 +227,54 @@ def _bounded_map(
             if block and not done:
                 done = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
         for future in done:
-            item, w, _ = pending.pop(future)
+            item, w, _, past = pending.pop(future)
             load -= w
+            passed -= w if past else 0
             yield item, future.result()
+
+    def submit(item: U, w: int, past: bool = False) -> None:
+        nonlocal load, passed
+        pending[pool.submit(fn, item)] = [item, w, False, past]
+        load += w
+        passed += w if past else 0
+
+    def admit_waiting() -> bool:
+        """Submit the waiting item if it fits now (the items that passed it then count as any)."""
+        nonlocal waiting, passed
+        if waiting is None or (pending and (len(pending) >= ahead or load + waiting[1] > budget)):
+            return waiting is None
+        submit(*waiting)
+        waiting, passed = None, 0
+        for entry in pending.values():
+            entry[3] = False
+        return True
 
     try:
         for item in items:
             w = _admitted(weight(item), budget) if weight is not None and budget is not None else 0
-            while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
+            if in_order or budget is None:
+                while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
+                    yield from take(block=True)
+                submit(item, w)
+                if not in_order:
+                    yield from take(block=False)
+                continue
+            while True:
+                if admit_waiting():
+                    if not pending or (len(pending) < ahead and load + w <= budget):
+                        submit(item, w)
+                        break
+                    if len(pending) < ahead:  # it does not fit: it waits, and the next items may pass
+                        waiting = [item, w]
+                        break
+                elif len(pending) < ahead and load + w <= budget and passed + w + waiting[1] <= budget:
+                    submit(item, w, past=True)
+                    break
                 yield from take(block=True)
-            pending[pool.submit(fn, item)] = [item, w, False]
-            load += w
-            if not in_order:
-                yield from take(block=False)
+            yield from take(block=False)
+        while waiting is not None:
+            if not admit_waiting():
+                yield from take(block=True)
         while pending:
             yield from take(block=True)
     finally:
