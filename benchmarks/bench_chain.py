@@ -17,7 +17,10 @@ then ``load_state_dict``, as a resume does).
 
 Prints one row per entry and, derived from them, what each ``keyframe_every`` costs: the mean
 bytes stored per checkpoint (a keyframe, then ``keyframe_every - 1`` deltas) against the mean
-and the slowest restore; writes ``benchmarks/out/chain.png``.
+and the slowest restore; writes ``benchmarks/out/chain.png``. Each restore is timed once, in
+chain order (its CPU seconds, printed beside, move less with the machine's speed); the chain
+starts at the first step of a randomly initialised model, whose early deltas are the largest,
+so the bytes of short chains are overstated against a run in its steady state.
 """
 
 from __future__ import annotations
@@ -35,26 +38,16 @@ import torch
 from transformers import GPT2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scale import CONFIG, OUT, SIZES, flat, fresh, measure, train_step  # noqa: E402
+from bench_scale import CONFIG, OUT, SIZES, disk_mb, flat, fresh, measure, torch_restore, train_step  # noqa: E402
 
 from hf_dynaquant import Compressor  # noqa: E402
-
-
-def stored_mb(folder: Path) -> float:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
 def timed_torch_load(pt: Path, config: GPT2Config, dtype: torch.dtype) -> float:
     """Seconds of ``torch.load`` and ``load_state_dict`` into a fresh model and optimizer (made
     before the timing, as a restore's are)."""
     into, into_optimizer = fresh(config, dtype)
-
-    def load() -> None:
-        sd = torch.load(pt, weights_only=True)
-        into.load_state_dict(sd["model"])
-        into_optimizer.load_state_dict(sd["optimizer"])
-
-    return measure(load)[0]
+    return measure(partial(torch_restore, pt, into, into_optimizer))[0]
 
 
 def timed_restore(store: Path, step: int, config: GPT2Config, dtype: torch.dtype) -> tuple[float, int, float]:
@@ -81,11 +74,11 @@ def chain(size: str, entries: int, folder: Path, dtype: torch.dtype) -> dict:
         if i:
             train_step(model, optimizer, step - 1)
             train_step(model, optimizer, step)
-        before = stored_mb(store) if store.exists() else 0.0
+        before = disk_mb(store) if store.exists() else 0.0
         seconds = measure(partial(compressor.compress, step))[0]
         steps.append(step)
         saves.append(seconds)
-        sizes.append(stored_mb(store) - before)
+        sizes.append(disk_mb(store) - before)
         print(f"  save {i} (step {step}): {seconds:.2f} s, {sizes[-1]:.1f} MB", flush=True)
     pt = folder / "plain.pt"
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -187,14 +180,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.entries < 1:
         parser.error("--entries must be at least 1")
+    for path in (args.json, args.plot):  # (checked before minutes of work, not after)
+        if path is not None and not path.resolve().parent.is_dir():
+            parser.error(f"{path}: its folder does not exist")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(dir=OUT if OUT.exists() else None) as tmp:
         r = chain(args.size, args.entries, Path(tmp), getattr(torch, args.dtype))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=1))
     print(report(r))
     plot(r, args.plot)
     print(f"plot: {args.plot}")
-    if args.json:
-        args.json.write_text(json.dumps(r, indent=1))
 
 
 if __name__ == "__main__":

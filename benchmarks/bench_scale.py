@@ -161,6 +161,20 @@ class Row:
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # each operation's, every thread's
 
 
+def disk_mb(path: Path) -> float:
+    """MB a file holds, or every file under a folder."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
+    return path.stat().st_size / 1e6
+
+
+def torch_restore(pt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a plain resume does: ``torch.load`` (``weights_only``), then ``load_state_dict``."""
+    sd = torch.load(pt, weights_only=True)
+    model.load_state_dict(sd["model"])
+    optimizer.load_state_dict(sd["optimizer"])
+
+
 def plain(
     config: GPT2Config,
     model: torch.nn.Module,
@@ -173,13 +187,7 @@ def plain(
     pt = folder / "plain.pt"
     record("torch.save", lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt), pt)
     into, into_optimizer = fresh(config, dtype)
-
-    def torch_restore() -> None:
-        sd = torch.load(pt, weights_only=True)
-        into.load_state_dict(sd["model"])
-        into_optimizer.load_state_dict(sd["optimizer"])
-
-    record("torch.load", torch_restore)
+    record("torch.load", lambda: torch_restore(pt, into, into_optimizer))
     st = folder / "plain.safetensors"
     record("safetensors save", lambda: save_file(flat(model, optimizer), st), st)
     record("safetensors load", lambda: unflat(load_file(st), into, into_optimizer))
@@ -198,9 +206,7 @@ def bench(size: str, folder: Path, dtype: torch.dtype = torch.float32) -> Row:
         seconds[name], extra, result, cpu[name] = measure(fn)
         peak[name] = extra / ckpt
         if path is not None:
-            stored[name] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6 if path.is_dir() else (
-                path.stat().st_size / 1e6
-            )
+            stored[name] = disk_mb(path)
         line = f"  {size} {name}: {seconds[name]:.2f} s (CPU {cpu[name]:.2f} s), peak extra {peak[name]:.2f}x"
         print(line, flush=True)
         return result

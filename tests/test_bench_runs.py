@@ -97,6 +97,20 @@ def test_chain_bench_restores_every_entry_of_its_chain(tmp_path):
     assert (tmp_path / "chain.png").is_file()
 
 
+def test_chain_trade_reads_a_chain_of_k_as_its_first_k_entries():
+    """``bench_chain.trade``: for each ``keyframe_every`` K, the mean bytes and mean and slowest
+    restore of the measured chain's first K entries."""
+    import bench_chain
+
+    r = {"stored_mb": [90.0, 30.0, 20.0, 20.0], "restore": [1.0, 2.0, 4.0, 3.0]}
+    assert bench_chain.trade(r) == [
+        (1, 90.0, 1.0, 1.0),
+        (2, 60.0, 1.5, 2.0),
+        (3, 140 / 3, 7 / 3, 4.0),
+        (4, 40.0, 2.5, 4.0),
+    ]
+
+
 def test_gpu_session_script_names_what_exists():
     """``benchmarks/gpu_session.sh`` (one call of a lent GPU, whose time is short: a slip costs
     the call) parses, names test files that exist, and passes each benchmark only options it

@@ -285,15 +285,16 @@ def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, ke
             assert np.array_equal(got, expected), n
 
 
+@pytest.mark.parametrize("levels", [9, 40])
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 100_003])
-def test_delta_undone_with_the_base_histogram_given(simd_path, n) -> None:
+def test_delta_undone_with_the_base_histogram_given(simd_path, n, levels) -> None:
     """A restore counted its base's codes for the delta's rANS models; handed to the undo, they
     give the same codes, in place; counts that are not the keys' histogram (even adding up to
-    their number) are refused, never read past the delta."""
+    their number) are refused, never read past the delta (at 40 levels, past the 32 groups the
+    vector path once stopped at)."""
     from hf_dynaquant.core.histogram import byte_counts
 
     rng = np.random.default_rng(n)
-    levels = 9
     keys = rng.integers(0, levels, n).astype(np.uint8)
     current = rng.integers(0, levels, n).astype(np.uint8)
     grouped = regroup(cyclic_delta(keys, current, levels), keys)

@@ -3,7 +3,8 @@
 # checkpoints, 1,493 MB). The chain: bench_scale's 124M setup checkpointed every two steps, N entries (N=10: a
 # keyframe and nine deltas; N=2: one delta), written once to /tmp/s39/chain_store<N>.
 # usage: copy each version's hf_dynaquant (kernels built) to /tmp/s39/<v>/, then alternate:
-#   for r in 1 2 3; for v in A B: PYTHONPATH=/tmp/s39/$v N=10 python restore_passing_s39.py   (log: restore_passing_s39.log)
+#   for r in 1 2 3; for v in A B: PYTHONPATH=/tmp/s39/$v N=10 python restore_passing_s39.py
+# (log: restore_passing_s39.log)
 import os
 import sys
 
