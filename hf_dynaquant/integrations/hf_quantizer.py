@@ -106,10 +106,13 @@ class _Entry:
         them: a conversion error inside transformers' loader only surfaces as a generic
         RuntimeError, so integrity is settled here, naming the file and tensor at fault."""
         handle = open_safetensors(self.payload)  # a damaged header fails here, naming the file
-        for section, records in self.records.items():
-            for name, rec in records.items():
-                for blob, info in rec.get("blobs", {}).items():
-                    read_checked_blob(handle, self.payload, info, f"{section}/{name}", blob)
+        try:
+            for section, records in self.records.items():
+                for name, rec in records.items():
+                    for blob, info in rec.get("blobs", {}).items():
+                        read_checked_blob(handle, self.payload, info, f"{section}/{name}", blob)
+        finally:
+            handle.close()
 
     def decode(self, name: str, blobs: dict[str, list[torch.Tensor]], prefix: str) -> torch.Tensor:
         """Decode one tensor from the blobs transformers gathered for it (verified beforehand)."""

@@ -457,6 +457,8 @@ class EntryReader:
                 yield section, name, rec
 
     def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
         if self._base is not None:
             self._base.close()
