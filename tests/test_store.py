@@ -169,14 +169,21 @@ def test_streaming_writer_grows_header_when_reservation_too_small(tmp_path) -> N
             assert torch.equal(f.get_tensor(k), t)
 
 
-def test_payload_blobs_are_read_without_mapping_the_file(tmp_path) -> None:
+@pytest.mark.parametrize("pread", ["preadv", "seek and read"])
+def test_payload_blobs_are_read_without_mapping_the_file(tmp_path, monkeypatch, pread) -> None:
     """A payload file is validated by ``safe_open`` and its blobs read at the header's offsets,
     each into memory of its own: the file is never left mapped (a restore keeps every entry of
     its chain open, and the mapped pages it had read stayed resident, 1.14x a pure-bf16 124M
     checkpoint after nine deltas). A blob past the end of a file cut short, or a key the file
-    does not hold, is a CorruptCheckpointError naming the file."""
+    does not hold, is a CorruptCheckpointError naming the file. The same where the platform
+    has no ``preadv`` (a seek and a read under a lock)."""
+    import os
+
     from hf_dynaquant.errors import CorruptCheckpointError
     from hf_dynaquant.store.safetensors_io import open_safetensors, read_blob
+
+    if pread != "preadv":
+        monkeypatch.delattr(os, "preadv", raising=False)
 
     path = tmp_path / "p.safetensors"
     w = StreamingWriter(path, header_reserve=64)

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +122,17 @@ class PayloadFile:
     stayed in the process's resident set until the reader closed: a restore keeps each entry of
     its chain open while it replays every tensor through them, so a pure-bf16 124M restore grew
     from 0.88x its checkpoint after a keyframe to 1.14x after nine deltas, most of it the
-    payload files' pages. ``pread`` works from several threads at once on one descriptor."""
+    payload files' pages. ``pread`` works from several threads at once on one descriptor; where
+    the platform has none (Windows), a lock orders a seek and a read instead."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self._fd = path, -1
+        self.path, self._fd, self._lock = path, -1, threading.Lock()
         try:
             safe_open(str(path), framework="numpy")  # (validates the header; holds nothing once dropped)
-            self._fd = os.open(path, os.O_RDONLY)  # (held for the reader's life: closed by close or when collected)
-            (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-            header = json.loads(os.pread(self._fd, size, 8))
+            # (held for the reader's life: closed by close or when collected)
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            (size,) = struct.unpack("<Q", self._pread(memoryview(bytearray(8)), 0))
+            header = json.loads(bytes(self._pread(memoryview(bytearray(size)), 8)))
         except FileNotFoundError:
             self.close()
             raise CorruptCheckpointError(f"{path}: payload file is missing") from None
@@ -150,13 +153,25 @@ class PayloadFile:
         for a file shorter than its header says, or one closed)."""
         offset, n = self._blobs[key]
         out = np.empty(n, dtype=np.uint8)
-        view, done = memoryview(out), 0
-        while done < n:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"the file ends {n - done} bytes before the blob does")
-            done += got
+        self._pread(memoryview(out), offset)
         return out
+
+    def _pread(self, view: memoryview, offset: int) -> memoryview:
+        """``view`` filled with the file's bytes from ``offset`` (``OSError`` where it ends first)."""
+        done = 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                got = os.preadv(self._fd, [view[done:]], offset + done)
+            else:
+                with self._lock:
+                    os.lseek(self._fd, offset + done, os.SEEK_SET)
+                    data = os.read(self._fd, len(view) - done)
+                view[done : done + len(data)] = data
+                got = len(data)
+            if got <= 0:
+                raise OSError(f"the file ends {len(view) - done} bytes before the blob does")
+            done += got
+        return view
 
     _os_close = staticmethod(os.close)  # (held by the class: at interpreter exit the module's globals may be gone)
 
