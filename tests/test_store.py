@@ -180,7 +180,7 @@ def test_payload_blobs_are_read_without_mapping_the_file(tmp_path, monkeypatch, 
     import os
 
     from hf_dynaquant.errors import CorruptCheckpointError
-    from hf_dynaquant.store.safetensors_io import open_safetensors, read_blob
+    from hf_dynaquant.store.safetensors_io import PayloadFile, read_blob
 
     if pread != "preadv":
         monkeypatch.delattr(os, "preadv", raising=False)
@@ -191,26 +191,26 @@ def test_payload_blobs_are_read_without_mapping_the_file(tmp_path, monkeypatch, 
     for key, data in blobs.items():
         w.add(key, "U8", (data.size,), data)
     w.close({})
-    handle = open_safetensors(path)
+    handle = PayloadFile(path)
     for key, data in blobs.items():
-        got = read_blob(handle, path, key, "t")
+        got = read_blob(handle, key, "t")
         assert np.array_equal(got, data) and got.flags.writeable
     if Path("/proc/self/maps").exists():
         assert str(path) not in Path("/proc/self/maps").read_text()
     with pytest.raises(CorruptCheckpointError, match="cannot be read"):
-        read_blob(handle, path, "absent", "t")
+        read_blob(handle, "absent", "t")
     handle.close()
     with pytest.raises(CorruptCheckpointError, match="cannot be read"):
-        read_blob(handle, path, "b1", "t")  # (closed)
+        read_blob(handle, "b1", "t")  # (closed)
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(path.read_bytes())
-    handle = open_safetensors(cut)
+    handle = PayloadFile(cut)
     with open(cut, "r+b") as f:  # cut short after it was opened
         f.truncate(cut.stat().st_size - 10)
     with pytest.raises(CorruptCheckpointError, match="cut.safetensors.*cannot be read.*ends"):
-        read_blob(handle, cut, "b4", "t")
+        read_blob(handle, "b4", "t")
     with pytest.raises(CorruptCheckpointError, match="payload file is missing"):
-        open_safetensors(tmp_path / "nowhere.safetensors")
+        PayloadFile(tmp_path / "nowhere.safetensors")
 
 
 def make_chain(store: CheckpointStore, n: int = 4) -> list[tuple[str, dict]]:

@@ -40,7 +40,7 @@ from ..core.dtypes import from_raw
 from ..errors import CorruptCheckpointError, DynaQuantError, FormatError
 from ..pretrained.snapshot import QUANT_METHOD
 from ..store.manifest import MANIFEST, manifest_file, parse_manifest, read_manifest_bytes
-from ..store.safetensors_io import open_safetensors, read_checked_blob
+from ..store.safetensors_io import PayloadFile, read_checked_blob
 
 __all__ = ["QUANT_METHOD", "TESTED_TRANSFORMERS", "DynaQuantConfig", "DynaQuantHfQuantizer", "transformers_sections"]
 
@@ -105,12 +105,12 @@ class _Entry:
         """Check every blob of the weight sections against its SHA-256 before transformers loads
         them: a conversion error inside transformers' loader only surfaces as a generic
         RuntimeError, so integrity is settled here, naming the file and tensor at fault."""
-        handle = open_safetensors(self.payload)  # a damaged header fails here, naming the file
+        handle = PayloadFile(self.payload)  # a damaged header fails here, naming the file
         try:
             for section, records in self.records.items():
                 for name, rec in records.items():
                     for blob, info in rec.get("blobs", {}).items():
-                        read_checked_blob(handle, self.payload, info, f"{section}/{name}", blob)
+                        read_checked_blob(handle, info, f"{section}/{name}", blob)
         finally:
             handle.close()
 

@@ -29,7 +29,6 @@ __all__ = [
     "PayloadFile",
     "StreamingWriter",
     "header_size_estimate",
-    "open_safetensors",
     "read_blob",
     "read_checked_blob",
 ]
@@ -114,7 +113,8 @@ class StreamingWriter:
 
 
 class PayloadFile:
-    """An open payload file whose blobs are read with ``pread``, each into memory of its own.
+    """An open payload file whose blobs are read with ``pread``, each into memory of its own;
+    damage found when it is opened is a :class:`CorruptCheckpointError` naming the file.
 
     ``safe_open`` validates the file when it is opened (the header, the offsets against the
     file's size) and is let go at once; the blobs are then read at the offsets of that header.
@@ -184,26 +184,23 @@ class PayloadFile:
         self.close()
 
 
-def open_safetensors(path: Path) -> PayloadFile:
-    """An open payload file (:class:`PayloadFile`), damage reported as :class:`CorruptCheckpointError`."""
-    return PayloadFile(path)
-
-
-def read_blob(handle: PayloadFile, path: Path, key: str, tensor: str) -> np.ndarray:
+def read_blob(handle: PayloadFile, key: str, tensor: str) -> np.ndarray:
     """One uint8 blob from an open payload file."""
     try:
         return handle.read(key)
     except (KeyError, OSError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{path}: blob {key!r} of tensor {tensor!r} cannot be read ({exc})") from None
+        raise CorruptCheckpointError(
+            f"{handle.path}: blob {key!r} of tensor {tensor!r} cannot be read ({exc})"
+        ) from None
 
 
-def read_checked_blob(handle: Any, path: Path, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
+def read_checked_blob(handle: PayloadFile, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
     """One uint8 blob from an open payload file, checked against its manifest record ``info``
     (``key``, ``nbytes``, ``sha256``; FORMAT.md): a :class:`ChecksumMismatchError` naming the
     file, tensor and blob when its bytes are not the recorded ones. The one checksum check of
     every reader of a payload (entry readers, and transformers loading a Hub snapshot)."""
-    data = read_blob(handle, path, info["key"], tensor)
-    actual = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).hexdigest()
+    data = read_blob(handle, info["key"], tensor)
+    actual = hashlib.sha256(data).hexdigest()
     if actual != info["sha256"] or data.size != info["nbytes"]:
-        raise ChecksumMismatchError(str(path), tensor, blob, info["sha256"], actual)
+        raise ChecksumMismatchError(str(handle.path), tensor, blob, info["sha256"], actual)
     return data

@@ -71,7 +71,7 @@ from .manifest import (
     read_manifest_bytes,
     store_marker,
 )
-from .safetensors_io import StreamingWriter, header_size_estimate, open_safetensors, read_checked_blob
+from .safetensors_io import PayloadFile, StreamingWriter, header_size_estimate, read_checked_blob
 from .tree import DeferredTensor, flatten_tree, unflatten_tree
 
 __all__ = ["CheckpointStore", "EntryReader", "EntryInfo", "PretrainedResolver", "set_pretrained_resolver"]
@@ -285,13 +285,12 @@ class EntryReader:
                 raise CorruptCheckpointError(
                     f"{self.manifest_path}: blob refers to payload file #{index}, which the manifest does not list"
                 ) from None
-            self._handles[index] = open_safetensors(self.path / name)
+            self._handles[index] = PayloadFile(self.path / name)
         return self._handles[index]
 
     def read_checked(self, info: dict[str, Any], tensor: str, blob: str) -> np.ndarray:
         """Read one blob and check its SHA-256 against the manifest."""
-        path = self.path / self.manifest["files"][info["file"]]
-        return read_checked_blob(self._handle(info["file"]), path, info, tensor, blob)
+        return read_checked_blob(self._handle(info["file"]), info, tensor, blob)
 
     # -- tensors ---------------------------------------------------------------------------
     def base_reader(self) -> EntryReader:
