@@ -431,7 +431,9 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
         return QuantState(codes, 4, np.array([-1, 1], np.float32), np.zeros(0, np.uint16), "F32", codes.shape)
 
     codec = DynaQuantCodec()
-    paired = codec._encode_state(state(cur), state(prev), {})
+    with monkeypatch.context() as patch:
+        patch.setattr(dynaquant_mod, "_GAP_SHARE", -1.0)  # gaps never tried (their own test below)
+        paired = codec._encode_state(state(cur), state(prev), {})
     assert paired.params["mode"] == "delta" and paired.params["delta_stream"] == ["ans8:pairs", prev.size]
 
     def blobs(name: str) -> np.ndarray:
@@ -442,6 +444,7 @@ def test_paired_delta_reads_back_and_refuses_what_does_not_pair(monkeypatch) -> 
     assert np.array_equal(codec.decode("F32", cur.shape, paired.params, blobs, state(prev.copy())).codes, cur)
     with monkeypatch.context() as patch:
         patch.setattr(dynaquant_mod, "PAIRED_LEVELS", 0)  # one delta a symbol
+        patch.setattr(dynaquant_mod, "_GAP_SHARE", -1.0)
         single = codec._encode_state(state(cur), state(prev), {})
     assert single.params["delta_stream"] == ["ans8", prev.size]
     assert len(paired.blobs["delta"]) < 0.995 * len(single.blobs["delta"])
@@ -514,6 +517,125 @@ def test_pair_up_matches_numpy_reference_and_unpairs(monkeypatch, levels) -> Non
             delta_mod.pair_up(np.zeros(4, np.uint8), np.array([5, -1]), 4)
         with pytest.raises(ValueError):
             delta_mod.unpair(np.zeros(3, np.uint8), np.array([5, -1]), 4)
+
+
+def test_gap_delta_reads_back_and_refuses_damage(monkeypatch) -> None:
+    """A long delta where few values changed is coded as the gaps between them and their values
+    (``"ans8:gaps"``), in a fraction of the symbols one a symbol takes, and reads back to the
+    codes; a damaged value (at the levels), a header that does not give a token count for each
+    group, or a base coded past the delta's levels is corrupt."""
+    from hf_dynaquant.codecs import dynaquant as dynaquant_mod
+    from hf_dynaquant.core.ans import LANES, ans_encode
+    from hf_dynaquant.core.delta import gap_up, grouped_delta
+    from hf_dynaquant.core.varint import uleb128_encode
+
+    rng = np.random.default_rng(14)
+    prev = rng.integers(0, 10, 2_000_003).astype(np.uint8)  # 10 levels, as the weights at 8 bins
+    # codes move in some stretches (rows whose gradients were large), mostly by one level
+    rate = np.where(np.arange(prev.size) // 1000 % 7 == 0, 0.1, 0.01)
+    cur = np.where(rng.random(prev.size) < rate, (prev + rng.choice([1, 9], prev.size)) % 10, prev).astype(np.uint8)
+
+    def state(codes: np.ndarray) -> QuantState:
+        centres = np.linspace(-1, 1, 8, dtype=np.float32)
+        return QuantState(codes, 10, centres, np.zeros(0, np.uint16), "F32", codes.shape)
+
+    codec = DynaQuantCodec()
+    gapped = codec._encode_state(state(cur), state(prev), {})
+    assert gapped.params["mode"] == "delta" and gapped.params["delta_stream"] == ["ans8:gaps", prev.size]
+    with monkeypatch.context() as patch:
+        patch.setattr(dynaquant_mod, "_GAP_SHARE", -1.0)  # gaps never tried
+        other = codec._encode_state(state(cur), state(prev), {})
+    assert other.params["delta_stream"][0] in ("ans8", "ans8:pairs")
+    assert len(gapped.blobs["delta"]) < 1.02 * len(other.blobs["delta"])
+
+    def blobs(name: str) -> np.ndarray:
+        return np.frombuffer(gapped.blobs[name], np.uint8)
+
+    blobs.where = "entry x, tensor w"  # type: ignore[attr-defined]
+    assert np.array_equal(codec.decode("F32", cur.shape, gapped.params, blobs, state(prev.copy())).codes, cur)
+    grouped, pairs = grouped_delta(prev, cur, 10)
+    symbols, histograms, tokens = gap_up(grouped, pairs)
+    assert symbols.size < 0.1 * prev.size  # (a token and a value for each of the ~2% changed, and the escapes)
+    heads = int(tokens.sum())
+    damaged = symbols.copy()
+    damaged[heads] = 9  # the first changed value, at the levels (values are stored less 1)
+    header = uleb128_encode(tokens.astype(np.uint64)).tobytes()
+    header = uleb128_encode(np.array([len(header)], np.uint64)).tobytes() + header
+    rows = _rows_of(damaged, histograms)
+    payload = np.frombuffer(header + ans_encode(damaged, lanes=LANES, histograms=rows), np.uint8)
+    blob = lambda name: payload  # noqa: E731
+    blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
+    with pytest.raises(CorruptCheckpointError, match="tensor w: .*out of range"):
+        codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
+    short = np.frombuffer(uleb128_encode(np.array([2, 1, 1], np.uint64)).tobytes() + gapped.blobs["delta"], np.uint8)
+    blob = lambda name: short  # noqa: E731
+    blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
+    with pytest.raises(CorruptCheckpointError, match="tensor w: gap stream's header"):  # two counts, not ten
+        codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
+    far = prev.copy()
+    far[7] = 12  # a base code past the delta's 10 levels: its groups are not the encoder's
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):
+        codec.decode("F32", cur.shape, gapped.params, blobs, state(far))
+
+
+def _rows_of(symbols: np.ndarray, histograms: np.ndarray) -> np.ndarray:
+    """The stream's group histograms recounted after one symbol changed: the groups keep the
+    sizes of ``histograms``' rows."""
+    bounds = np.concatenate(([0], np.cumsum(histograms.sum(axis=1))))
+    return np.array([np.bincount(symbols[a:b], minlength=256) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+@pytest.mark.parametrize("levels", [1, 2, 10, 34, 256])
+def test_gap_up_matches_numpy_reference_and_ungaps(monkeypatch, levels) -> None:
+    """``gap_up`` (each group's gaps before its changed values, escapes for long ones, then the
+    changed values less 1) and ``ungap``, compiled and in numpy, agree and invert each other over
+    groups of every size, empty ones included, at every change rate, gaps past the escape and
+    changes at a group's first and last place included; damaged streams are refused both ways."""
+    from hf_dynaquant.core import delta as delta_mod
+
+    escape = delta_mod.GAP_ESCAPE
+    rng = np.random.default_rng(levels)
+    for n in (0, 1, 7, 63, 64, 65, 1000, 10_007):
+        for share in (0.0, 0.002, 0.05, 0.5, 1.0):
+            prev = rng.integers(0, levels, n).astype(np.uint8)
+            cur = np.where(rng.random(n) < share, rng.integers(0, levels, n), prev).astype(np.uint8)
+            grouped, pairs = delta_mod.grouped_delta(prev, cur, levels)
+            sizes, changed = pairs.sum(axis=1), pairs[:, 1:].sum(axis=1)
+            symbols, counts, tokens = delta_mod.gap_up(grouped, pairs)
+            assert symbols.size == int(tokens.sum() + changed.sum())
+            bounds = np.concatenate(([0], np.cumsum(np.concatenate((tokens, changed)))))
+            for g in range(2 * sizes.size):
+                assert np.array_equal(np.bincount(symbols[bounds[g] : bounds[g + 1]], minlength=256), counts[g])
+            assert np.array_equal(delta_mod.ungap(symbols, tokens, sizes, levels), grouped)
+            with monkeypatch.context() as patch:
+                patch.setattr(delta_mod, "native", None)
+                reference = delta_mod.gap_up(grouped, pairs)
+                assert all(np.array_equal(a, b) for a, b in zip(reference, (symbols, counts, tokens)))
+                assert np.array_equal(delta_mod.ungap(symbols, tokens, sizes, levels), grouped)
+    for native in (delta_mod.native, None):
+        monkeypatch.setattr(delta_mod, "native", native)
+        if levels > 1:
+            # group 0: 2 * escape + 4 values, its last changed (2 escapes, then a gap of 3); group 1: 5, its second
+            values = np.zeros(2 * escape + 9, np.uint8)
+            values[2 * escape + 3], values[2 * escape + 5] = 1, 1
+            pairs = np.zeros((2, levels), np.int64)
+            pairs[0, :2], pairs[1, :2] = (2 * escape + 3, 1), (4, 1)
+            symbols, _, tokens = delta_mod.gap_up(values, pairs)
+            assert symbols.tolist() == [escape, escape, 3, 1, 0, 0] and tokens.tolist() == [3, 1]
+            with pytest.raises(ValueError, match="changed values"):  # pairs that are not the delta's
+                delta_mod.gap_up(values, pairs[:, ::-1].copy())
+            sizes = pairs.sum(axis=1)
+            for at, bad in ((2, 4), (3, 5), (0, escape + 1), (4, levels - 1)):  # gaps past the ends; a token; a value
+                damaged = symbols.copy()
+                damaged[at] = bad
+                with pytest.raises(ValueError, match="out of range"):
+                    delta_mod.ungap(damaged, tokens, sizes, levels)
+            with pytest.raises(ValueError):  # a value too few, or too many
+                delta_mod.ungap(symbols[:-1], tokens, sizes, levels)
+            with pytest.raises(ValueError):
+                delta_mod.ungap(np.append(symbols, 0), tokens, sizes, levels)
+        with pytest.raises(ValueError):  # token counts that do not fit
+            delta_mod.ungap(np.zeros(1, np.uint8), np.array([2]), np.array([5]), 4)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])

@@ -36,13 +36,15 @@ import numpy as np
 import torch
 
 from ..core import trellis
-from ..core.ans import ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
+from ..core.ans import ans_coding, ans_counts, ans_decode, ans_encode, ans_lanes, lanes_for
 from ..core.bitplanes import PackedCodes, pack_bits
 from ..core.delta import (
+    GAP_ESCAPE,
     PAIRED_LEVELS,
     apply_delta,
     current_counts,
     cyclic_delta,
+    gap_up,
     grouped_delta,
     pair_up,
     paired_sizes,
@@ -50,6 +52,7 @@ from ..core.delta import (
     rle_decode,
     rle_encode,
     undo_regrouped_delta,
+    ungap,
     ungroup,
     unpair,
     varint_decode,
@@ -67,6 +70,7 @@ from ..core.entropy import (
 )
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
+from ..core.varint import uleb128_decode, uleb128_encode
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 from .lossless import LosslessCodec
@@ -128,25 +132,37 @@ def _delta_payload(
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev``, ``pairs`` holds its groups'
-    models (both from :func:`grouped_delta`) and ``estimate`` their ``ans_bytes``; at most
-    :data:`PAIRED_LEVELS` levels (the table's size) it is coded two deltas to a symbol where that
-    is smaller (FORMAT.md ``"ans<L>:pairs"``: half the rANS steps, and 1-2% smaller on a
-    checkpoint's long tensors); the other codings take it in element order."""
+    models (both from :func:`grouped_delta`) and ``estimate`` their ``ans_bytes``. It is coded
+    one delta to a symbol, or two (FORMAT.md ``"ans<L>:pairs"``, at most :data:`PAIRED_LEVELS`
+    levels: half the rANS steps, and 1-2% smaller on a checkpoint's long tensors), or, where at
+    most :data:`_GAP_SHARE` of the values changed, as the gaps between the changed values and
+    those values (``"ans<L>:gaps"``: a step or two for each changed value, none for the others),
+    the smallest of those it tries, except that gaps within :data:`_GAP_SLACK` of the smallest
+    are kept (a restore decodes every delta of its chain). The other codings take it in element
+    order."""
     if coding == "ans":
         if pairs is None or estimate is None:
             raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs) and size")
-        levels, single = pairs.shape[0], estimate
+        levels = pairs.shape[0]
+        tried: dict[str, tuple[float, Any]] = {"": (estimate, None)}  # suffix: (size, how to code it)
         # pairs are tried where their tables (a count of up to levels^2 pair symbols for each of
         # levels + 1 groups, about 2 bytes each) stay small beside the delta: a sparse delta (a
         # weight's, two steps on) is smaller one a symbol, and pairing it only costs a pass
-        if levels <= PAIRED_LEVELS and 2 * (levels + 1) * levels**2 < _PAIR_TABLE_SHARE * single:
+        if levels <= PAIRED_LEVELS and 2 * (levels + 1) * levels**2 < _PAIR_TABLE_SHARE * estimate:
             symbols, histograms = pair_up(delta, pairs.sum(axis=1), levels)
-            if ans_bytes(histograms) < single:
-                lanes = lanes_for(symbols.size)
-                payload = ans_encode(symbols, lanes=lanes, histograms=histograms)
-                return f"{ans_coding(lanes)}{_PAIRED}", payload, int(delta.size)
-        lanes = lanes_for(delta.size)
-        return ans_coding(lanes), ans_encode(delta, lanes=lanes, histograms=pairs), int(delta.size)
+            tried[_PAIRED] = (ans_bytes(histograms), (symbols, histograms, b""))
+        if int(pairs[:, 1:].sum()) <= _GAP_SHARE * delta.size:
+            symbols, histograms, tokens = gap_up(delta, pairs)
+            header = uleb128_encode(tokens.astype(np.uint64)).tobytes()
+            header = uleb128_encode(np.array([len(header)], np.uint64)).tobytes() + header
+            tried[_GAPS] = (ans_bytes(histograms) + len(header), (symbols, histograms, header))
+        suffix = min(tried, key=lambda k: tried[k][0])
+        if _GAPS in tried and tried[_GAPS][0] <= (1 + _GAP_SLACK) * tried[suffix][0]:
+            suffix = _GAPS
+        symbols, histograms, header = tried[suffix][1] or (delta, pairs, b"")
+        lanes = lanes_for(symbols.size)
+        payload = ans_encode(symbols, lanes=lanes, histograms=histograms)
+        return f"{ans_coding(lanes)}{suffix}", header + payload if header else payload, int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -155,6 +171,22 @@ def _delta_payload(
 
 _PAIRED = ":pairs"  # a stream coding's suffix: the rANS stream's symbols are pairs of deltas
 _PAIR_TABLE_SHARE = 0.05  # the most of a delta's size its pairs' tables may take for pairs to be tried
+_GAPS = ":gaps"  # a stream coding's suffix: the gaps between the changed deltas, then those deltas
+_GAP_SHARE = 1 / 8  # the most of a delta's values that may have changed for gaps to be tried
+_GAP_SLACK = 0.02  # gaps are kept over a coding at most this much smaller (a restore decodes them faster)
+
+
+def _read_header(payload: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """A ``":gaps"`` payload's token counts (one for each of ``groups`` groups) and its rANS
+    payload after them."""
+    first = int(np.argmax(payload[:10] < 0x80)) + 1 if payload.size else 0
+    if first == 0 or payload[first - 1] & 0x80:
+        raise ValueError("gap stream has no header length")
+    end = first + int(uleb128_decode(payload[:first])[0])
+    tokens = uleb128_decode(payload[first:end]).astype(np.int64) if end <= payload.size else np.zeros(0, np.int64)
+    if end > payload.size or tokens.size != groups or (tokens.size and int(tokens.min()) < 0):
+        raise ValueError(f"gap stream's header does not hold a token count for each of its {groups} groups")
+    return tokens, payload[end:]
 
 
 def _groups(prev: np.ndarray) -> np.ndarray:
@@ -175,20 +207,26 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         if coding == "ans":
             if int(size) != n:
                 raise ValueError(f"delta holds {int(size)} values, expected {n}")
-            paired = isinstance(stream_coding, str) and stream_coding.endswith(_PAIRED)
-            lanes = ans_lanes(stream_coding[: -len(_PAIRED)] if paired else stream_coding)
-            if not lanes:
+            head, _, suffix = (stream_coding if isinstance(stream_coding, str) else "").partition(":")
+            lanes = ans_lanes(head)
+            if not lanes or suffix not in ("", _PAIRED[1:], _GAPS[1:]):
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
             groups = _groups(prev)
-            if not paired:
+            if not suffix:
                 delta = ans_decode(payload, n, groups, lanes)
-            elif groups.size > levels or levels > PAIRED_LEVELS:
-                raise ValueError(f"paired deltas at {levels} levels of a base coded up to {groups.size - 1}")
+            elif groups.size > levels or (suffix == _PAIRED[1:] and levels > PAIRED_LEVELS):
+                raise ValueError(f"{suffix} at {levels} levels of a base coded up to {groups.size - 1}")
             else:  # (the encoder's groups: one per level, those past the base's largest code empty)
                 sizes = np.zeros(levels, np.int64)
                 sizes[: groups.size] = groups
-                symbols = paired_sizes(sizes)
-                delta = unpair(ans_decode(payload, int(symbols.sum()), symbols, lanes), sizes, levels)
+                if suffix == _PAIRED[1:]:
+                    symbols = paired_sizes(sizes)
+                    delta = unpair(ans_decode(payload, int(symbols.sum()), symbols, lanes), sizes, levels)
+                else:  # (each group's changed values: its tokens less its escapes, from the table)
+                    tokens, payload = _read_header(payload, levels)
+                    changed = tokens - ans_counts(payload, tokens)[:, GAP_ESCAPE]
+                    symbols = np.concatenate((tokens, changed))
+                    delta = ungap(ans_decode(payload, int(symbols.sum()), symbols, lanes), tokens, sizes, levels)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             delta = data if coding == "entropy" else rle_decode(varint_decode(data)).astype(np.uint8)
@@ -223,8 +261,9 @@ class DynaQuantCodec(Codec):
     # symbols (blob "symbols"); records without the "trellis" param read as version 2's. 4: codes
     # packed from their smallest ("pack<N>+<B>"), which earlier records never use. 5: packed codes
     # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use. 6: deltas two to an
-    # rANS symbol ("ans<L>:pairs"), which earlier records never use
-    version = 6
+    # rANS symbol ("ans<L>:pairs"), which earlier records never use. 7: deltas as the gaps between
+    # the changed ones ("ans<L>:gaps"), which earlier records never use
+    version = 7
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:

@@ -41,7 +41,7 @@ from .histogram import byte_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
-__all__ = ["ans_encode", "ans_decode", "ans_coding", "ans_lanes", "lanes_for", "LANES"]
+__all__ = ["ans_encode", "ans_decode", "ans_counts", "ans_coding", "ans_lanes", "lanes_for", "LANES"]
 
 # Symbols handed to the coder at once. constriction holds the GIL while it codes, so this bounds
 # both the int32 copies (4 MiB) and how long a background encode can hold up the training loop's
@@ -199,6 +199,48 @@ def ans_encode(
     return b"".join((uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes(), header, words))
 
 
+def _bytes(payload: bytes | memoryview | np.ndarray) -> np.ndarray:
+    return np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
+
+
+def _table(data: np.ndarray) -> tuple[np.ndarray, int]:
+    """A payload's table (its uleb128 numbers, int64) and where the coder's words start."""
+    first = int(np.argmax(data[:10] < 0x80)) + 1 if data.size else 0
+    if first == 0 or data[first - 1] & 0x80:
+        raise ValueError("rANS stream has no table length")
+    table_end = first + int(uleb128_decode(data[:first])[0])
+    if table_end > data.size or (data.size - table_end) % 4:
+        raise ValueError("rANS stream is truncated")
+    return uleb128_decode(data[first:table_end]).astype(np.int64), table_end
+
+
+def ans_counts(payload: bytes | memoryview | np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The symbol counts the table of :func:`ans_encode`'s ``payload`` holds for its first
+    groups, of ``groups`` sizes: a row of 256 for each (zero for an empty group), without
+    decoding. Where the sizes of a stream's later groups follow from its earlier groups'
+    symbols (a delta's changed values, one for each gap before one), the reader learns them here.
+    ``ValueError`` for a table that does not match the sizes."""
+    sizes = np.asarray(groups, dtype=np.int64)
+    rows = np.zeros((sizes.size, 256), dtype=np.int64)
+    for g, counts in _group_counts(_table(_bytes(payload))[0], sizes)[0]:
+        rows[g, : counts.size] = counts
+    return rows
+
+
+def _group_counts(table: np.ndarray, sizes: np.ndarray) -> tuple[list[tuple[int, np.ndarray]], int]:
+    """``([(group, its counts), ...] for the non-empty groups, where the table goes on)``,
+    checked against the groups' sizes."""
+    found, pos = [], 0
+    for g in np.flatnonzero(sizes):
+        k = int(table[pos]) if pos < table.size else 0
+        counts = table[pos + 1 : pos + 1 + k]
+        pos += 1 + k
+        if k == 0 or k > 256 or counts.size != k or int(counts.sum()) != sizes[g]:
+            raise ValueError(f"rANS table of group {g} does not match its {int(sizes[g])} symbols")
+        found.append((int(g), counts))
+    return found, pos
+
+
 def ans_decode(
     payload: bytes | memoryview | np.ndarray, n: int, groups: np.ndarray | None = None, lanes: int = 1
 ) -> np.ndarray:
@@ -206,24 +248,14 @@ def ans_decode(
     with a damaged payload."""
     if lanes not in (1, 2, 4, 8):
         raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
-    data = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
+    data = _bytes(payload)
     sizes = _sizes(n, groups)
-    first = int(np.argmax(data[:10] < 0x80)) + 1 if data.size else 0
-    if first == 0 or data[first - 1] & 0x80:
-        raise ValueError("rANS stream has no table length")
-    table_end = first + int(uleb128_decode(data[:first])[0])
-    if table_end > data.size or (data.size - table_end) % 4:
-        raise ValueError("rANS stream is truncated")
-    table, pos = uleb128_decode(data[first:table_end]).astype(np.int64), 0
+    table, table_end = _table(data)
     out = np.empty(n, dtype=np.uint8)
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     coded = []
-    for g in np.flatnonzero(sizes):
-        k = int(table[pos]) if pos < table.size else 0
-        counts = table[pos + 1 : pos + 1 + k]
-        pos += 1 + k
-        if k == 0 or k > 256 or counts.size != k or int(counts.sum()) != sizes[g]:
-            raise ValueError(f"rANS table of group {g} does not match its {int(sizes[g])} symbols")
+    found, pos = _group_counts(table, sizes)
+    for g, counts in found:
         if np.count_nonzero(counts) == 1:
             out[bounds[g] : bounds[g + 1]] = int(np.flatnonzero(counts)[0])
         else:

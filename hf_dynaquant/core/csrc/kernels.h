@@ -92,6 +92,8 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
 PyObject *py_unpair_u8(PyObject *self, PyObject *args);
+PyObject *py_gap_up_u8(PyObject *self, PyObject *args);
+PyObject *py_ungap_u8(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
 PyObject *py_simd_paths(PyObject *self, PyObject *args);
 /* The hand-written AVX-512 paths this CPU has and kernels may take (py_allow_simd: tests turn
