@@ -522,12 +522,17 @@ def test_pair_up_matches_numpy_reference_and_unpairs(monkeypatch, levels) -> Non
 def test_gap_delta_reads_back_and_refuses_damage(monkeypatch) -> None:
     """A long delta where few values changed is coded as the gaps between them and their values
     (``"ans8:gaps"``), in a fraction of the symbols one a symbol takes, and reads back to the
-    codes; a damaged value (at the levels), a header that does not give a token count for each
-    group, or a base coded past the delta's levels is corrupt."""
+    codes, with or without the compiled kernels; a damaged value (at the levels), a header that
+    does not give a token count for each group, runs past the blob or counts more tokens than a
+    group's values can take (before any stream of them is made), an empty suffix, or a base coded
+    past the delta's levels is corrupt. Gaps are not tried where a fifth of the values changed, nor
+    where their tables would outweigh the delta."""
     from hf_dynaquant.codecs import dynaquant as dynaquant_mod
+    from hf_dynaquant.core import ans as ans_mod
+    from hf_dynaquant.core import delta as delta_mod
     from hf_dynaquant.core.ans import LANES, ans_encode
-    from hf_dynaquant.core.delta import gap_up, grouped_delta
-    from hf_dynaquant.core.varint import uleb128_encode
+    from hf_dynaquant.core.delta import GAP_ESCAPE, gap_up, grouped_delta
+    from hf_dynaquant.core.varint import length_prefixed, uleb128_encode
 
     rng = np.random.default_rng(14)
     prev = rng.integers(0, 10, 2_000_003).astype(np.uint8)  # 10 levels, as the weights at 8 bins
@@ -559,19 +564,38 @@ def test_gap_delta_reads_back_and_refuses_damage(monkeypatch) -> None:
     heads = int(tokens.sum())
     damaged = symbols.copy()
     damaged[heads] = 9  # the first changed value, at the levels (values are stored less 1)
-    header = uleb128_encode(tokens.astype(np.uint64)).tobytes()
-    header = uleb128_encode(np.array([len(header)], np.uint64)).tobytes() + header
+    header = length_prefixed(uleb128_encode(tokens.astype(np.uint64)).tobytes())
     rows = _rows_of(damaged, histograms)
     payload = np.frombuffer(header + ans_encode(damaged, lanes=LANES, histograms=rows), np.uint8)
     blob = lambda name: payload  # noqa: E731
     blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
     with pytest.raises(CorruptCheckpointError, match="tensor w: .*out of range"):
         codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
-    short = np.frombuffer(uleb128_encode(np.array([2, 1, 1], np.uint64)).tobytes() + gapped.blobs["delta"], np.uint8)
-    blob = lambda name: short  # noqa: E731
-    blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
-    with pytest.raises(CorruptCheckpointError, match="tensor w: gap stream's header"):  # two counts, not ten
-        codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
+    rans = gapped.blobs["delta"][len(length_prefixed(uleb128_encode(tokens.astype(np.uint64)).tobytes())) :]
+    huge = tokens.copy()
+    huge[0] = 1 << 40  # (a table of that many escapes is cheap to write; its stream must not be made)
+    table = uleb128_encode(np.array([GAP_ESCAPE + 1, *[0] * GAP_ESCAPE, 1 << 40], np.uint64)).tobytes()
+    damaged_headers = {
+        "holds no token count for each": uleb128_encode(np.array([2, 1, 1], np.uint64)).tobytes() + rans,
+        "token counts runs past the end": uleb128_encode(np.array([200], np.uint64)).tobytes() + b"\x01" * 9,
+        "more tokens than": length_prefixed(uleb128_encode(huge.astype(np.uint64)).tobytes())
+        + length_prefixed(table),
+    }
+    for what, data in damaged_headers.items():
+        blob = lambda name, data=data: np.frombuffer(data, np.uint8)  # noqa: E731
+        blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
+        with pytest.raises(CorruptCheckpointError, match=f"tensor w: gap stream's .*{what}"):
+            codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
+    with pytest.raises(CorruptCheckpointError, match="tensor w: .*'ans8:', not an rANS stream"):
+        codec.decode("F32", cur.shape, {**gapped.params, "delta_stream": ["ans8:", prev.size]}, blobs, state(prev.copy()))
+    with monkeypatch.context() as patch:  # the reader without the compiled kernels (numpy and constriction)
+        patch.setattr(delta_mod, "native", None)
+        patch.setattr(ans_mod, "native", None)
+        assert np.array_equal(codec.decode("F32", cur.shape, gapped.params, blobs, state(prev.copy())).codes, cur)
+    dense = np.where(rng.random(prev.size) < 0.2, (prev + 1) % 10, prev).astype(np.uint8)  # a fifth changed
+    assert codec._encode_state(state(dense), state(prev), {}).params["delta_stream"][0] != "ans8:gaps"
+    few = codec._encode_state(state(cur[:3000]), state(prev[:3000]), {})  # tables that would outweigh the delta
+    assert few.params["delta_stream"][0] == "ans"
     far = prev.copy()
     far[7] = 12  # a base code past the delta's 10 levels: its groups are not the encoder's
     with pytest.raises(CorruptCheckpointError, match="tensor w"):
@@ -634,8 +658,12 @@ def test_gap_up_matches_numpy_reference_and_ungaps(monkeypatch, levels) -> None:
                 delta_mod.ungap(symbols[:-1], tokens, sizes, levels)
             with pytest.raises(ValueError):
                 delta_mod.ungap(np.append(symbols, 0), tokens, sizes, levels)
-        with pytest.raises(ValueError):  # token counts that do not fit
+        with pytest.raises(ValueError):  # token counts that do not fit the symbols
             delta_mod.ungap(np.zeros(1, np.uint8), np.array([2]), np.array([5]), 4)
+        with pytest.raises(ValueError, match="fits the group"):  # more than a group of 5 takes; a sum that wraps
+            delta_mod.ungap(np.zeros(7, np.uint8), np.array([6, 1]), np.array([5, 1]), 4)
+        with pytest.raises(ValueError, match="fits the group"):
+            delta_mod.ungap(np.zeros(0, np.uint8), np.full(4, 1 << 62), np.full(4, 3), 4)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 100_003])

@@ -46,6 +46,7 @@ from ..core.delta import (
     cyclic_delta,
     gap_up,
     grouped_delta,
+    most_gap_tokens,
     pair_up,
     paired_sizes,
     regroup,
@@ -70,7 +71,7 @@ from ..core.entropy import (
 )
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
-from ..core.varint import uleb128_decode, uleb128_encode
+from ..core.varint import length_prefixed, split_prefixed, uleb128_decode, uleb128_encode
 from ..errors import CodecError, CorruptCheckpointError
 from .base import BlobSource, Codec, Encoded, register_codec
 from .lossless import LosslessCodec
@@ -138,31 +139,34 @@ def _delta_payload(
     most :data:`_GAP_SHARE` of the values changed, as the gaps between the changed values and
     those values (``"ans<L>:gaps"``: a step or two for each changed value, none for the others),
     the smallest of those it tries, except that gaps within :data:`_GAP_SLACK` of the smallest
-    are kept (a restore decodes every delta of its chain). The other codings take it in element
-    order."""
+    are kept (a restore decodes every delta of its chain). Pairs and gaps are tried only where
+    their tables stay small beside the delta (:data:`_TABLE_SHARE`). The other codings take it
+    in element order."""
     if coding == "ans":
         if pairs is None or estimate is None:
             raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs) and size")
         levels = pairs.shape[0]
-        tried: dict[str, tuple[float, Any]] = {"": (estimate, None)}  # suffix: (size, how to code it)
-        # pairs are tried where their tables (a count of up to levels^2 pair symbols for each of
-        # levels + 1 groups, about 2 bytes each) stay small beside the delta: a sparse delta (a
-        # weight's, two steps on) is smaller one a symbol, and pairing it only costs a pass
-        if levels <= PAIRED_LEVELS and 2 * (levels + 1) * levels**2 < _PAIR_TABLE_SHARE * estimate:
+        tried: dict[str, tuple[float, Any]] = {"": (estimate, (delta, pairs, b""))}  # suffix: (size, what to code)
+        # each coding's tables hold, for each group, a count of each symbol it may take (about 2
+        # bytes a count): pairs up to levels^2 symbols in levels + 1 groups, gaps up to GAP_ESCAPE + 1
+        # tokens and levels - 1 values in each of levels groups. A sparse delta (a weight's, two
+        # steps on) is small, and on a tensor of a few hundred thousand values a coding whose
+        # tables weigh that much never wins (its histograms only cost a pass)
+        if levels <= PAIRED_LEVELS and 2 * (levels + 1) * levels**2 < _TABLE_SHARE * estimate:
             symbols, histograms = pair_up(delta, pairs.sum(axis=1), levels)
             tried[_PAIRED] = (ans_bytes(histograms), (symbols, histograms, b""))
-        if int(pairs[:, 1:].sum()) <= _GAP_SHARE * delta.size:
-            symbols, histograms, tokens = gap_up(delta, pairs)
-            header = uleb128_encode(tokens.astype(np.uint64)).tobytes()
-            header = uleb128_encode(np.array([len(header)], np.uint64)).tobytes() + header
+        sparse = int(pairs[:, 1:].sum()) <= _GAP_SHARE * delta.size
+        if sparse and 2 * levels * (GAP_ESCAPE + levels) < _TABLE_SHARE * estimate:
+            symbols, histograms, token_counts = gap_up(delta, pairs)
+            header = length_prefixed(uleb128_encode(token_counts.astype(np.uint64)).tobytes())
             tried[_GAPS] = (ans_bytes(histograms) + len(header), (symbols, histograms, header))
         suffix = min(tried, key=lambda k: tried[k][0])
         if _GAPS in tried and tried[_GAPS][0] <= (1 + _GAP_SLACK) * tried[suffix][0]:
             suffix = _GAPS
-        symbols, histograms, header = tried[suffix][1] or (delta, pairs, b"")
+        symbols, histograms, header = tried[suffix][1]
         lanes = lanes_for(symbols.size)
-        payload = ans_encode(symbols, lanes=lanes, histograms=histograms)
-        return f"{ans_coding(lanes)}{suffix}", header + payload if header else payload, int(delta.size)
+        payload = header + ans_encode(symbols, lanes=lanes, histograms=histograms)
+        return f"{ans_coding(lanes)}{suffix}", payload, int(delta.size)
     if coding == "entropy":
         return (*encode_stream(delta), int(delta.size))
     tokens = varint_encode(rle_encode(regroup(delta, prev) if coding == "regroup" else delta))
@@ -170,23 +174,10 @@ def _delta_payload(
 
 
 _PAIRED = ":pairs"  # a stream coding's suffix: the rANS stream's symbols are pairs of deltas
-_PAIR_TABLE_SHARE = 0.05  # the most of a delta's size its pairs' tables may take for pairs to be tried
 _GAPS = ":gaps"  # a stream coding's suffix: the gaps between the changed deltas, then those deltas
+_TABLE_SHARE = 0.05  # the most of a delta's size a coding's tables may take for it to be tried
 _GAP_SHARE = 1 / 8  # the most of a delta's values that may have changed for gaps to be tried
 _GAP_SLACK = 0.02  # gaps are kept over a coding at most this much smaller (a restore decodes them faster)
-
-
-def _read_header(payload: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """A ``":gaps"`` payload's token counts (one for each of ``groups`` groups) and its rANS
-    payload after them."""
-    first = int(np.argmax(payload[:10] < 0x80)) + 1 if payload.size else 0
-    if first == 0 or payload[first - 1] & 0x80:
-        raise ValueError("gap stream has no header length")
-    end = first + int(uleb128_decode(payload[:first])[0])
-    tokens = uleb128_decode(payload[first:end]).astype(np.int64) if end <= payload.size else np.zeros(0, np.int64)
-    if end > payload.size or tokens.size != groups or (tokens.size and int(tokens.min()) < 0):
-        raise ValueError(f"gap stream's header does not hold a token count for each of its {groups} groups")
-    return tokens, payload[end:]
 
 
 def _groups(prev: np.ndarray) -> np.ndarray:
@@ -207,26 +198,31 @@ def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n
         if coding == "ans":
             if int(size) != n:
                 raise ValueError(f"delta holds {int(size)} values, expected {n}")
-            head, _, suffix = (stream_coding if isinstance(stream_coding, str) else "").partition(":")
-            lanes = ans_lanes(head)
-            if not lanes or suffix not in ("", _PAIRED[1:], _GAPS[1:]):
+            head, colon, suffix = (stream_coding if isinstance(stream_coding, str) else "").partition(":")
+            lanes, kind = ans_lanes(head), colon + suffix  # kind: "" (one delta a symbol), _PAIRED or _GAPS
+            if not lanes or kind not in ("", _PAIRED, _GAPS):
                 raise ValueError(f"delta_coding 'ans' with stream coding {stream_coding!r}, not an rANS stream")
             groups = _groups(prev)
-            if not suffix:
+            if not kind:
                 delta = ans_decode(payload, n, groups, lanes)
-            elif groups.size > levels or (suffix == _PAIRED[1:] and levels > PAIRED_LEVELS):
+            elif groups.size > levels or (kind == _PAIRED and levels > PAIRED_LEVELS):
                 raise ValueError(f"{suffix} at {levels} levels of a base coded up to {groups.size - 1}")
             else:  # (the encoder's groups: one per level, those past the base's largest code empty)
                 sizes = np.zeros(levels, np.int64)
                 sizes[: groups.size] = groups
-                if suffix == _PAIRED[1:]:
+                if kind == _PAIRED:
                     symbols = paired_sizes(sizes)
                     delta = unpair(ans_decode(payload, int(symbols.sum()), symbols, lanes), sizes, levels)
                 else:  # (each group's changed values: its tokens less its escapes, from the table)
-                    tokens, payload = _read_header(payload, levels)
-                    changed = tokens - ans_counts(payload, tokens)[:, GAP_ESCAPE]
-                    symbols = np.concatenate((tokens, changed))
-                    delta = ungap(ans_decode(payload, int(symbols.sum()), symbols, lanes), tokens, sizes, levels)
+                    header, payload = split_prefixed(payload, "gap stream's token counts")
+                    token_counts = uleb128_decode(header).astype(np.int64)
+                    if token_counts.size != levels or np.any(token_counts < 0):
+                        raise ValueError(f"gap stream's header holds no token count for each of its {levels} groups")
+                    if np.any(token_counts > most_gap_tokens(sizes)):  # (refused before a stream of them is made)
+                        raise ValueError("gap stream's header counts more tokens than its groups' values can take")
+                    changed = token_counts - ans_counts(payload, token_counts)[:, GAP_ESCAPE]
+                    symbols = np.concatenate((token_counts, changed))
+                    delta = ungap(ans_decode(payload, int(symbols.sum()), symbols, lanes), token_counts, sizes, levels)
         else:
             data = decode_stream(stream_coding, payload, int(size), where)
             delta = data if coding == "entropy" else rle_decode(varint_decode(data)).astype(np.uint8)

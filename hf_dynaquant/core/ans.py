@@ -39,7 +39,7 @@ import numpy as np
 
 from .histogram import byte_counts
 from .kernels import native
-from .varint import uleb128_decode, uleb128_encode
+from .varint import length_prefixed, split_prefixed, uleb128_decode, uleb128_encode
 
 __all__ = ["ans_encode", "ans_decode", "ans_counts", "ans_coding", "ans_lanes", "lanes_for", "LANES"]
 
@@ -194,24 +194,22 @@ def ans_encode(
             streams.append(coder.get_compressed().astype("<u4").tobytes())
         words, lane_words = b"".join(streams), [len(w) // 4 for w in streams]
     table.append(np.asarray(lane_words[:-1], dtype=np.int64))
-    header = uleb128_encode(np.concatenate(table).astype(np.uint64)).tobytes()
+    header = length_prefixed(uleb128_encode(np.concatenate(table).astype(np.uint64)).tobytes())
     # (a join copies a long stream's words with the GIL released; ``+`` holds it)
-    return b"".join((uleb128_encode(np.array([len(header)], dtype=np.uint64)).tobytes(), header, words))
+    return b"".join((header, words))
 
 
 def _bytes(payload: bytes | memoryview | np.ndarray) -> np.ndarray:
+    """A payload's bytes as uint8, without a copy."""
     return np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) else payload.view(np.uint8)
 
 
-def _table(data: np.ndarray) -> tuple[np.ndarray, int]:
-    """A payload's table (its uleb128 numbers, int64) and where the coder's words start."""
-    first = int(np.argmax(data[:10] < 0x80)) + 1 if data.size else 0
-    if first == 0 or data[first - 1] & 0x80:
-        raise ValueError("rANS stream has no table length")
-    table_end = first + int(uleb128_decode(data[:first])[0])
-    if table_end > data.size or (data.size - table_end) % 4:
+def _table(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A payload's table (its uleb128 numbers, int64) and the coder's words' bytes."""
+    table, words = split_prefixed(data, "rANS stream's table")
+    if words.size % 4:
         raise ValueError("rANS stream is truncated")
-    return uleb128_decode(data[first:table_end]).astype(np.int64), table_end
+    return uleb128_decode(table).astype(np.int64), words
 
 
 def ans_counts(payload: bytes | memoryview | np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -250,7 +248,7 @@ def ans_decode(
         raise ValueError(f"rANS lanes must be 1, 2, 4 or 8, not {lanes}")
     data = _bytes(payload)
     sizes = _sizes(n, groups)
-    table, table_end = _table(data)
+    table, word_bytes = _table(data)
     out = np.empty(n, dtype=np.uint8)
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     coded = []
@@ -260,7 +258,7 @@ def ans_decode(
             out[bounds[g] : bounds[g + 1]] = int(np.flatnonzero(counts)[0])
         else:
             coded.append((int(bounds[g]), int(bounds[g + 1]), counts))
-    words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)  # aligned, native order
+    words = np.frombuffer(word_bytes, dtype="<u4").astype(np.uint32)  # aligned, native order
     if table.size - pos != lanes - 1:
         raise ValueError(f"rANS table has {table.size - pos} entries after its groups, not the {lanes - 1} lane sizes")
     lane_words = [int(c) for c in table[pos:]]  # (a count of 2^63 or more reads as negative)

@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-from .histogram import byte_counts, pair_counts
+from .histogram import pair_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
 
@@ -41,6 +41,7 @@ __all__ = [
     "unpair",
     "GAP_ESCAPE",
     "gap_up",
+    "most_gap_tokens",
     "ungap",
     "current_counts",
     "apply_delta",
@@ -129,19 +130,26 @@ def unpair(symbols: np.ndarray, sizes: np.ndarray, levels: int) -> np.ndarray:
 GAP_ESCAPE = 31  # the gap token that stands for this many unchanged values, with no changed one after them
 
 
+def most_gap_tokens(sizes: np.ndarray) -> np.ndarray:
+    """The most tokens :func:`gap_up` gives groups of ``sizes`` values: one for each value, and
+    one for each :data:`GAP_ESCAPE` of them (a reader refuses counts past this before it decodes)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    return sizes + sizes // GAP_ESCAPE
+
+
 def gap_up(grouped: np.ndarray, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(symbols, histograms, tokens)``: a regrouped delta as the gaps between its values that
-    are not 0. ``pairs`` is its :func:`grouped_delta` count table (row ``g``: group ``g``'s
+    """``(symbols, histograms, token_counts)``: a regrouped delta as the gaps between its values
+    that are not 0. ``pairs`` is its :func:`grouped_delta` count table (row ``g``: group ``g``'s
     deltas by value; the levels are its columns). For each group, in order, a token for each
     value that is not 0: the number of 0s before it (since the group's start or the last such
     value) where that is below :data:`GAP_ESCAPE`, with a token :data:`GAP_ESCAPE` ahead of it for
     each :data:`GAP_ESCAPE` 0s (the group's trailing 0s take none); then each group's values that
-    are not 0, less 1, in order. ``tokens[g]`` is how many tokens group ``g`` took; ``histograms``
-    holds a row of 256 counts for each of the stream's groups (every group's tokens, then every
-    group's values: the values' taken from ``pairs``). A delta where few values changed (a
-    weight's, two steps on: 1-6%) then takes a rANS step or two for each changed value and none for
-    the others. ``ValueError`` for a value at or past the levels, or ``pairs`` that are not the
-    delta's."""
+    are not 0, less 1, in order. ``token_counts[g]`` is how many tokens group ``g`` took;
+    ``histograms`` holds a row of 256 counts for each of the stream's groups (every group's tokens,
+    then every group's values: the values' taken from ``pairs``). A delta where few values changed
+    (a weight's, two steps on: 1-6%) then takes a rANS step or two for each changed value and none
+    for the others. ``ValueError`` for a value at or past the levels, or ``pairs`` whose sizes or
+    count of changed values are not the delta's."""
     pairs = np.asarray(pairs, dtype=np.int64)
     groups, levels = pairs.shape
     if groups > 256 or not 1 <= levels <= 256:
@@ -152,57 +160,57 @@ def gap_up(grouped: np.ndarray, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarr
         raise ValueError(f"gap_up: {values.size} deltas, but the pairs count {int(sizes.sum())}")
     counts = np.zeros((2 * groups, 256), dtype=np.int64)
     counts[groups:, : levels - 1] = pairs[:, 1:]
-    tokens = np.zeros(groups, dtype=np.int64)
+    token_counts = np.zeros(groups, dtype=np.int64)
     rest = np.empty(int(changed.sum()), dtype=np.uint8)
-    if native is not None:  # (a token for each changed value and each GAP_ESCAPE values, and 4 it may write past)
+    if native is not None:  # (room for the most tokens, and 4 the kernel may write past them)
         gaps = np.empty(int(changed.sum() + (sizes // GAP_ESCAPE).sum()) + 4, dtype=np.uint8)
-        written = native.gap_up_u8(values, sizes, levels, gaps, tokens, rest)
-        gaps = gaps[:written]
-    else:
-        pieces, at = [], 0
-        for g, size in enumerate(sizes):
-            mine = values[at : at + size]
-            at += size
-            places = np.flatnonzero(mine)
-            gap = np.diff(places, prepend=-1) - 1
-            escapes = gap // GAP_ESCAPE
-            piece = np.full(int(escapes.sum() + gap.size), GAP_ESCAPE, dtype=np.uint8)
-            piece[np.cumsum(escapes + 1) - 1] = gap % GAP_ESCAPE
-            pieces.append(piece)
-            tokens[g] = piece.size
-        gaps = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
-        nonzero = values[values != 0]
-        if nonzero.size != rest.size or (values.size and int(values.max()) >= levels):
-            raise ValueError("gap_up: a value is at or past the levels, or the changed values or tokens do not fit")
-        rest[:] = nonzero - 1
-    bounds = np.concatenate(([0], np.cumsum(tokens)))
-    for g in np.flatnonzero(tokens):
-        counts[g] = byte_counts(gaps[bounds[g] : bounds[g + 1]], 256)
-    return np.concatenate((gaps, rest)), counts, tokens
+        gaps = gaps[: native.gap_up_u8(values, sizes, levels, gaps, token_counts, counts[:groups], rest)]
+        return np.concatenate((gaps, rest)), counts, token_counts
+    pieces, at = [], 0
+    for g, size in enumerate(sizes):
+        mine = values[at : at + size]
+        at += size
+        gap = np.diff(np.flatnonzero(mine), prepend=-1) - 1
+        skips = gap // GAP_ESCAPE
+        piece = np.full(int(skips.sum() + gap.size), GAP_ESCAPE, dtype=np.uint8)
+        piece[np.cumsum(skips + 1) - 1] = gap % GAP_ESCAPE
+        pieces.append(piece)
+        token_counts[g] = piece.size
+        counts[g] = np.bincount(piece, minlength=256)
+    nonzero = values[values != 0]
+    if nonzero.size != rest.size or (values.size and int(values.max()) >= levels):
+        raise ValueError("gap_up: a value is at or past the levels, or the changed values or tokens do not fit")
+    rest[:] = nonzero - 1
+    return np.concatenate([*pieces, rest]), counts, token_counts
 
 
-def ungap(symbols: np.ndarray, tokens: np.ndarray, sizes: np.ndarray, levels: int) -> np.ndarray:
+def ungap(symbols: np.ndarray, token_counts: np.ndarray, sizes: np.ndarray, levels: int) -> np.ndarray:
     """Inverse of :func:`gap_up`: the regrouped delta of groups of ``sizes`` values whose gaps
-    took ``tokens`` tokens each. ``ValueError`` for gaps that run past their group's end, a token
-    past :data:`GAP_ESCAPE`, a value at or past ``levels - 1``, or values that are not one for each
-    gap."""
+    took ``token_counts`` tokens each. ``ValueError`` for counts past :func:`most_gap_tokens` or
+    the symbols, gaps that run past their group's end, a token past :data:`GAP_ESCAPE`, a value
+    at or past ``levels - 1``, or values that are not one for each gap."""
     sizes = np.ascontiguousarray(sizes, dtype=np.int64).reshape(-1)
-    tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+    token_counts = np.ascontiguousarray(token_counts, dtype=np.int64).reshape(-1)
     symbols = np.ascontiguousarray(symbols, dtype=np.uint8).reshape(-1)
-    if sizes.size > 256 or tokens.size != sizes.size or not 1 <= levels <= 256 or int(tokens.sum()) > symbols.size:
-        raise ValueError("ungap: at most 256 groups, a token count for each, that fit the symbols")
-    if (sizes.size and int(sizes.min()) < 0) or (tokens.size and int(tokens.min()) < 0):
-        raise ValueError("ungap: at most 256 groups, a token count for each, that fit the symbols")
-    gaps, rest = symbols[: int(tokens.sum())], symbols[int(tokens.sum()) :]
+    if (
+        sizes.size > 256
+        or token_counts.size != sizes.size
+        or not 1 <= levels <= 256
+        or (sizes.size and (int(sizes.min()) < 0 or int(token_counts.min()) < 0))
+        or np.any(token_counts > most_gap_tokens(sizes))  # (each bounded, the sum cannot wrap)
+        or int(token_counts.sum()) > symbols.size
+    ):
+        raise ValueError("ungap: at most 256 groups, and a token count for each that fits the group and the symbols")
+    gaps, rest = symbols[: int(token_counts.sum())], symbols[int(token_counts.sum()) :]
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
     if native is not None:
-        native.ungap_u8(gaps, tokens, rest, sizes, levels, out)
+        native.ungap_u8(gaps, token_counts, rest, sizes, levels, out)
         return out
     wrong = ValueError("ungap: a gap or value is out of range, or the values do not match the gaps")
     if (gaps.size and int(gaps.max()) > GAP_ESCAPE) or (rest.size and int(rest.max()) + 1 >= levels):
         raise wrong
     out[:] = 0
-    bounds, at, c = np.concatenate(([0], np.cumsum(tokens))), 0, 0
+    bounds, at, c = np.concatenate(([0], np.cumsum(token_counts))), 0, 0
     for g, size in enumerate(sizes):
         mine = gaps[bounds[g] : bounds[g + 1]].astype(np.int64)
         ends = np.cumsum(mine + (mine < GAP_ESCAPE))  # (each value takes its place after its gap)

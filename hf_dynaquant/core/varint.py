@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["uleb128_encode", "uleb128_decode"]
+__all__ = ["uleb128_encode", "uleb128_decode", "length_prefixed", "split_prefixed"]
 
 _MAX_BYTES = 10  # a uint64 needs at most ten 7-bit groups
 
@@ -43,3 +43,21 @@ def uleb128_decode(data: np.ndarray) -> np.ndarray:
         sel = lengths > j
         u[sel] |= (b[starts[sel] + j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
     return u
+
+
+def length_prefixed(body: bytes) -> bytes:
+    """``uleb128(len(body))``, then ``body``: a part of a blob that a reader must find the end of
+    (an rANS stream's table, a gap stream's token counts)."""
+    return uleb128_encode(np.array([len(body)], dtype=np.uint64)).tobytes() + body
+
+
+def split_prefixed(data: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`length_prefixed` at the start of ``data`` (uint8): ``(body, the rest)``.
+    ``ValueError`` naming ``what`` when there is no length or the body runs past the end."""
+    first = int(np.argmax(data[:_MAX_BYTES] < 0x80)) + 1 if data.size else 0
+    if first == 0 or data[first - 1] & 0x80:
+        raise ValueError(f"{what} length is missing")
+    end = first + int(uleb128_decode(data[:first])[0])
+    if end > data.size:
+        raise ValueError(f"{what} runs past the end of its blob")
+    return data[first:end], data[end:]

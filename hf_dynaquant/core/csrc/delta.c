@@ -641,18 +641,19 @@ INLINE uint64_t nonzero_64(const uint8_t *v) {
  * sizes[g] values, in order, one token for each value that is not 0, the number of 0s before it
  * (since the group's start or the last such value), where that is below GAP_ESCAPE, and for each
  * GAP_ESCAPE 0s a token GAP_ESCAPE ahead of it (the 0s after the group's last such value are not
- * coded); tokens[] receives every group's tokens in turn, counts[g] how many group g took, and
- * values[] the values that are not 0, less 1, in order. rANS then takes a step or two for each
- * changed value where it took one for each value: a weight's delta two steps on changes 1-6% of
- * them. 64 values at a time are tested at once, then their changed ones visited. Returns the
- * tokens written, or -1 when a value is at or past levels, the values do not fill values[]
- * exactly or capacity is short of a token for each value and each GAP_ESCAPE values, and 4. */
+ * coded); tokens[] receives every group's tokens in turn, token_counts[g] how many group g took,
+ * hist[(g << 8) | k] how many of them were k, and values[] the values that are not 0, less 1, in
+ * order. rANS then takes a step or two for each changed value where it took one for each value: a
+ * weight's delta two steps on changes 1-6% of them. 64 values at a time are tested at once, then
+ * their changed ones visited. Returns the tokens written, or -1 when a value is at or past levels,
+ * the values do not fill values[] exactly, or capacity is short of a token for each value and each
+ * GAP_ESCAPE values of a group (the most a group's gaps take), and 4. */
 static Py_ssize_t gap_up(const uint8_t *v, const int64_t *sizes, Py_ssize_t groups, int levels, uint8_t *tokens,
-                         Py_ssize_t capacity, int64_t *counts, uint8_t *values, Py_ssize_t n_values) {
-    Py_ssize_t at = 0, t = 0, c = 0, escapes = 0;
-    for (Py_ssize_t g = 0; g < groups; g++) escapes += sizes[g] / GAP_ESCAPE;
-    /* (a token for each changed value and each escape, and room for four escapes written at once) */
-    if (capacity < n_values + escapes + 4) return -1;
+                         Py_ssize_t capacity, int64_t *token_counts, int64_t *hist, uint8_t *values,
+                         Py_ssize_t n_values) {
+    Py_ssize_t at = 0, t = 0, c = 0, most = n_values;
+    for (Py_ssize_t g = 0; g < groups; g++) most += sizes[g] / GAP_ESCAPE;
+    if (capacity < most + 4) return -1; /* (4: a gap's escapes are written four at once, below) */
     int top = 0;
     for (Py_ssize_t g = 0; g < groups; g++) {
         const Py_ssize_t n = sizes[g], first = t;
@@ -664,31 +665,32 @@ static Py_ssize_t gap_up(const uint8_t *v, const int64_t *sizes, Py_ssize_t grou
             else
                 for (Py_ssize_t j = 0; j < n - i; j++) m |= (uint64_t)(v[at + i + j] != 0) << j;
             if (c + __builtin_popcountll(m) > n_values) return -1; /* (more values than the pairs counted) */
-            for (; m; m &= m - 1) { /* (a group's escapes are at most its values / GAP_ESCAPE) */
+            for (; m; m &= m - 1) {
                 const Py_ssize_t place = i + __builtin_ctzll(m);
-                const Py_ssize_t gap = place - last, escapes = gap / GAP_ESCAPE;
-                if (escapes <= 4) /* (four written, the ones past these overwritten next: no branch a gap) */
+                const Py_ssize_t gap = place - last, skips = gap / GAP_ESCAPE;
+                if (skips <= 4) /* (the common case: four stored, those past the gap's overwritten next) */
                     memset(tokens + t, GAP_ESCAPE, 4);
                 else
-                    memset(tokens + t, GAP_ESCAPE, (size_t)escapes);
-                t += escapes;
-                tokens[t++] = (uint8_t)(gap - escapes * GAP_ESCAPE);
+                    memset(tokens + t, GAP_ESCAPE, (size_t)skips);
+                t += skips;
+                tokens[t++] = (uint8_t)(gap - skips * GAP_ESCAPE);
                 const uint8_t x = v[at + place];
                 top = x > top ? x : top;
                 values[c++] = (uint8_t)(x - 1);
                 last = place + 1;
             }
         }
-        counts[g] = t - first;
+        token_counts[g] = t - first;
+        count_bytes(tokens + first, t - first, hist + (g << 8));
         at += n;
     }
     return top < levels && c == n_values ? t : -1;
 }
 
-/* The inverse (delta.py's ungap): the regrouped delta from each group's counts[g] tokens and the
- * values; returns 0, or -1 when a group's gaps run past its end, a value is at or past levels,
- * or the values are not one for each token below GAP_ESCAPE. */
-static int ungap(const uint8_t *tokens, const int64_t *counts, const uint8_t *values, Py_ssize_t n_values,
+/* The inverse (delta.py's ungap): the regrouped delta from each group's token_counts[g] tokens and
+ * the values; returns 0, or -1 when a token is past GAP_ESCAPE, a group's gaps run past its end, a
+ * value is at or past levels, or the values are not one for each token below GAP_ESCAPE. */
+static int ungap(const uint8_t *tokens, const int64_t *token_counts, const uint8_t *values, Py_ssize_t n_values,
                  const int64_t *sizes, Py_ssize_t groups, int levels, uint8_t *out) {
     Py_ssize_t at = 0, t = 0, c = 0;
     int top = -1, wrong = 0;
@@ -696,7 +698,7 @@ static int ungap(const uint8_t *tokens, const int64_t *counts, const uint8_t *va
         const Py_ssize_t n = sizes[g];
         Py_ssize_t pos = 0;
         memset(out + at, 0, (size_t)n);
-        for (const Py_ssize_t end = t + counts[g]; t < end; t++) {
+        for (const Py_ssize_t end = t + token_counts[g]; t < end; t++) {
             const uint8_t k = tokens[t];
             pos += k;
             if (k >= GAP_ESCAPE) {
@@ -724,18 +726,20 @@ static int sizes_fit(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
 }
 
 PyObject *py_gap_up_u8(PyObject *self, PyObject *args) {
-    Py_buffer v, sizes, tokens, counts, values;
+    Py_buffer v, sizes, tokens, token_counts, hist, values;
     int levels;
-    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*", &v, &sizes, &levels, &tokens, &counts, &values)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*iw*w*w*w*", &v, &sizes, &levels, &tokens, &token_counts, &hist, &values))
+        return NULL;
     const Py_ssize_t groups = sizes.len / 8;
     Py_ssize_t written = -1;
-    int ok = levels >= 1 && levels <= 256 && sizes.len % 8 == 0 && groups <= 256 && counts.len == groups * 8 &&
-             sizes_fit(sizes.buf, groups, v.len);
+    int ok = levels >= 1 && levels <= 256 && sizes.len % 8 == 0 && groups <= 256 && token_counts.len == groups * 8 &&
+             hist.len == groups * 256 * 8 && sizes_fit(sizes.buf, groups, v.len);
     if (!ok)
         PyErr_SetString(PyExc_ValueError, "gap_up: levels outside 1..256, or sizes and counts do not fit");
     else {
         Py_BEGIN_ALLOW_THREADS
-        written = gap_up(v.buf, sizes.buf, groups, levels, tokens.buf, tokens.len, counts.buf, values.buf, values.len);
+        written = gap_up(v.buf, sizes.buf, groups, levels, tokens.buf, tokens.len, token_counts.buf, hist.buf,
+                         values.buf, values.len);
         Py_END_ALLOW_THREADS
         if (written < 0) {
             ok = 0;
@@ -743,23 +747,23 @@ PyObject *py_gap_up_u8(PyObject *self, PyObject *args) {
                             "gap_up: a value is at or past the levels, or the changed values or tokens do not fit");
         }
     }
-    PyBuffer_Release(&v); PyBuffer_Release(&sizes); PyBuffer_Release(&tokens); PyBuffer_Release(&counts);
-    PyBuffer_Release(&values);
+    PyBuffer_Release(&v); PyBuffer_Release(&sizes); PyBuffer_Release(&tokens); PyBuffer_Release(&token_counts);
+    PyBuffer_Release(&hist); PyBuffer_Release(&values);
     if (!ok) return NULL;
     return PyLong_FromSsize_t(written);
 }
 
 PyObject *py_ungap_u8(PyObject *self, PyObject *args) {
-    Py_buffer tokens, counts, values, sizes, out;
+    Py_buffer tokens, token_counts, values, sizes, out;
     int levels;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*iw*", &tokens, &counts, &values, &sizes, &levels, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*iw*", &tokens, &token_counts, &values, &sizes, &levels, &out)) return NULL;
     const Py_ssize_t groups = sizes.len / 8;
-    int ok = levels >= 1 && levels <= 256 && sizes.len % 8 == 0 && groups <= 256 && counts.len == sizes.len &&
+    int ok = levels >= 1 && levels <= 256 && sizes.len % 8 == 0 && groups <= 256 && token_counts.len == sizes.len &&
              sizes_fit(sizes.buf, groups, out.len);
     if (ok) {
         Py_ssize_t total = 0;
         for (Py_ssize_t g = 0; g < groups; g++) {
-            const int64_t k = ((const int64_t *)counts.buf)[g];
+            const int64_t k = ((const int64_t *)token_counts.buf)[g];
             ok &= k >= 0 && k <= tokens.len;
             total += ok ? k : 0;
         }
@@ -770,14 +774,14 @@ PyObject *py_ungap_u8(PyObject *self, PyObject *args) {
     else {
         int status;
         Py_BEGIN_ALLOW_THREADS
-        status = ungap(tokens.buf, counts.buf, values.buf, values.len, sizes.buf, groups, levels, out.buf);
+        status = ungap(tokens.buf, token_counts.buf, values.buf, values.len, sizes.buf, groups, levels, out.buf);
         Py_END_ALLOW_THREADS
         if (status) {
             ok = 0;
             PyErr_SetString(PyExc_ValueError, "ungap: a gap or value is out of range, or the values do not match the gaps");
         }
     }
-    PyBuffer_Release(&tokens); PyBuffer_Release(&counts); PyBuffer_Release(&values); PyBuffer_Release(&sizes);
+    PyBuffer_Release(&tokens); PyBuffer_Release(&token_counts); PyBuffer_Release(&values); PyBuffer_Release(&sizes);
     PyBuffer_Release(&out);
     if (!ok) return NULL;
     Py_RETURN_NONE;

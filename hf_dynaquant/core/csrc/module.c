@@ -45,10 +45,10 @@ static PyMethodDef methods[] = {
      "pair_up_u8(values, sizes, levels, out, counts): each group's values two to a byte, then the odd groups' last"},
     {"unpair_u8", py_unpair_u8, METH_VARARGS, "unpair_u8(symbols, sizes, levels, out): the inverse of pair_up_u8"},
     {"gap_up_u8", py_gap_up_u8, METH_VARARGS,
-     "gap_up_u8(values, sizes, levels, tokens, counts, changed) -> tokens written: each group's gaps before its values"
-     " that are not 0, and those values less 1"},
+     "gap_up_u8(values, sizes, levels, tokens, token_counts, hist, changed) -> tokens written: each group's gaps"
+     " before its values that are not 0 (and their histogram), and those values less 1"},
     {"ungap_u8", py_ungap_u8, METH_VARARGS,
-     "ungap_u8(tokens, counts, changed, sizes, levels, out): the inverse of gap_up_u8"},
+     "ungap_u8(tokens, token_counts, changed, sizes, levels, out): the inverse of gap_up_u8"},
     {"byte_counts", py_byte_counts, METH_VARARGS, "byte_counts(symbols, counts): counts[256] of each byte value"},
     {"pair_counts", py_pair_counts, METH_VARARGS, "pair_counts(keys, values, counts): counts[256 * key + value]"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
