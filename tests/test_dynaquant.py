@@ -559,20 +559,20 @@ def test_gap_delta_reads_back_and_refuses_damage(monkeypatch) -> None:
     blobs.where = "entry x, tensor w"  # type: ignore[attr-defined]
     assert np.array_equal(codec.decode("F32", cur.shape, gapped.params, blobs, state(prev.copy())).codes, cur)
     grouped, pairs = grouped_delta(prev, cur, 10)
-    symbols, histograms, tokens = gap_up(grouped, pairs)
+    symbols, histograms, token_counts = gap_up(grouped, pairs)
     assert symbols.size < 0.1 * prev.size  # (a token and a value for each of the ~2% changed, and the escapes)
-    heads = int(tokens.sum())
+    heads = int(token_counts.sum())
     damaged = symbols.copy()
     damaged[heads] = 9  # the first changed value, at the levels (values are stored less 1)
-    header = length_prefixed(uleb128_encode(tokens.astype(np.uint64)).tobytes())
+    header = length_prefixed(uleb128_encode(token_counts.astype(np.uint64)).tobytes())
     rows = _rows_of(damaged, histograms)
     payload = np.frombuffer(header + ans_encode(damaged, lanes=LANES, histograms=rows), np.uint8)
     blob = lambda name: payload  # noqa: E731
     blob.where = "entry x, tensor w"  # type: ignore[attr-defined]
     with pytest.raises(CorruptCheckpointError, match="tensor w: .*out of range"):
         codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
-    rans = gapped.blobs["delta"][len(length_prefixed(uleb128_encode(tokens.astype(np.uint64)).tobytes())) :]
-    huge = tokens.copy()
+    rans = gapped.blobs["delta"][len(header) :]  # (the stream after the token counts)
+    huge = token_counts.copy()
     huge[0] = 1 << 40  # (a table of that many escapes is cheap to write; its stream must not be made)
     table = uleb128_encode(np.array([GAP_ESCAPE + 1, *[0] * GAP_ESCAPE, 1 << 40], np.uint64)).tobytes()
     damaged_headers = {
@@ -587,7 +587,8 @@ def test_gap_delta_reads_back_and_refuses_damage(monkeypatch) -> None:
         with pytest.raises(CorruptCheckpointError, match=f"tensor w: gap stream's .*{what}"):
             codec.decode("F32", cur.shape, gapped.params, blob, state(prev.copy()))
     with pytest.raises(CorruptCheckpointError, match="tensor w: .*'ans8:', not an rANS stream"):
-        codec.decode("F32", cur.shape, {**gapped.params, "delta_stream": ["ans8:", prev.size]}, blobs, state(prev.copy()))
+        empty_suffix = {**gapped.params, "delta_stream": ["ans8:", prev.size]}
+        codec.decode("F32", cur.shape, empty_suffix, blobs, state(prev.copy()))
     with monkeypatch.context() as patch:  # the reader without the compiled kernels (numpy and constriction)
         patch.setattr(delta_mod, "native", None)
         patch.setattr(ans_mod, "native", None)
@@ -625,17 +626,17 @@ def test_gap_up_matches_numpy_reference_and_ungaps(monkeypatch, levels) -> None:
             cur = np.where(rng.random(n) < share, rng.integers(0, levels, n), prev).astype(np.uint8)
             grouped, pairs = delta_mod.grouped_delta(prev, cur, levels)
             sizes, changed = pairs.sum(axis=1), pairs[:, 1:].sum(axis=1)
-            symbols, counts, tokens = delta_mod.gap_up(grouped, pairs)
-            assert symbols.size == int(tokens.sum() + changed.sum())
-            bounds = np.concatenate(([0], np.cumsum(np.concatenate((tokens, changed)))))
+            symbols, counts, token_counts = delta_mod.gap_up(grouped, pairs)
+            assert symbols.size == int(token_counts.sum() + changed.sum())
+            bounds = np.concatenate(([0], np.cumsum(np.concatenate((token_counts, changed)))))
             for g in range(2 * sizes.size):
                 assert np.array_equal(np.bincount(symbols[bounds[g] : bounds[g + 1]], minlength=256), counts[g])
-            assert np.array_equal(delta_mod.ungap(symbols, tokens, sizes, levels), grouped)
+            assert np.array_equal(delta_mod.ungap(symbols, token_counts, sizes, levels), grouped)
             with monkeypatch.context() as patch:
                 patch.setattr(delta_mod, "native", None)
                 reference = delta_mod.gap_up(grouped, pairs)
-                assert all(np.array_equal(a, b) for a, b in zip(reference, (symbols, counts, tokens)))
-                assert np.array_equal(delta_mod.ungap(symbols, tokens, sizes, levels), grouped)
+                assert all(np.array_equal(a, b) for a, b in zip(reference, (symbols, counts, token_counts)))
+                assert np.array_equal(delta_mod.ungap(symbols, token_counts, sizes, levels), grouped)
     for native in (delta_mod.native, None):
         monkeypatch.setattr(delta_mod, "native", native)
         if levels > 1:
@@ -644,8 +645,8 @@ def test_gap_up_matches_numpy_reference_and_ungaps(monkeypatch, levels) -> None:
             values[2 * escape + 3], values[2 * escape + 5] = 1, 1
             pairs = np.zeros((2, levels), np.int64)
             pairs[0, :2], pairs[1, :2] = (2 * escape + 3, 1), (4, 1)
-            symbols, _, tokens = delta_mod.gap_up(values, pairs)
-            assert symbols.tolist() == [escape, escape, 3, 1, 0, 0] and tokens.tolist() == [3, 1]
+            symbols, _, token_counts = delta_mod.gap_up(values, pairs)
+            assert symbols.tolist() == [escape, escape, 3, 1, 0, 0] and token_counts.tolist() == [3, 1]
             with pytest.raises(ValueError, match="changed values"):  # pairs that are not the delta's
                 delta_mod.gap_up(values, pairs[:, ::-1].copy())
             sizes = pairs.sum(axis=1)
@@ -653,11 +654,11 @@ def test_gap_up_matches_numpy_reference_and_ungaps(monkeypatch, levels) -> None:
                 damaged = symbols.copy()
                 damaged[at] = bad
                 with pytest.raises(ValueError, match="out of range"):
-                    delta_mod.ungap(damaged, tokens, sizes, levels)
+                    delta_mod.ungap(damaged, token_counts, sizes, levels)
             with pytest.raises(ValueError):  # a value too few, or too many
-                delta_mod.ungap(symbols[:-1], tokens, sizes, levels)
+                delta_mod.ungap(symbols[:-1], token_counts, sizes, levels)
             with pytest.raises(ValueError):
-                delta_mod.ungap(np.append(symbols, 0), tokens, sizes, levels)
+                delta_mod.ungap(np.append(symbols, 0), token_counts, sizes, levels)
         with pytest.raises(ValueError):  # token counts that do not fit the symbols
             delta_mod.ungap(np.zeros(1, np.uint8), np.array([2]), np.array([5]), 4)
         with pytest.raises(ValueError, match="fits the group"):  # more than a group of 5 takes; a sum that wraps
