@@ -543,16 +543,22 @@ static int unpair(const uint8_t *s, const int64_t *sizes, Py_ssize_t groups, int
     return wrong ? -1 : 0;
 }
 
-/* The paired stream's length for groups of these sizes, or -1 for sizes that are negative or do
- * not add up to n. */
-static Py_ssize_t paired_length(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
-    Py_ssize_t total = 0, length = 0;
+/* Whether groups of these sizes hold n values: none negative, and they add up to n. */
+static int sizes_fit(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
+    Py_ssize_t total = 0;
     for (Py_ssize_t g = 0; g < groups; g++) {
-        if (sizes[g] < 0 || sizes[g] > n) return -1;
+        if (sizes[g] < 0 || sizes[g] > n) return 0;
         total += sizes[g];
-        length += sizes[g] / 2 + sizes[g] % 2;
     }
-    return total == n ? length : -1;
+    return total == n;
+}
+
+/* The paired stream's length for groups of these sizes, or -1 for sizes that do not fit n. */
+static Py_ssize_t paired_length(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
+    if (!sizes_fit(sizes, groups, n)) return -1;
+    Py_ssize_t length = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) length += sizes[g] / 2 + sizes[g] % 2;
+    return length;
 }
 
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args) {
@@ -714,15 +720,6 @@ static int ungap(const uint8_t *tokens, const int64_t *token_counts, const uint8
         at += n;
     }
     return wrong || top + 1 >= levels || c != n_values ? -1 : 0;
-}
-
-static int sizes_fit(const int64_t *sizes, Py_ssize_t groups, Py_ssize_t n) {
-    Py_ssize_t total = 0;
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        if (sizes[g] < 0 || sizes[g] > n) return 0;
-        total += sizes[g];
-    }
-    return total == n;
 }
 
 PyObject *py_gap_up_u8(PyObject *self, PyObject *args) {
