@@ -80,20 +80,24 @@ def test_settle_bench_runs_every_variant(tmp_path):
 
 @pytest.mark.slow
 def test_chain_bench_restores_every_entry_of_its_chain(tmp_path):
-    """``bench_chain.py`` end to end at its smallest size: a keyframe and two deltas, each entry
-    restored with one more delta replayed, and the ``keyframe_every`` trade derived from them."""
+    """``bench_chain.py`` end to end at its smallest size, with ``--restore-depth 2``: a keyframe,
+    two deltas each on the entry before, then an anchor on the keyframe; each entry restored (the
+    deltas it replays in its row), and the ``keyframe_every`` trade derived from them."""
     import json
     import subprocess
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_chain.py"
     out = tmp_path / "chain.json"
-    argv = ["--size", "7M", "--entries", "3", "--json", str(out), "--plot", str(tmp_path / "chain.png")]
+    argv = ["--size", "7M", "--entries", "4", "--restore-depth", "2", "--json", str(out)]
+    argv += ["--plot", str(tmp_path / "chain.png")]
     done = subprocess.run([sys.executable, str(bench), *argv], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert len(r["restore"]) == len(r["stored_mb"]) == len(r["peak"]) == 3 and r["torch_load"] > 0
+    assert len(r["restore"]) == len(r["stored_mb"]) == len(r["peak"]) == 4 and r["torch_load"] > 0
     assert r["stored_mb"][0] > r["stored_mb"][1] > 0  # a keyframe, then a delta smaller than it
-    assert "| 2 | 2 |" in done.stdout and "| 3 | " in done.stdout.split("keyframe_every")[-1]
+    assert r["depth"] == [0, 1, 2, 1] and r["restore_depth"] == 2
+    assert "| 2 | 2 |" in done.stdout and "| 3 | 1 |" in done.stdout
+    assert "| 4 | " in done.stdout.split("keyframe_every")[-1]
     assert (tmp_path / "chain.png").is_file()
 
 

@@ -41,7 +41,7 @@ from hf_dynaquant.core.quantizer import (
     quantize,
 )
 from hf_dynaquant.core.ranking import GradientEMA
-from hf_dynaquant.errors import CodecError, CorruptCheckpointError, NonFiniteTensorWarning
+from hf_dynaquant.errors import CodecError, CorruptCheckpointError, InvalidSettingError, NonFiniteTensorWarning
 from hf_dynaquant.pipeline import compress_state_dict
 from hf_dynaquant.search import SearchSpace
 from hf_dynaquant.training.compressor import Compressor
@@ -1475,6 +1475,81 @@ def test_compressor_listing1_loop(tmp_path, tiny_net) -> None:
     assert fresh.out.weight is fresh.emb.weight  # still tied
     assert torch.equal(fresh.steps, tiny_net.steps) and torch.equal(fresh.bf16_buf, tiny_net.bf16_buf)
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def _trained_steps(steps: int):
+    """A small MLP with AdamW state, and a function taking one training step on it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return model, optimizer, step
+
+
+def _bases(store: CheckpointStore, steps) -> list[list[int]]:
+    """For each step, the steps of the entries its restore reads, newest first."""
+    return [[store.open(e).metadata["step"] for e in store.chain(f"step-{s}")] for s in steps]
+
+
+def test_restore_depth_codes_anchors_on_the_keyframe_and_restores_the_same(tmp_path) -> None:
+    """``restore_depth=2``: a delta that would make a restore replay a third is coded on the
+    keyframe instead (an anchor). Every checkpoint restores from its keyframe and at most two
+    deltas, to exactly what a chain without anchors restores (the codes are the snapshot's either
+    way; only what they are coded against differs), and keyframe_every still counts every entry."""
+    model, optimizer, step = _trained_steps(10)
+    config = QuantConfig(bins=6, prune=0.1, min_numel=1024)
+    anchored = Compressor(model, tmp_path / "a", config, optimizer=optimizer, keyframe_every=8, restore_depth=2)
+    plain = Compressor(model, tmp_path / "b", config, optimizer=optimizer, keyframe_every=8)
+    for s in range(1, 11):
+        step()
+        anchored.compress(s)
+        plain.compress(s)
+    assert _bases(anchored.store, range(1, 11)) == [
+        [1], [2, 1], [3, 2, 1], [4, 1], [5, 4, 1], [6, 1], [7, 6, 1], [8, 1], [9], [10, 9]
+    ]
+    assert [anchored.store.open(f"step-{s}").metadata["chain_position"] for s in range(1, 11)] == [
+        0, 1, 2, 3, 4, 5, 6, 7, 0, 1
+    ]
+    assert len(plain.store.chain("step-8")) == 8
+    for s in range(1, 11):
+        with anchored.store.open(f"step-{s}") as a, plain.store.open(f"step-{s}") as b:
+            for section in ("model", "optimizer"):
+                got, want = a.load_section(section), b.load_section(section)
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), (s, section)
+    # an anchor is a delta on the keyframe: larger than one on the checkpoint before, smaller than a keyframe
+    sizes = {s: anchored.store.info(f"step-{s}").nbytes for s in (1, 4)}
+    assert plain.store.info("step-4").nbytes < sizes[4] < sizes[1]
+    assert anchored.store.verify(deep=True) == []
+
+
+def test_restore_depth_goes_on_after_a_resume_from_its_entries(tmp_path) -> None:
+    """A run resumed from an entry of an anchored chain (``continue_chain``, as the Trainer's
+    callback does) goes on as the run that wrote it would have: the chain's position from the
+    entry's metadata (keyframe_every counts on), its depth from its bases, and the keyframe's
+    codes read back from the store for the next anchor."""
+    model, optimizer, step = _trained_steps(7)
+    config = QuantConfig(bins=6, prune=0.1, min_numel=1024)
+    first = Compressor(model, tmp_path / "s", config, optimizer=optimizer, keyframe_every=6, restore_depth=2)
+    for s in range(1, 5):
+        step()
+        first.compress(s)
+    resumed = Compressor(model, tmp_path / "s", config, optimizer=optimizer, keyframe_every=6, restore_depth=2)
+    resumed.continue_chain("step-4")  # an anchor: one delta deep, four entries since the keyframe
+    assert resumed._states and resumed._keyframe_states is None  # (the keyframe's read when an anchor needs it)
+    for s in range(5, 8):
+        step()
+        resumed.compress(s)
+    assert _bases(resumed.store, range(4, 8)) == [[4, 1], [5, 4, 1], [6, 1], [7]]
+    assert resumed.store.verify(deep=True) == []
+    resumed.continue_chain("step-5")  # two deltas deep: the next is an anchor, on the keyframe's codes
+    assert resumed._next_base() == resumed.store.resolve("step-1") and not resumed._states
+    with pytest.raises(InvalidSettingError, match="restore_depth"):
+        Compressor(model, tmp_path / "t", config, restore_depth=0)
 
 
 def test_manager_saves_in_the_background_what_compress_writes(tmp_path, tiny_net) -> None:

@@ -20,6 +20,8 @@ def _model() -> torch.nn.Module:
     "bad, named",
     [
         ({"keyframe_every": 0}, "keyframe_every"),
+        ({"restore_depth": 0}, "restore_depth"),
+        ({"restore_depth": 2.5}, "restore_depth"),
         ({"ema_steps": 0}, "ema_steps"),
         ({"eval_examples": 0}, "eval_examples"),
         ({"checkpoint_every": 0}, "checkpoint_every"),
@@ -49,9 +51,12 @@ def test_from_env_reads_the_accelerate_variables_and_arguments_win(monkeypatch) 
     monkeypatch.setenv(ENV_PREFIX + "KEYFRAME_EVERY", "4")
     monkeypatch.setenv(ENV_PREFIX + "BACKGROUND", "false")
     monkeypatch.setenv(ENV_PREFIX + "EMA_BETA", "0.5")
+    monkeypatch.setenv(ENV_PREFIX + "RESTORE_DEPTH", "3")
     settings = CheckpointSettings.from_env(keyframe_every=7)
-    got = (settings.threshold, settings.keyframe_every, settings.background, settings.ema_beta)
-    assert got == (None, 7, False, 0.5)
+    got = (settings.threshold, settings.keyframe_every, settings.background, settings.ema_beta, settings.restore_depth)
+    assert got == (None, 7, False, 0.5, 3)
+    monkeypatch.setenv(ENV_PREFIX + "RESTORE_DEPTH", "off")
+    assert CheckpointSettings.from_env().restore_depth is None
     monkeypatch.setenv(ENV_PREFIX + "EMA_STEPS", "many")
     with pytest.raises(InvalidSettingError, match=ENV_PREFIX + "EMA_STEPS"):
         CheckpointSettings.from_env()

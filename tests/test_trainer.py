@@ -95,6 +95,31 @@ def test_compressed_saves_and_resume_with_dynaquant_trainer(tmp_path, data) -> N
     assert store.info("checkpoint-12").base == store.resolve("checkpoint-8")  # the chain went on
 
 
+def test_restore_depth_anchors_a_trainer_run_and_its_resume(tmp_path, data) -> None:
+    """``restore_depth=1`` through the Trainer: every save after the first delta is coded on the
+    keyframe (each restore replays one delta at most), and a run resumed from an anchor goes on
+    anchoring on the same keyframe until ``keyframe_every`` starts a new chain."""
+    train, _ = data
+    settings = dict(config=FIXED, ema_steps=2, keyframe_every=4, restore_depth=1, busy_saves="wait")
+    trainer = DynaQuantTrainer(
+        model=tiny_gpt2(), args=args_for(tmp_path), train_dataset=train, callbacks=[DynaQuantCallback(None, **settings)]
+    )
+    trainer.train()
+    store = checkpoint_store(tmp_path)
+    chains = {s: [store.open(e).metadata["step"] for e in store.chain(f"checkpoint-{s}")] for s in (4, 8, 12)}
+    assert chains == {4: [4], 8: [8, 4], 12: [12, 4]}
+    resumed = DynaQuantTrainer(
+        model=tiny_gpt2(),
+        args=args_for(tmp_path, max_steps=20),
+        train_dataset=train,
+        callbacks=[DynaQuantCallback(None, **settings)],
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-12"))
+    chains = {s: [store.open(e).metadata["step"] for e in store.chain(f"checkpoint-{s}")] for s in (16, 20)}
+    assert chains == {16: [16, 4], 20: [20]}  # the fourth entry of the chain, then a keyframe
+    assert store.verify(deep=True) == []
+
+
 @pytest.mark.parametrize("codec", ["qd", "cnr", "nf4"])
 def test_a_peer_codes_the_weights_and_the_run_resumes(tmp_path, data, codec) -> None:
     """DynaQuantCallback(codec=<peer>, threshold=None): the weights go through the peer (qd's

@@ -94,7 +94,7 @@ class DynaQuantPlugin(SettingsView):
         settings: the settings, used as they are (the environment is not read).
         **shortcuts: instead, the settings' fields as keyword arguments (``threshold``,
             ``eval_data``, ``metric``, ``config``, ``optimizer_state``, ``keyframe_every``,
-            ``checkpoint_every``, ``background``, ``store_dir``, ...).
+            ``restore_depth``, ``checkpoint_every``, ``background``, ``store_dir``, ...).
 
     A threshold (default 0.01) needs ``eval_data`` (the same batches on every rank; 16 or more
     for a 1% threshold to be resolved) or ``metric``: without either the plugin refuses at once.

@@ -93,7 +93,7 @@ class DynaQuantCallback(SettingsView, TrainerCallback):
         settings: a :class:`~hf_dynaquant.training.settings.CheckpointSettings` with every
             setting (documented there); or give its fields as keyword arguments (``config``,
             ``metric``, ``eval_data``, ``eval_examples``, ``search_space``, ``optimizer_state``,
-            ``moment_quant``, ``keyframe_every``, ``ema_steps``, ``background``,
+            ``moment_quant``, ``keyframe_every``, ``restore_depth``, ``ema_steps``, ``background``,
             ``delta_coding``, ``progress``, ``pretrained``, ...). With the Trainer the defaults
             are: the metric :func:`trainer_metric` (the Trainer's ``metric_for_best_model`` from
             its ``compute_metrics`` and the loss as its ``compute_loss`` computes it, both within

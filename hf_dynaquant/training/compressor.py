@@ -20,9 +20,10 @@ Residual coding (``QuantConfig.residual``, or the search's ``SearchSpace.residua
 compressor keeps the last checkpoint's *decoded* weights (what a restore will have, never the
 exact previous weights: closed loop, so quantization errors do not add up along the chain) to
 code ``"previous"`` residuals against, and the pre-trained weights (``pretrained=``) for
-``"pretrained"`` residuals. A keyframe has no previous checkpoint: it offers ``"none"`` and
-``"pretrained"`` only; a fixed ``QuantConfig(residual="previous")`` falls back to direct coding
-there (and ``"pretrained"`` without pre-trained weights likewise).
+``"pretrained"`` residuals. A keyframe has no previous checkpoint (and an anchor, a delta coded on
+the keyframe to bound the deltas a restore replays, ``restore_depth``, does not code against it):
+it offers ``"none"`` and ``"pretrained"`` only; a fixed ``QuantConfig(residual="previous")`` falls
+back to direct coding there (and ``"pretrained"`` without pre-trained weights likewise).
 """
 
 from __future__ import annotations
@@ -329,8 +330,12 @@ class Compressor:
         self.ema = GradientEMA(model.named_parameters(), beta=settings.ema_beta, on_device=settings.use_accelerator)
         self.step = 0  # optimizer steps seen (counted in before_gradient_flush)
         self.last_entry: str | None = None
-        self._chain_length = 0  # entries in the chain ending at last_entry
+        self._chain_length = 0  # entries written since the chain's keyframe, the keyframe included
+        self._depth = 0  # deltas a restore of last_entry replays (settings.restore_depth bounds them)
+        self._keyframe: str | None = None  # the chain's keyframe: the base of an anchor (restore_depth)
         self._states: dict[tuple[str, str], Any] = {}  # codes of the last checkpoint, for the next delta
+        # the keyframe's codes as kept, for the anchors (restore_depth; None: read from the store when needed)
+        self._keyframe_states: dict[tuple[str, str], Any] | None = None
         self._skeleton: ModelSkeleton | None = None  # the structure a detached search evaluates
         self._stream: torch.cuda.Stream | None = None  # see _side_stream
         self.pretrained = self._pretrained_weights(settings.pretrained)
@@ -389,9 +394,14 @@ class Compressor:
         the chain goes on instead of starting with a keyframe."""
         store = self._writable()
         self.last_entry = store.resolve(ref_or_id)
-        self._chain_length = len(store.chain(self.last_entry))
+        chain = store.chain(self.last_entry)  # (newest first: the entry, its bases, the keyframe)
+        self._depth, self._keyframe, self._keyframe_states = len(chain) - 1, chain[-1], None
         self._states, self._previous = {}, None
         with store.open(self.last_entry) as entry:
+            # entries since the keyframe: recorded by the compressor that wrote it (without anchors,
+            # and in entries written before it was recorded, the chain's length)
+            position = entry.metadata.get("chain_position")
+            self._chain_length = position + 1 if isinstance(position, int) and position >= 0 else len(chain)
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
                 self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
             if self.peer_search is not None:
@@ -401,21 +411,33 @@ class Compressor:
                 self.search.continue_from(
                     entry.metadata.get("quant_config") if record is not None else None, (record or {}).get("delta_bits")
                 )
-            if not self._next_is_keyframe():
-                # the next delta's base codes, kept as a run keeps them between saves (packed by their
-                # levels: 1, 2 or 4 bits a code up to 16, a byte past that, where a run keeps a wider
-                # tensor as its keyframe's stream packed it): its search sizes candidates as stored,
-                # and its write does not decode the chain tensor by tensor beside the codes it makes
-                # (at 124M a save after a resume so took twice a delta's time and up to 1.04x a pure-bf16
-                # checkpoint's memory)
-                for section in entry.sections:
-                    for n in entry.names(section):  # (each packed as it is read: not all held a byte a code at once)
-                        if not _is_quantized(entry.record(section, n)):
-                            continue
-                        if isinstance(st := entry.state(section, n), QuantState):
-                            where = f"{store.path}: entry {self.last_entry}: {section}/{n}"
-                            self._states[(section, n)] = _kept(st, where)
+        if not self._next_is_keyframe() and not self._next_is_anchor():
+            # the next delta's base codes, kept as a run keeps them between saves: its search sizes
+            # candidates as stored, and its write does not decode the chain tensor by tensor beside
+            # the codes it makes (at 124M a save after a resume so took twice a delta's time and up
+            # to 1.04x a pure-bf16 checkpoint's memory)
+            self._states = self._stored_states(self.last_entry)
         self.resumed_from(self.last_entry)
+
+    def _stored_states(self, entry_id: str) -> dict[tuple[str, str], Any]:
+        """The codes of a stored entry's quantized tensors, kept as a run keeps them between
+        saves (packed by their levels: 1, 2 or 4 bits a code up to 16, a byte past that, where a
+        run keeps a wider tensor as its keyframe's stream packed it)."""
+        store = self._writable()
+        states: dict[tuple[str, str], Any] = {}
+        with store.open(entry_id) as entry:
+            for section in entry.sections:
+                for n in entry.names(section):  # (each packed as it is read: not all held a byte a code at once)
+                    if not _is_quantized(entry.record(section, n)):
+                        continue
+                    if isinstance(st := entry.state(section, n), QuantState):
+                        states[(section, n)] = _kept(st, f"{store.path}: entry {entry_id}: {section}/{n}")
+        return states
+
+    def _forget_chain(self) -> None:
+        """Start the next checkpoint afresh, with a keyframe."""
+        self.last_entry, self._chain_length, self._depth, self._keyframe = None, 0, 0, None
+        self._states, self._keyframe_states = {}, None
 
     def resumed_from(self, entry: str) -> None:
         """Training goes on from the decoded weights of stored ``entry``: from now on round
@@ -541,13 +563,37 @@ class Compressor:
     def _next_is_keyframe(self) -> bool:
         return self.last_entry is None or self._chain_length >= self.settings.keyframe_every
 
+    def _next_is_anchor(self) -> bool:
+        """Whether the next checkpoint is a delta on the keyframe rather than on the last one (an
+        anchor): a delta on the last would make its restore replay more than ``restore_depth``."""
+        depth = self.settings.restore_depth
+        return not self._next_is_keyframe() and depth is not None and self._depth >= depth
+
+    def _next_base(self) -> str | None:
+        """The entry the next checkpoint is a delta on (None: a keyframe)."""
+        if self._next_is_keyframe():
+            return None
+        return self._keyframe if self._next_is_anchor() else self.last_entry
+
+    def _next_base_states(self) -> dict[tuple[str, str], Any]:
+        """The codes of the next checkpoint's base, kept (those of an anchor's keyframe read from
+        the store if this process did not write it). The write consumes the dict it is given."""
+        if not self._next_is_anchor():
+            return self._states
+        assert self._keyframe is not None
+        if self._keyframe_states is None:
+            self._keyframe_states = self._stored_states(self._keyframe)
+        return dict(self._keyframe_states)  # (the keyframe's stay for the next anchor)
+
     def references(self, snap: Snapshot) -> dict[str, Reference]:
         """The residual references available to the next checkpoint, by kind: ``"previous"``
-        (the last checkpoint's decoded weights; not at a keyframe, nor when the search is spread
-        over several processes, which do not all keep them) and ``"pretrained"``."""
+        (the last checkpoint's decoded weights; not at a keyframe or an anchor, which are coded on
+        no checkpoint or on the keyframe, nor when the search is spread over several processes,
+        which do not all keep them) and ``"pretrained"``."""
         weights = {n: snap.state[n] for n in snap.params}
         out: dict[str, dict[str, torch.Tensor]] = {}
-        if self._residual_wanted("previous") and not self._next_is_keyframe() and not is_distributed():
+        on_last = not self._next_is_keyframe() and not self._next_is_anchor()
+        if self._residual_wanted("previous") and on_last and not is_distributed():
             out["previous"] = self._previous_values(weights)
         if self._residual_wanted("pretrained") and self.pretrained is not None:
             have = set(self.pretrained.names())
@@ -563,22 +609,28 @@ class Compressor:
         # (unpacked now, held for the search, which reads each tensor's for every candidate)
         return {
             n: st.unpacked().codes
-            for (sec, n), st in self._states.items()
+            for (sec, n), st in self._next_base_states().items()
             if sec == MODEL and isinstance(st, (QuantState, KeptState))
         }
 
-    def _previous_values(self, weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """The last entry's decoded values of ``weights``' tensors: decoded from the codes this
-        process kept when it wrote the entry (:meth:`_keep_previous`) each time one is read
-        (:class:`~hf_dynaquant.core.memory.Computed`: the search reads them a tensor at a time),
-        else read back from the store once."""
-        if self._previous is None:
-            assert self.last_entry is not None
-            with self._writable().open(self.last_entry) as entry:
+    def _previous_values(
+        self, weights: Mapping[str, torch.Tensor], entry_id: str | None = None
+    ) -> Mapping[str, torch.Tensor]:
+        """The last entry's (or ``entry_id``'s) decoded values of ``weights``' tensors: the last
+        entry's decoded from the codes this process kept when it wrote it (:meth:`_keep_previous`)
+        each time one is read (:class:`~hf_dynaquant.core.memory.Computed`: the search reads them
+        a tensor at a time), else read back from the store once (kept for the last entry)."""
+        entry_id = entry_id or self.last_entry
+        previous = self._previous if entry_id == self.last_entry else None
+        if previous is None:
+            assert entry_id is not None
+            with self._writable().open(entry_id) as entry:
                 stored = set(entry.names(MODEL)) if MODEL in entry.sections else set()
                 floats = [n for n, t in weights.items() if n in stored and t.is_floating_point()]
-                self._previous = {n: entry.tensor(MODEL, n).float() for n in floats}
-        return Computed({n: functools.partial(_decoded, kept) for n, kept in self._previous.items()})
+                previous = {n: entry.tensor(MODEL, n).float() for n in floats}
+            if entry_id == self.last_entry:
+                self._previous = previous
+        return Computed({n: functools.partial(_decoded, kept) for n, kept in previous.items()})
 
     def _keep_previous(self, snap: Snapshot, states: Mapping[tuple[str, str], Any]) -> None:
         """Keep what the next ``"previous"`` residuals need of the checkpoint just written: a
@@ -668,9 +720,9 @@ class Compressor:
         started = time.perf_counter()
         snap.settle()
         store = self._writable()
-        keyframe = self._next_is_keyframe()
-        base = None if keyframe else self.last_entry
+        keyframe, anchor, base = self._next_is_keyframe(), self._next_is_anchor(), self._next_base()
         meta = dict(snap.metadata)
+        meta["chain_position"] = 0 if keyframe else self._chain_length  # (continue_chain reads it)
         search = None
         peer = self.settings.codec != "dynaquant"  # a peer's codec quantizes the weights itself
         options: dict[str, Any] | None = {}  # the peer codec's (None: nothing passed its search)
@@ -697,7 +749,7 @@ class Compressor:
         if self.settings.codec == "excp":  # ExCP codes the weights with Adam's moments
             if snap.optimizer is None or snap.optimizer_params is None:
                 raise CheckpointError(f"step {snap.step}: codec='excp' codes the optimizer's moments: it needs an optimizer")
-            previous = None if keyframe else self._previous_values({n: snap.state[n] for n in snap.params})
+            previous = None if base is None else self._previous_values({n: snap.state[n] for n in snap.params}, base)
             tree, fallback, meta["optimizer_state"] = excp_checkpoint(snap, previous, OPTIMIZER)
             trees = {OPTIMIZER: tree}
             self._previous = None  # the next checkpoint's residuals are on this one as restored
@@ -718,7 +770,7 @@ class Compressor:
             meta["optimizer_state"] = {"mode": "drop"}
         # the base's codes are consumed by the write as the new entry's replace them (and a
         # keyframe needs none): the two are never all held at once
-        base_states = self._states if base is not None else None
+        base_states = self._next_base_states() if base is not None else None
         self._states = {}
         states: dict[tuple[str, str], Any] = {}
         entry = write_planned(
@@ -740,7 +792,12 @@ class Compressor:
         self._states = states
         self._keep_previous(snap, states)
         self.last_entry = entry
-        self._chain_length = 1 if keyframe else self._chain_length + 1
+        if keyframe:
+            self._keyframe, self._chain_length, self._depth = entry, 1, 0
+            # (the same kept states as the next delta's base: held once more only while an anchor may come)
+            self._keyframe_states = dict(states) if self.settings.restore_depth is not None else None
+        else:
+            self._chain_length, self._depth = self._chain_length + 1, 1 if anchor else self._depth + 1
         info = store.info(entry)
         sizes = info.sections
         weights_raw, weights_stored = sizes.get(MODEL, (0, 0))

@@ -127,6 +127,15 @@ class CheckpointSettings:
         "Longest delta chain: every keyframe_every-th checkpoint is self-contained, which bounds restore time.",
         int,
     )
+    restore_depth: int | None = _setting(
+        None,
+        "Most deltas a restore replays: a checkpoint that would be the (restore_depth + 1)-th delta since the "
+        "keyframe is coded on the keyframe instead (an anchor), so any checkpoint restores from its keyframe and "
+        "at most restore_depth deltas. An anchor is larger than a delta on the checkpoint before (at 124M, 2-3x) "
+        "but far smaller than a keyframe, and the compressor keeps the keyframe's codes (a few bits a value) "
+        "between saves for it. None: each delta on the checkpoint before (up to keyframe_every - 1 of them).",
+        _optional(int),
+    )
     checkpoint_every: int | None = _setting(
         None,
         "Optimizer steps between checkpoints, if regular: gradients are then recorded only in the ema_steps steps "
@@ -195,7 +204,7 @@ class CheckpointSettings:
     def __post_init__(self) -> None:
         if self.threshold is not None and not (math.isfinite(self.threshold) and self.threshold >= 0):
             raise InvalidSettingError(f"threshold must be a finite number >= 0 or None, got {self.threshold!r}")
-        for name in ("keyframe_every", "ema_steps", "eval_examples", "checkpoint_every"):
+        for name in ("keyframe_every", "restore_depth", "ema_steps", "eval_examples", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidSettingError(f"{name} must be an integer of at least 1, got {value!r}")

@@ -509,7 +509,7 @@ class ShardedCompressor(Compressor):
         if same_split and len(own) == world:
             self.continue_chain(own[rank])
         else:
-            self.last_entry, self._chain_length, self._states = None, 0, {}
+            self._forget_chain()
         if model is None or model is self.model:
             self.resumed_from(self.store.resolve(ref))  # one rounding seed on every rank: the index's
         self.step = int(meta.get("step", self.step))
