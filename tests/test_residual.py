@@ -610,3 +610,68 @@ def test_a_residual_on_the_previous_checkpoint_may_go_bolder():
     assert all(c.bits < result.candidates[0].bits for c in result.candidates[1:])
     point = space.point_of(result.config)
     assert all(abs(a - b) <= 1 for a, b in zip(point, centre)) and any(a < b for a, b in zip(point, centre))
+
+
+# -- anchors (restore_depth) ----------------------------------------------------------------------
+
+
+def test_anchors_take_no_previous_residual_and_restore_as_the_compressor_holds(tmp_path):
+    """With ``restore_depth=1`` every checkpoint after the first delta is an anchor, coded on the
+    keyframe: it takes no ``"previous"`` residual (the store would decode one against the keyframe,
+    not the checkpoint it was taken on), and every entry restores to exactly the decoded weights
+    the compressor holds for the next residual."""
+    model = _mlp()
+    config = replace_config("previous")
+    comp = Compressor(model, tmp_path / "s", config, pretrained=None, keyframe_every=8, restore_depth=1)
+    for step in range(1, 6):
+        _drift(model, 0.005, step)
+        comp.compress(step)
+        state, _, meta = read_checkpoint(comp.store, f"step-{step}")
+        assert meta["quant_config"]["residual"] == ("previous" if step == 2 else "none"), step
+        assert len(comp.store.chain(f"step-{step}")) == (1 if step == 1 else 2)
+        for name, ref in comp._previous_values(state).items():
+            assert torch.equal(state[name].float(), ref), (step, name)
+    assert comp.store.verify(deep=True) == []
+
+
+def test_excp_anchors_code_their_residuals_on_the_keyframe(tmp_path, monkeypatch):
+    """ExCP codes each checkpoint's weights as a residual on its base entry's restored weights,
+    which the compressor hands it: at an anchor the keyframe's, not the last checkpoint's (whose
+    residual the store would add to the keyframe's)."""
+    from hf_dynaquant.training import compressor as compressor_module
+
+    handed = []
+    real = compressor_module.excp_checkpoint
+    spy = lambda snap, previous, *a: handed.append(previous) or real(snap, previous, *a)  # noqa: E731
+    monkeypatch.setattr(compressor_module, "excp_checkpoint", spy)
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    comp = Compressor(model, tmp_path / "s", codec="excp", optimizer=optimizer, keyframe_every=8, restore_depth=1)
+    for step in range(1, 5):
+        model(torch.randn(64, 32)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        comp.compress(step)
+    keyframe, _, _ = read_checkpoint(comp.store, "step-1")
+    second, _, _ = read_checkpoint(comp.store, "step-2")
+    assert handed[0] is None and [len(comp.store.chain(f"step-{s}")) for s in range(1, 5)] == [1, 2, 2, 2]
+    for previous in handed[1:]:  # the second checkpoint's base is the keyframe too; the others are anchors
+        assert torch.equal(previous["0.weight"], keyframe["0.weight"].float())
+    assert not torch.equal(second["0.weight"], keyframe["0.weight"])  # (the two bases would differ)
+    assert comp.store.verify(deep=True) == []
+
+
+def test_an_anchor_leaves_the_searched_delta_costs_as_they_were(tmp_path):
+    """An anchor is coded on the keyframe, so its size is not what the next delta on the checkpoint
+    before costs: the search records delta costs (``delta_bits``) only for deltas on the last one."""
+    model, x, y, gen, batches = _task()
+    settings = dict(threshold=0.01, metric=mean_loss(batches), pretrained=None, keyframe_every=100, restore_depth=1)
+    space = SearchSpace(residuals=("none",), prune_by=("magnitude",))
+    comp = Compressor(model, tmp_path / "s", QuantConfig(min_numel=1024), search_space=space, **settings)
+    bits = []
+    for step in (1, 2, 3, 4):
+        _fine_tune(model, x, y, gen, steps=3)
+        comp.compress(step)
+        bits.append(comp.last_search.bits)
+    assert [len(comp.store.chain(f"step-{s}")) for s in (1, 2, 3, 4)] == [1, 2, 2, 2]  # 3 and 4: anchors
+    assert comp.search.delta_bits == {"none": bits[1]}

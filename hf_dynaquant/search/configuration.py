@@ -465,6 +465,7 @@ class ConfigurationSearch:
         where: str | None = None,
         references: Mapping[str, Reference] | None = None,
         base_codes: Mapping[str, np.ndarray] | None = None,
+        base_is_last: bool = True,
         calibration: Calibration | None = None,
     ) -> SearchResult:
         """Choose the configuration for the checkpoint whose exact weights are ``snapshot``
@@ -477,6 +478,9 @@ class ConfigurationSearch:
         ``base_codes``: the codes of the entry this checkpoint will be a delta on, by tensor name;
         sizes then count each tensor's code delta where it is smaller (see :func:`measured_bits`),
         so that direct coding, whose codes change little between checkpoints, is sized as stored.
+        ``base_is_last``: whether that entry is the last checkpoint (False for an anchor, coded
+        on its chain's keyframe, ``restore_depth``): only then is the chosen size what the next
+        checkpoint of its kind is expected to cost (:meth:`chain_cost`).
         ``calibration``: what candidates with ``error_feedback`` round with (see :func:`plan_quantization`).
 
         A metric that is NaN or infinite on the unquantized model (weights holding NaN after a
@@ -538,7 +542,7 @@ class ConfigurationSearch:
                 delta_bits=dict(self.delta_bits),
             )
         found = ctx.embedding_bins(found)
-        if ctx.base_codes and self.last is not None and self.last.residual == found.config.residual:
+        if ctx.base_codes and base_is_last and self.last is not None and self.last.residual == found.config.residual:
             self.delta_bits[found.config.residual] = found.bits  # a delta on a checkpoint of its own kind
         self.last = found.config
         plan = found.plan or ctx.plan(found.config)

@@ -118,6 +118,7 @@ class CheckpointReport:
     seconds: float
     search: dict[str, Any] | None = None
     optimizer_state: dict[str, Any] | None = None
+    anchor: bool = False  # a delta coded on its chain's keyframe (restore_depth), not on the last checkpoint
     stall_seconds: float = 0.0  # training stopped this long for the checkpoint (with a CheckpointManager)
 
     @property
@@ -398,9 +399,10 @@ class Compressor:
         self._depth, self._keyframe, self._keyframe_states = len(chain) - 1, chain[-1], None
         self._states, self._previous = {}, None
         with store.open(self.last_entry) as entry:
-            # entries since the keyframe: recorded by the compressor that wrote it (without anchors,
-            # and in entries written before it was recorded, the chain's length)
-            position = entry.metadata.get("chain_position")
+            # entries since the keyframe: recorded by the compressor that wrote it (in entries written
+            # before it was recorded, which had no anchors, the chain's length); a self-contained
+            # entry (a compacted one, say) starts a chain whatever it records
+            position = entry.metadata.get("chain_position") if len(chain) > 1 else 0
             self._chain_length = position + 1 if isinstance(position, int) and position >= 0 else len(chain)
             if "pretrained" in entry.metadata and self._residual_wanted("pretrained"):
                 self.pretrained = entry.pretrained()  # the chain keeps the pre-trained weights it was coded against
@@ -417,6 +419,8 @@ class Compressor:
             # the codes it makes (at 124M a save after a resume so took twice a delta's time and up
             # to 1.04x a pure-bf16 checkpoint's memory)
             self._states = self._stored_states(self.last_entry)
+            if self.last_entry == self._keyframe and self._anchors_may_come():
+                self._keyframe_states = dict(self._states)  # (not read from the store again for an anchor)
         self.resumed_from(self.last_entry)
 
     def _stored_states(self, entry_id: str) -> dict[tuple[str, str], Any]:
@@ -437,7 +441,7 @@ class Compressor:
     def _forget_chain(self) -> None:
         """Start the next checkpoint afresh, with a keyframe."""
         self.last_entry, self._chain_length, self._depth, self._keyframe = None, 0, 0, None
-        self._states, self._keyframe_states = {}, None
+        self._states, self._keyframe_states, self._previous = {}, None, None
 
     def resumed_from(self, entry: str) -> None:
         """Training goes on from the decoded weights of stored ``entry``: from now on round
@@ -569,6 +573,13 @@ class Compressor:
         depth = self.settings.restore_depth
         return not self._next_is_keyframe() and depth is not None and self._depth >= depth
 
+    def _anchors_may_come(self) -> bool:
+        """Whether an anchor may still come before the next keyframe (the keyframe's codes are
+        kept for it only then): the chain's entries left after the last one reach
+        ``restore_depth`` deltas deep."""
+        depth = self.settings.restore_depth
+        return depth is not None and self._chain_length + depth - self._depth < self.settings.keyframe_every
+
     def _next_base(self) -> str | None:
         """The entry the next checkpoint is a delta on (None: a keyframe)."""
         if self._next_is_keyframe():
@@ -601,9 +612,10 @@ class Compressor:
         return {kind: Reference(values, snap.sensitivity(values)) for kind, values in out.items() if values}
 
     def _base_codes(self) -> dict[str, np.ndarray] | None:
-        """The codes of the entry the next checkpoint will be a delta on (known when this process
-        wrote it), so the search sizes candidates as stored; not when the search is spread over
-        several processes, which do not all keep them."""
+        """The codes of the entry the next checkpoint will be a delta on (kept since this process
+        wrote or resumed from it; an anchor's keyframe's read from the store after a resume), so
+        the search sizes candidates as stored; not when the search is spread over several
+        processes, which do not all keep them."""
         if self._next_is_keyframe() or is_distributed():
             return None
         # (unpacked now, held for the search, which reads each tensor's for every candidate)
@@ -695,6 +707,7 @@ class Compressor:
                 where=f"step {snap.step}",
                 references=self.references(snap),
                 base_codes=self._base_codes(),
+                base_is_last=not self._next_is_anchor(),
             )
         return self._searched(result)
 
@@ -772,6 +785,8 @@ class Compressor:
         # keyframe needs none): the two are never all held at once
         base_states = self._next_base_states() if base is not None else None
         self._states = {}
+        if keyframe:
+            self._keyframe_states = None  # (the last chain's: not held beside this write's codes)
         states: dict[tuple[str, str], Any] = {}
         entry = write_planned(
             store,
@@ -794,10 +809,12 @@ class Compressor:
         self.last_entry = entry
         if keyframe:
             self._keyframe, self._chain_length, self._depth = entry, 1, 0
-            # (the same kept states as the next delta's base: held once more only while an anchor may come)
-            self._keyframe_states = dict(states) if self.settings.restore_depth is not None else None
         else:
             self._chain_length, self._depth = self._chain_length + 1, 1 if anchor else self._depth + 1
+        if not self._anchors_may_come():
+            self._keyframe_states = None
+        elif keyframe:  # (the same kept states as the next delta's base, held once more for the anchors)
+            self._keyframe_states = dict(states)
         info = store.info(entry)
         sizes = info.sections
         weights_raw, weights_stored = sizes.get(MODEL, (0, 0))
@@ -807,6 +824,7 @@ class Compressor:
             step=snap.step,
             entry=entry,
             keyframe=keyframe,
+            anchor=anchor,
             weights_raw=weights_raw,
             weights_stored=weights_stored,
             optimizer_raw=raw_optimizer_bytes(snap.optimizer),

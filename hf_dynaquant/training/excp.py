@@ -32,8 +32,9 @@ def excp_checkpoint(
 ) -> tuple[dict[str, Any], Callable[[str, str], Codec | str], dict[str, Any]]:
     """``(optimizer tree, codec of each (section, tensor name), report)`` of an ExCP checkpoint of
     ``snap`` (whose ``optimizer`` and ``optimizer_params`` it needs). ``previous``: the previous
-    checkpoint's restored weights by state name (``None``: a keyframe, stored exactly); the
-    write's ``base`` must then be that checkpoint's entry."""
+    checkpoint's restored weights by state name, or, for an anchor (``restore_depth``), the
+    keyframe's (``None``: a keyframe, stored exactly); the write's ``base`` must then be that
+    entry."""
     assert snap.optimizer is not None and snap.optimizer_params is not None
     by_param: dict[str, str] = {}  # parameter name -> its first state name (a tied weight's is stored)
     for name, param in snap.params.items():
