@@ -413,7 +413,7 @@ class Compressor:
                 self.search.continue_from(
                     entry.metadata.get("quant_config") if record is not None else None, (record or {}).get("delta_bits")
                 )
-        if not self._next_is_keyframe() and not self._next_is_anchor():
+        if self._next_on_last():
             # the next delta's base codes, kept as a run keeps them between saves: its search sizes
             # candidates as stored, and its write does not decode the chain tensor by tensor beside
             # the codes it makes (at 124M a save after a resume so took twice a delta's time and up
@@ -586,6 +586,10 @@ class Compressor:
             return None
         return self._keyframe if self._next_is_anchor() else self.last_entry
 
+    def _next_on_last(self) -> bool:
+        """Whether the next checkpoint is a delta on the last one (neither a keyframe nor an anchor)."""
+        return self.last_entry is not None and self._next_base() == self.last_entry
+
     def _next_base_states(self) -> dict[tuple[str, str], Any]:
         """The codes of the next checkpoint's base, kept (those of an anchor's keyframe read from
         the store if this process did not write it). The write consumes the dict it is given."""
@@ -603,8 +607,7 @@ class Compressor:
         which do not all keep them) and ``"pretrained"``."""
         weights = {n: snap.state[n] for n in snap.params}
         out: dict[str, dict[str, torch.Tensor]] = {}
-        on_last = not self._next_is_keyframe() and not self._next_is_anchor()
-        if self._residual_wanted("previous") and on_last and not is_distributed():
+        if self._residual_wanted("previous") and self._next_on_last() and not is_distributed():
             out["previous"] = self._previous_values(weights)
         if self._residual_wanted("pretrained") and self.pretrained is not None:
             have = set(self.pretrained.names())
@@ -707,7 +710,7 @@ class Compressor:
                 where=f"step {snap.step}",
                 references=self.references(snap),
                 base_codes=self._base_codes(),
-                base_is_last=not self._next_is_anchor(),
+                base_is_last=self._next_on_last(),
             )
         return self._searched(result)
 
