@@ -67,7 +67,8 @@ def write_planned(
             not named: lossless), or a function of ``(section, name)`` giving each one's.
         metadata: more metadata for the entry.
         write: the other options of :meth:`CheckpointStore.write <hf_dynaquant.store.CheckpointStore.write>`
-            (``trees``, ``extras``, ``base``, ``ref``, ``progress``, ``base_states``, ``keep_states``).
+            (``trees``, ``extras``, ``base``, ``ref``, ``progress``, ``base_states``, ``keep_states``,
+            ``freed``).
     """
     meta = dict(metadata or {})
     if config is not None:

@@ -2129,6 +2129,39 @@ def test_a_restore_hands_freed_memory_back_while_it_converts_the_moments(tmp_pat
     assert len(trims) >= 4 and set(trims) == {0}  # (each weight's m and v: 2 x 64 x 64 values)
 
 
+def test_a_save_hands_freed_memory_back_only_past_its_allowance(tmp_path, monkeypatch) -> None:
+    """A save's optimizer-state decisions and its write trim only once the resident set has
+    grown past SAVE_ALLOWANCE of the checkpoint since the save began (freed pages kept are
+    reused without a fault); past it, every count that comes due trims, as before."""
+    import itertools
+
+    from hf_dynaquant.core import memory
+    from hf_dynaquant.training.snapshot import raw_optimizer_bytes, unique_nbytes
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    checkpoint = unique_nbytes(model.state_dict().values()) + raw_optimizer_bytes(optimizer.state_dict())
+    allowance = int(memory.SAVE_ALLOWANCE * checkpoint)
+    trims: list[int] = []
+    monkeypatch.setattr(memory, "_TRIM", lambda pad: trims.append(pad) or 1)
+    monkeypatch.setattr(memory, "TRIM_EVERY", 64 * 64)
+
+    def saved_with_growth(extra: int) -> int:
+        """Trims in one save whose resident set grows by ``extra`` bytes after its start."""
+        calls = itertools.count()
+        monkeypatch.setattr(memory, "resident_bytes", lambda: 1 << 30 if next(calls) == 0 else (1 << 30) + extra)
+        trims.clear()
+        store = tmp_path / f"grown-{extra}"
+        Compressor(model, store, QuantConfig(bins=8, min_numel=1000), optimizer=optimizer).compress(1)
+        return len(trims)
+
+    within, past = saved_with_growth(allowance), saved_with_growth(allowance + 1)
+    assert within <= 2  # (the hand-back at the save's end)
+    assert past >= within + 4  # (the decisions' and the write's counts: several of 64 x 64 values each)
+
+
 def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tmp_path, monkeypatch) -> None:
     """A save never holds the whole optimizer's float32 update and scale: the fidelity decisions
     take a group of parameters at a time (here one each: the same plans and report as all at

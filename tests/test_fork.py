@@ -278,3 +278,51 @@ def test_freed_memory_is_released_every_so_many_values(monkeypatch) -> None:
     for values in (3, 3, 3, 3, 9, 1, 2):
         freed.processed(values)
     assert calls == [0, 0]  # after 12 values, then after 10 more
+
+
+def test_freed_memory_is_kept_while_the_resident_set_grows_within_the_allowance(monkeypatch) -> None:
+    """With an allowance, a count that comes due trims only once the resident set has grown
+    past it since the ReleaseFreed was made; where the resident set cannot be read, it trims as
+    one without an allowance does."""
+    from hf_dynaquant.core import memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_TRIM", lambda pad: calls.append(pad) or 1)
+    resident: list[int | None] = [1000]
+    monkeypatch.setattr(memory, "resident_bytes", lambda: resident[0])
+    freed = memory.ReleaseFreed(every=10, allowance=500)
+    freed.processed(10)
+    resident[0] = 1500  # grown by the allowance exactly: kept
+    freed.processed(10)
+    assert calls == []
+    resident[0] = 1501
+    freed.processed(9)  # past the allowance, but not due yet
+    assert calls == []
+    freed.processed(1)
+    freed.processed(10)
+    assert calls == [0, 0]  # each count due past the allowance trims
+    resident[0] = 1200  # (back under it after a trim: kept again)
+    freed.processed(10)
+    assert calls == [0, 0]
+    resident[0] = None  # unreadable: as without an allowance
+    freed.processed(10)
+    assert calls == [0, 0, 0]
+    resident[0] = None
+    memory.ReleaseFreed(every=10, allowance=500).processed(10)  # (made while unreadable)
+    assert calls == [0, 0, 0, 0]
+
+
+def test_resident_bytes_reads_the_process_resident_set() -> None:
+    import platform
+
+    from hf_dynaquant.core import memory
+
+    if platform.system() != "Linux":
+        assert memory.resident_bytes() is None or memory.resident_bytes() > 0
+        return
+    before = memory.resident_bytes()
+    touched = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, every page written
+    after = memory.resident_bytes()
+    assert before is not None and after is not None and before > 0
+    assert after - before >= 48 << 20
+    del touched

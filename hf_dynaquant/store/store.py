@@ -601,6 +601,7 @@ class CheckpointStore:
         progress: bool = False,
         base_states: dict[tuple[str, str], Any] | None = None,
         keep_states: dict[tuple[str, str], Any] | None = None,
+        freed: ReleaseFreed | None = None,
     ) -> str:
         """Write one checkpoint as a new entry and return its id.
 
@@ -626,6 +627,9 @@ class CheckpointStore:
             keep_states: a dict to fill with the states a later delta on this entry will need
                 (only codecs whose state owns its memory, like ``dynaquant``'s codes; in the
                 form the codec keeps them, :meth:`Codec.kept <hf_dynaquant.codecs.base.Codec.kept>`).
+            freed: what paces handing the encoders' freed memory back to the operating system
+                (:class:`~hf_dynaquant.core.memory.ReleaseFreed`; default: every
+                :data:`~hf_dynaquant.core.memory.TRIM_EVERY` values).
 
         The tensors are read while this runs; do not modify them concurrently.
         """
@@ -703,7 +707,7 @@ class CheckpointStore:
                 encoded_jobs = ordered_map(
                     _TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT, held=_held_weight
                 )
-                freed = ReleaseFreed()
+                freed = freed if freed is not None else ReleaseFreed()
                 for section, name, raw, codec, encoded in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
                         raise CodecError(

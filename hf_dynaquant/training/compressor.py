@@ -45,7 +45,7 @@ from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, KeptState, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
-from ..core.memory import Computed, has_room, release_freed
+from ..core.memory import SAVE_ALLOWANCE, Computed, ReleaseFreed, has_room, release_freed
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -736,6 +736,9 @@ class Compressor:
         started = time.perf_counter()
         snap.settle()
         store = self._writable()
+        # one pace of handing freed memory back for the save's decisions and write, counted from here
+        checkpoint = unique_nbytes(snap.state.values()) + raw_optimizer_bytes(snap.optimizer)
+        freed = ReleaseFreed(allowance=int(SAVE_ALLOWANCE * checkpoint))
         keyframe, anchor, base = self._next_is_keyframe(), self._next_is_anchor(), self._next_base()
         meta = dict(snap.metadata)
         meta["chain_position"] = 0 if keyframe else self._chain_length  # (continue_chain reads it)
@@ -777,6 +780,7 @@ class Compressor:
                 self.optimizer_reductions(),
                 non_finite=self.config.non_finite,
                 where=f"step {snap.step}",
+                freed=freed,
             )
             assert encoded is not None
             trees = {OPTIMIZER: encoded.tree}
@@ -806,6 +810,7 @@ class Compressor:
             base_states=base_states,
             keep_states=states,
             fallback=fallback,
+            freed=freed,
         )
         self._states = states
         self._keep_previous(snap, states)

@@ -441,6 +441,7 @@ def encode_optimizer_state(
     *,
     non_finite: str = "lossless",
     where: str | None = None,
+    freed: ReleaseFreed | None = None,
 ) -> OptimizerEncoding | None:
     """Prepare an optimizer ``state_dict`` for storage in ``mode`` (``None`` for ``"drop"``).
 
@@ -448,7 +449,9 @@ def encode_optimizer_state(
     take the decisions of the full state (:class:`~hf_dynaquant.training.sharded.ShardedCompressor`).
     Moments holding NaN or infinite values are stored losslessly with a warning, or refused
     (``non_finite="raise"``, see ``QuantConfig.non_finite``); ``where`` (e.g. ``"step 40"``)
-    goes in the message."""
+    goes in the message. ``freed`` paces handing the decisions' freed memory back (default:
+    every :data:`~hf_dynaquant.core.memory.TRIM_EVERY` values; a save passes the one its write
+    goes on with)."""
     if mode not in OPTIMIZER_MODES:
         raise ValueError(f"optimizer_state must be one of {OPTIMIZER_MODES}, got {mode!r}")
     if mode == "drop":
@@ -490,7 +493,7 @@ def encode_optimizer_state(
     chosen: dict[Any, _Choice] = {}
     tops: dict[Any, float] = {}
     bad: list[Any] = []
-    freed = ReleaseFreed()
+    freed = freed if freed is not None else ReleaseFreed()
     for group in weighed_batches(list(candidates), numel.__getitem__, VALUES_IN_FLIGHT):
         group_chosen, group_bad, group_tops = _decide(group, candidates, settings, red, numel)
         chosen.update(group_chosen)
