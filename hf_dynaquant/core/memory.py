@@ -52,6 +52,7 @@ __all__ = [
 RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides what we allocate there
 
 TRIM_EVERY = 1 << 23  # values processed between two trims
+SAVE_ALLOWANCE = 0.5  # share of its checkpoint's bytes a save may grow the resident set by before trimming
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -100,9 +101,6 @@ class ReleaseFreed:
             if now is not None and now - self._start <= self.allowance:
                 return
         release_freed()
-
-
-SAVE_ALLOWANCE = 0.5  # share of its checkpoint's bytes a save may grow the resident set by before trimming
 
 
 def resident_bytes() -> int | None:
