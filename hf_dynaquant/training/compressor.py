@@ -737,8 +737,8 @@ class Compressor:
         snap.settle()
         store = self._writable()
         # one pace of handing freed memory back for the save's decisions and write, counted from here
-        checkpoint = unique_nbytes(snap.state.values()) + raw_optimizer_bytes(snap.optimizer)
-        freed = ReleaseFreed(allowance=int(SAVE_ALLOWANCE * checkpoint))
+        optimizer_raw = raw_optimizer_bytes(snap.optimizer)
+        freed = ReleaseFreed(allowance=int(SAVE_ALLOWANCE * (unique_nbytes(snap.state.values()) + optimizer_raw)))
         keyframe, anchor, base = self._next_is_keyframe(), self._next_is_anchor(), self._next_base()
         meta = dict(snap.metadata)
         meta["chain_position"] = 0 if keyframe else self._chain_length  # (continue_chain reads it)
@@ -835,7 +835,7 @@ class Compressor:
             anchor=anchor,
             weights_raw=weights_raw,
             weights_stored=weights_stored,
-            optimizer_raw=raw_optimizer_bytes(snap.optimizer),
+            optimizer_raw=optimizer_raw,
             optimizer_stored=opt_stored,
             other_stored=max(total - weights_stored - opt_stored, 0),
             seconds=time.perf_counter() - started,
