@@ -42,7 +42,8 @@ setup(
             sources=[
                 f"{CSRC}/{name}.c"
                 for name in (
-                    "module", "bitplanes", "sketch", "partition", "rounding", "moments", "delta", "ans", "kmeans", "trellis"
+                    "module", "bitplanes", "sketch", "partition", "rounding", "moments", "delta", "ans", "kmeans", "trellis",
+                    "varint",
                 )
             ],
             depends=[f"{CSRC}/kernels.h"],

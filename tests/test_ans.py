@@ -17,6 +17,7 @@ from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes, en
 from hf_dynaquant.core.histogram import byte_counts
 from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
+from hf_dynaquant.core import varint
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
 from hf_dynaquant.errors import CorruptCheckpointError
 from hf_dynaquant.pipeline import compress_state_dict
@@ -280,14 +281,39 @@ def test_damaged_streams_raise_value_errors() -> None:
         ans_encode(symbols, lanes=3)
 
 
-def test_uleb128_round_trip_and_limits() -> None:
-    values = np.array([0, 1, 127, 128, 300, 2**32, 2**63 + 5], dtype=np.uint64)
+@pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "numpy"])
+def test_uleb128_round_trip_and_limits(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernels:
+        monkeypatch.setattr(varint, "native", None)
+    elif native is None:
+        pytest.skip("the compiled kernels are not built")
+    values = np.array([0, 1, 127, 128, 300, 2**32, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
     assert np.array_equal(uleb128_decode(uleb128_encode(values)), values)
     assert uleb128_encode(np.array([127, 128])).tolist() == [0x7F, 0x80, 0x01]
+    assert uleb128_encode(np.array([], dtype=np.uint64)).size == 0 and uleb128_decode(np.zeros(0, np.uint8)).size == 0
     with pytest.raises(ValueError, match="truncated"):
         uleb128_decode(np.array([0x80], dtype=np.uint8))
+    with pytest.raises(ValueError, match="truncated"):
+        uleb128_decode(np.array([5, 0x81, 0x80], dtype=np.uint8))
     with pytest.raises(ValueError, match="64 bits"):
         uleb128_decode(np.array([0x80] * 10 + [1], dtype=np.uint8))
+    # a tenth byte's bits past the 64th are dropped, as both paths drop them
+    assert uleb128_decode(np.array([0xFF] * 9 + [0x7F], dtype=np.uint8)).tolist() == [2**64 - 1]
+
+
+def test_uleb128_kernels_match_the_numpy_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled varints are the numpy reference's bytes and values, over values of every
+    width and the array sizes a table or a token stream has."""
+    if native is None:
+        pytest.skip("the compiled kernels are not built")
+    rng = np.random.default_rng(7)
+    cases = [rng.integers(0, 1 << int(bits), int(size), dtype=np.uint64) for bits, size in
+             zip(rng.integers(1, 64, 60), rng.integers(0, 400, 60))]  # fmt: skip
+    compiled = [uleb128_encode(c) for c in cases]
+    monkeypatch.setattr(varint, "native", None)
+    for case, data in zip(cases, compiled):
+        assert data.tobytes() == uleb128_encode(case).tobytes()
+        assert np.array_equal(uleb128_decode(data), case)
 
 
 def test_codes_are_packed_for_zstd_which_then_codes_them_within_2_percent_of_their_entropy() -> None:

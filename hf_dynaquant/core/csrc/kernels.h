@@ -16,6 +16,7 @@
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
  *                previous codes (delta.py; AVX-512 VBMI2 where the CPU has it, chosen at run
  *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
+ *   varint.c     unsigned LEB128 varints of uint64 values, and back (varint.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py; the
  *                encoder's eight lanes in one AVX-512 vector where the CPU has it);
  *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
@@ -94,6 +95,8 @@ PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
 PyObject *py_unpair_u8(PyObject *self, PyObject *args);
 PyObject *py_gap_up_u8(PyObject *self, PyObject *args);
 PyObject *py_ungap_u8(PyObject *self, PyObject *args);
+PyObject *py_uleb128_encode_u64(PyObject *self, PyObject *args);
+PyObject *py_uleb128_decode_u64(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
 PyObject *py_simd_paths(PyObject *self, PyObject *args);
 /* The hand-written AVX-512 paths this CPU has and kernels may take (py_allow_simd: tests turn
