@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from hf_dynaquant import CheckpointStore
 from hf_dynaquant.codecs.dynaquant import DynaQuantCodec
+from hf_dynaquant.core import varint
 from hf_dynaquant.core.ans import LANES, ans_coding, ans_decode, ans_encode, ans_lanes, lanes_for
 from hf_dynaquant.core.bitplanes import pack_bits
 from hf_dynaquant.core.entropy import ANS, ZSTD, decode_stream, encode_codes, encode_codes_packed, encode_stream
 from hf_dynaquant.core.histogram import byte_counts
 from hf_dynaquant.core.kernels import native
 from hf_dynaquant.core.quantizer import QuantConfig
-from hf_dynaquant.core import varint
 from hf_dynaquant.core.varint import uleb128_decode, uleb128_encode
 from hf_dynaquant.errors import CorruptCheckpointError
 from hf_dynaquant.pipeline import compress_state_dict
