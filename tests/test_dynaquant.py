@@ -252,12 +252,13 @@ def simd_path(request):
     native.allow_simd(before)
 
 
-@pytest.mark.parametrize("keys", [1, 2, 10, 33, 48, 49])
+@pytest.mark.parametrize("keys", [1, 2, 10, 12, 13, 33, 48, 49])
 def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, keys) -> None:
     """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
-    allows (AVX-512 VBMI2, at most 48 groups), else four at a time; either way the bytes are the
-    numpy references', at every length around the blocks, at 256 levels, and with codes past the
-    levels (a corrupt stream) too."""
+    allows (AVX-512 VBMI2, at most 48 groups; past 12, in two passes, by key / 8 and then by key,
+    over chunks of 2048), else four at a time; either way the bytes are the numpy references', at
+    every length around the blocks and the chunks, at 256 levels, and with codes past the levels
+    (a corrupt stream) too."""
     from hf_dynaquant.core import delta as delta_mod
 
     native = delta_mod.native
