@@ -142,8 +142,8 @@ static int groups_in(const int64_t count[256]) {
  * 1.2 and 1.3 against 1.7 and 2.2; at 64 it grouped in 2.9 against 2.4); a
  * value at a time, as the scalar loops do, costs a dependent update of its group's place. Past
  * GROUP_TWO_PASS_KEYS groups the forward grouping takes two passes (group_simd_two_pass), about
- * half the compresses: on a 124M delta's codes 1.33 ns a value at 34 groups (one pass: 2.07),
- * 0.72 at 15 (0.92), 0.53 at 13 (0.56). The
+ * half the compresses: on a 124M delta's codes 1.35 ns a value at 34 groups (one pass: 2.07),
+ * 0.69 at 15 (0.92), 0.53 at 13 (0.56). The
  * results are those of the scalar loops, byte for byte (tested against the numpy references). */
 #define GROUP_SIMD_KEYS 48
 
