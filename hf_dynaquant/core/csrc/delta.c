@@ -141,9 +141,10 @@ static int groups_in(const int64_t count[256]) {
  * and 48 groups it groups in 2.3 and 2.7 ns a value against 2.5 and 3.1, and a restore undoes in
  * 1.2 and 1.3 against 1.7 and 2.2; at 64 it grouped in 2.9 against 2.4); a
  * value at a time, as the scalar loops do, costs a dependent update of its group's place. Past
- * GROUP_TWO_PASS_KEYS groups the forward grouping takes two passes (group_simd_two_pass), about
- * half the compresses: on a 124M delta's codes 1.35 ns a value at 34 groups (one pass: 2.07),
- * 0.69 at 15 (0.92), 0.53 at 13 (0.56). The
+ * GROUP_TWO_PASS_KEYS groups both take two passes (group_simd_two_pass, ungroup_simd_two_pass),
+ * about half the compresses or expands: on a 124M delta's codes, grouping 1.35 ns a value at 34
+ * groups (one pass: 2.07), 0.69 at 15 (0.92), 0.53 at 13 (0.56); undoing 0.67 at 34 (0.94),
+ * 0.35 at 15 (0.40), 0.29-0.31 at 13-14 (0.34-0.37). The
  * results are those of the scalar loops, byte for byte (tested against the numpy references). */
 #define GROUP_SIMD_KEYS 48
 
@@ -261,6 +262,66 @@ VBMI2 static Py_ssize_t ungroup_simd(const uint8_t *k, const uint8_t *v, int lev
     }
     return i;
 }
+
+/* The inverse of group_simd_two_pass, as ungroup_simd does it (o[i] = v[start[k[i]]++], or, with
+ * levels > 0, (k[i] - that) mod levels), over chunks of GROUP_CHUNK values: the chunk's keys to
+ * the buffers of key / 8, each buffer's values read from its groups (at most 8 a block), then
+ * each block's values spread from the buffers to their places. A key at or past keys, or a group
+ * read past n, sets *wrong and stops before the chunk is written; o may be k (the chunk's keys
+ * are read before any of it is written). Returns the values done. */
+VBMI2 static Py_ssize_t ungroup_simd_two_pass(const uint8_t *k, const uint8_t *v, int levels, const uint8_t table[511],
+                                              Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
+    uint8_t bk[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK], bv[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK];
+    const int highs = (keys + 7) / 8;
+    const __m512i low5 = _mm512_set1_epi8(0x1F), past = _mm512_set1_epi8((char)keys);
+    Py_ssize_t i = 0;
+    while (n - i >= 64) {
+        const Py_ssize_t chunk = (n - i < GROUP_CHUNK ? n - i : GROUP_CHUNK) / 64 * 64;
+        Py_ssize_t len[(GROUP_SIMD_KEYS + 7) / 8] = {0}, at[(GROUP_SIMD_KEYS + 7) / 8] = {0};
+        for (Py_ssize_t j = i; j < i + chunk; j += 64) {
+            const __m512i a = _mm512_loadu_si512(k + j);
+            if (_mm512_cmpge_epu8_mask(a, past)) { *wrong = 1; return i; }
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 3), low5);
+            for (int h = 0; h < highs; h++) {
+                const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
+                const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+                _mm512_mask_storeu_epi8(bk[h] + len[h], _bzhi_u64(~0ULL, cnt), _mm512_maskz_compress_epi8(m, a));
+                len[h] += cnt;
+            }
+        }
+        for (int h = 0; h < highs; h++) {
+            const int top = 8 * h + 8 < keys ? 8 * h + 8 : keys;
+            for (Py_ssize_t j = 0; j < len[h]; j += 64) {
+                const __mmask64 valid = _bzhi_u64(~0ULL, (unsigned)(len[h] - j < 64 ? len[h] - j : 64));
+                const __m512i a = _mm512_maskz_loadu_epi8(valid, bk[h] + j);
+                __m512i d = _mm512_setzero_si512();
+                for (int key = 8 * h; key < top; key++) {
+                    const __mmask64 m = _mm512_mask_cmpeq_epi8_mask(valid, a, _mm512_set1_epi8((char)key));
+                    const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+                    if (start[key] < 0 || start[key] > n - (Py_ssize_t)cnt) { *wrong = 1; return i; }
+                    const __m512i g = _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, cnt), v + start[key]);
+                    d = _mm512_mask_expand_epi8(d, m, g);
+                    start[key] += cnt;
+                }
+                _mm512_mask_storeu_epi8(bv[h] + j, valid, d);
+            }
+        }
+        for (Py_ssize_t j = i; j < i + chunk; j += 64) {
+            const __m512i a = _mm512_loadu_si512(k + j);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 3), low5);
+            __m512i d = _mm512_setzero_si512();
+            for (int h = 0; h < highs; h++) {
+                const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
+                const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+                d = _mm512_mask_expand_epi8(d, m, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, cnt), bv[h] + at[h]));
+                at[h] += cnt;
+            }
+            _mm512_storeu_si512(o + j, levels > 0 ? cyclic_block(a, d, levels, table) : d);
+        }
+        i += chunk;
+    }
+    return i;
+}
 #endif
 
 /* The forward grouping: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels (looked up
@@ -289,7 +350,8 @@ static Py_ssize_t ungroup_fast(const uint8_t *k, const uint8_t *v, int levels, c
                                int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
 #ifdef GROUP_SIMD
     if (keys <= GROUP_SIMD_KEYS && group_simd_available())
-        return ungroup_simd(k, v, levels, table, n, keys, o, start, wrong);
+        return keys > GROUP_TWO_PASS_KEYS ? ungroup_simd_two_pass(k, v, levels, table, n, keys, o, start, wrong)
+                                          : ungroup_simd(k, v, levels, table, n, keys, o, start, wrong);
 #endif
     return 0;
 }
