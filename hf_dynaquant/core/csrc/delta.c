@@ -196,12 +196,30 @@ VBMI2 static Py_ssize_t group_simd(const uint8_t *k, const uint8_t *v, const uin
  * the compresses group_simd takes. Blocks of 64 while they last; returns the values done. */
 #define GROUP_TWO_PASS_KEYS 12
 #define GROUP_CHUNK 2048
+
+/* Each of 64 keys' key / 8. */
+VBMI2 INLINE __m512i eighths(__m512i a) { return _mm512_and_si512(_mm512_srli_epi16(a, 3), _mm512_set1_epi8(0x1F)); }
+
+/* The first pass of the two-pass grouping and undoing: a block's keys a (and, with d, their
+ * values) appended to the buffers of their key / 8, in order; len: each buffer's length, advanced. */
+VBMI2 INLINE void to_eighths(__m512i a, const __m512i *d, int highs, uint8_t bk[][GROUP_CHUNK],
+                             uint8_t bv[][GROUP_CHUNK], Py_ssize_t len[]) {
+    const __m512i hi = eighths(a);
+    for (int h = 0; h < highs; h++) {
+        const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
+        const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
+        const __mmask64 first = _bzhi_u64(~0ULL, cnt);
+        _mm512_mask_storeu_epi8(bk[h] + len[h], first, _mm512_maskz_compress_epi8(m, a));
+        if (d != NULL) _mm512_mask_storeu_epi8(bv[h] + len[h], first, _mm512_maskz_compress_epi8(m, *d));
+        len[h] += cnt;
+    }
+}
+
 VBMI2 static Py_ssize_t group_simd_two_pass(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels,
                                             const uint8_t table[511], Py_ssize_t n, int keys, uint8_t *o,
                                             Py_ssize_t start[256]) {
     uint8_t bk[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK], bv[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK];
     const int highs = (keys + 7) / 8;
-    const __m512i low5 = _mm512_set1_epi8(0x1F);
     Py_ssize_t i = 0;
     while (n - i >= 64) {
         const Py_ssize_t chunk = (n - i < GROUP_CHUNK ? n - i : GROUP_CHUNK) / 64 * 64;
@@ -209,15 +227,7 @@ VBMI2 static Py_ssize_t group_simd_two_pass(const uint8_t *k, const uint8_t *v, 
         for (Py_ssize_t j = i; j < i + chunk; j += 64) {
             const __m512i a = _mm512_loadu_si512(k + j);
             const __m512i d = y == NULL ? _mm512_loadu_si512(v + j) : cyclic_block(a, _mm512_loadu_si512(y + j), levels, table);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 3), low5);
-            for (int h = 0; h < highs; h++) {
-                const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
-                const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
-                const __mmask64 first = _bzhi_u64(~0ULL, cnt);
-                _mm512_mask_storeu_epi8(bk[h] + len[h], first, _mm512_maskz_compress_epi8(m, a));
-                _mm512_mask_storeu_epi8(bv[h] + len[h], first, _mm512_maskz_compress_epi8(m, d));
-                len[h] += cnt;
-            }
+            to_eighths(a, &d, highs, bk, bv, len);
         }
         for (int h = 0; h < highs; h++) {
             const int top = 8 * h + 8 < keys ? 8 * h + 8 : keys;
@@ -273,7 +283,7 @@ VBMI2 static Py_ssize_t ungroup_simd_two_pass(const uint8_t *k, const uint8_t *v
                                               Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256], int *wrong) {
     uint8_t bk[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK], bv[(GROUP_SIMD_KEYS + 7) / 8][GROUP_CHUNK];
     const int highs = (keys + 7) / 8;
-    const __m512i low5 = _mm512_set1_epi8(0x1F), past = _mm512_set1_epi8((char)keys);
+    const __m512i past = _mm512_set1_epi8((char)keys);
     Py_ssize_t i = 0;
     while (n - i >= 64) {
         const Py_ssize_t chunk = (n - i < GROUP_CHUNK ? n - i : GROUP_CHUNK) / 64 * 64;
@@ -281,13 +291,7 @@ VBMI2 static Py_ssize_t ungroup_simd_two_pass(const uint8_t *k, const uint8_t *v
         for (Py_ssize_t j = i; j < i + chunk; j += 64) {
             const __m512i a = _mm512_loadu_si512(k + j);
             if (_mm512_cmpge_epu8_mask(a, past)) { *wrong = 1; return i; }
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 3), low5);
-            for (int h = 0; h < highs; h++) {
-                const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
-                const unsigned cnt = (unsigned)_mm_popcnt_u64(m);
-                _mm512_mask_storeu_epi8(bk[h] + len[h], _bzhi_u64(~0ULL, cnt), _mm512_maskz_compress_epi8(m, a));
-                len[h] += cnt;
-            }
+            to_eighths(a, NULL, highs, bk, NULL, len);
         }
         for (int h = 0; h < highs; h++) {
             const int top = 8 * h + 8 < keys ? 8 * h + 8 : keys;
@@ -307,8 +311,7 @@ VBMI2 static Py_ssize_t ungroup_simd_two_pass(const uint8_t *k, const uint8_t *v
             }
         }
         for (Py_ssize_t j = i; j < i + chunk; j += 64) {
-            const __m512i a = _mm512_loadu_si512(k + j);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 3), low5);
+            const __m512i a = _mm512_loadu_si512(k + j), hi = eighths(a);
             __m512i d = _mm512_setzero_si512();
             for (int h = 0; h < highs; h++) {
                 const __mmask64 m = _mm512_cmpeq_epi8_mask(hi, _mm512_set1_epi8((char)h));
