@@ -83,8 +83,11 @@ def test_gradient_ema_late_gradient_without_room_moves_the_window_to_the_host(mo
 def test_gradient_ema_out_of_memory_on_the_device_goes_to_the_host() -> None:
     """Room checked, then taken by other work before the average is made (here: this process
     allowed almost none of the device): the fold falls back to the host for the window and
-    training goes on, where an error would have ended a run that needs no memory of ours."""
-    lin = torch.nn.Linear(1024, 1024).cuda()
+    training goes on, where an error would have ended a run that needs no memory of ours.
+    The layer is large (a 64 MB weight) so that its average cannot come from memory torch's
+    allocator already holds: a 4 MB one fitted in the free part of the weight's 20 MB block,
+    where the fraction is never checked (session 44, H200)."""
+    lin = torch.nn.Linear(4096, 4096).cuda()
     for p in lin.parameters():
         p.grad = torch.ones_like(p)
     ema = GradientEMA(lin.named_parameters())
@@ -96,7 +99,7 @@ def test_gradient_ema_out_of_memory_on_the_device_goes_to_the_host() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert set(ema.ema) == {"weight", "bias"} and not any(t.is_cuda for t in ema.ema.values())
-    torch.testing.assert_close(ema.get("bias"), torch.ones(1024))
+    torch.testing.assert_close(ema.get("bias"), torch.ones(4096))
 
 
 def test_gradient_ema_larger_than_staging_buffer() -> None:
