@@ -377,6 +377,43 @@ def test_grouped_delta_counts_what_the_delta_coding_needs(monkeypatch, levels) -
     assert np.array_equal(reference, grouped) and np.array_equal(reference_pairs, pairs)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
+def test_grouped_delta_of_packed_previous_codes(monkeypatch, simd_path, bits) -> None:
+    """A kept state's previous codes come packed (1, 2 or 4 bits a code, or as a keyframe's
+    stream packed them, less a base): the kernel that unpacks them a chunk at a time as it groups
+    gives the bytes and pair counts of unpacking them whole first, at lengths across its chunks of
+    32768 and the packing's bytes, one pass and two (past 12 groups), and codes past the levels
+    (a damaged state's); without the kernels, the same by unpacking them."""
+    from hf_dynaquant.core import delta as delta_mod
+    from hf_dynaquant.core.bitplanes import PackedCodes, pack_bits
+
+    native = delta_mod.native
+    rng = np.random.default_rng(bits)
+    for n in (0, 1, 7, 8, 9, 63, 65, 32767, 32768, 32769, 100_003):
+        for base in {0, 256 - (1 << bits)}:
+            prev = (base + rng.integers(0, 1 << bits, n)).astype(np.uint8)
+            levels = min(256, base + (1 << bits) + 1)
+            packed = PackedCodes(pack_bits(prev, bits, base), bits, base, n)
+            within, wild = rng.integers(0, levels, n).astype(np.uint8), rng.integers(0, 256, n).astype(np.uint8)
+            for cur, at in ((within, levels), (wild, 7)):
+                if sys.platform == "linux":  # (a read past the packed codes' end faults)
+                    packed = packed._replace(data=_before_a_guard_page(packed.data))
+                expected = delta_mod.grouped_delta(prev, cur, at)
+                for impl in (native, None):
+                    monkeypatch.setattr(delta_mod, "native", impl)
+                    got = delta_mod.grouped_delta(packed, cur, at)
+                    assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]), (n, base)
+                monkeypatch.setattr(delta_mod, "native", native)
+    packed = PackedCodes(pack_bits(np.arange(64, dtype=np.uint8) % 4, 2), 2, 0, 64)
+    cur, pairs = np.zeros(64, np.uint8), np.zeros(65536, np.int64)
+    with pytest.raises(ValueError, match="do not hold as many codes"):
+        native.cyclic_packed_u8(packed.data, 2, 0, cur[:56], 4, cur[:56].copy(), pairs)  # (16 bytes hold 61-64)
+    with pytest.raises(ValueError, match="past 255 with base"):
+        native.cyclic_packed_u8(packed.data, 2, 253, cur, 4, cur.copy(), pairs)
+    with pytest.raises(ValueError, match="apart from"):
+        native.cyclic_packed_u8(packed.data, 2, 0, cur, 4, cur, pairs)
+
+
 def test_grouping_refuses_an_out_that_overlaps_its_input() -> None:
     """Placed out of order, grouped values would overwrite codes not yet read."""
     from hf_dynaquant.core.kernels import native

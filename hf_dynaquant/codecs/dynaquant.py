@@ -124,12 +124,16 @@ class KeptState:
     state: QuantState  # without its codes
     packed: PackedCodes
 
+    @property
+    def levels(self) -> int:
+        return self.state.levels
+
     def unpacked(self) -> QuantState:
         return replace(self.state, codes=self.packed.unpacked())
 
 
 def _delta_payload(
-    prev: np.ndarray, delta: np.ndarray, coding: str, pairs: np.ndarray | None, estimate: float | None
+    prev: np.ndarray | PackedCodes, delta: np.ndarray, coding: str, pairs: np.ndarray | None, estimate: float | None
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev``, ``pairs`` holds its groups'
@@ -141,7 +145,8 @@ def _delta_payload(
     the smallest of those it tries, except that gaps within :data:`_GAP_SLACK` of the smallest
     are kept (a restore decodes every delta of its chain). Pairs and gaps are tried only where
     their tables stay small beside the delta (:data:`_TABLE_SHARE`). The other codings take it
-    in element order."""
+    in element order; only "regroup" reads ``prev`` (a byte a code: packed previous codes are
+    read by "ans" alone)."""
     if coding == "ans":
         if pairs is None or estimate is None:
             raise ValueError("an 'ans' delta is coded with its groups' models (grouped_delta's pairs) and size")
@@ -291,7 +296,9 @@ class DynaQuantCodec(Codec):
             plan.trellis_steps is not None,
             plan.common if plan.trellis_steps is not None else 0,
         )
-        if isinstance(base, KeptState):  # (a trellis tensor tries no delta: its base is not read)
+        if isinstance(base, KeptState) and (state.trellis or self.delta_coding != "ans"):
+            # a trellis tensor tries no delta (its base is not read); the paper's codings read the
+            # previous codes a byte each, where "ans" reads them packed (grouped_delta)
             base = None if state.trellis else base.unpacked()
         return self._encode_state(state, base, {"layer_type": self.plan.layer_type})
 
@@ -338,19 +345,20 @@ class DynaQuantCodec(Codec):
         key_bits = 0.0  # the codes' order-0 entropy, needed (and computed) only beside a delta
         key_counts: np.ndarray | None = None  # their histogram, where a delta's pair counts gave it
         # (a trellis keyframe's symbols take a bit less a value than its codes; its deltas are not tried)
-        if isinstance(base, QuantState) and base.codes.size == state.codes.size and not state.trellis:
+        prev = base.packed if isinstance(base, KeptState) else base.codes if isinstance(base, QuantState) else None
+        if prev is not None and prev.size == state.codes.size and not state.trellis:
             levels = max(base.levels, state.levels)
             pairs: np.ndarray | None = None
             if self.delta_coding == "ans":  # regrouped as coded; the pair counts hold every histogram needed
-                diff, pairs = grouped_delta(base.codes, state.codes, levels)
+                diff, pairs = grouped_delta(prev, state.codes, levels)
                 key_counts = current_counts(pairs, levels)
                 key_bits, estimate = entropy_bits(key_counts), ans_bytes(pairs)
             else:
-                diff, key_bits = cyclic_delta(base.codes, state.codes, levels), order0_bits(state.codes)
+                diff, key_bits = cyclic_delta(prev, state.codes, levels), order0_bits(state.codes)
             delta_params = {"mode": "delta", "delta_levels": levels, "delta_coding": self.delta_coding}
 
             def code_delta() -> bytes:
-                stream_coding, payload, size = _delta_payload(base.codes, diff, self.delta_coding, pairs, estimate)
+                stream_coding, payload, size = _delta_payload(prev, diff, self.delta_coding, pairs, estimate)
                 delta_params["delta_stream"] = [stream_coding, size]
                 return payload
 

@@ -152,7 +152,7 @@ static uint8_t pack_bits(const uint8_t *v, Py_ssize_t n, int b, uint8_t base, ui
     return seen;
 }
 
-static void unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t base, uint8_t *v) {
+void dq_unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t base, uint8_t *v) {
     Py_ssize_t i = UNPACKERS[b](in, n, base, v), p = i * b / 8;
     if (i < n) {
         uint64_t w = 0;
@@ -188,7 +188,7 @@ PyObject *py_unpack(PyObject *self, PyObject *args) {
     int ok = b >= 1 && b <= 8 && base >= 0 && base + (1 << b) - 1 <= 255 && in.len == (v.len * b + 7) / 8;
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        unpack_bits(in.buf, v.len, b, (uint8_t)base, v.buf);
+        dq_unpack_bits(in.buf, v.len, b, (uint8_t)base, v.buf);
         Py_END_ALLOW_THREADS
     } else PyErr_SetString(PyExc_ValueError,
                            "unpack: packed length does not match the value count, or values would pass 255");
@@ -262,7 +262,7 @@ static Py_ssize_t join_all(int width, void *x, Py_ssize_t n, int e, int k, const
         const Py_ssize_t i1 = i0 + JOIN_BLOCK < n ? i0 + JOIN_BLOCK : n;
         const uint8_t *sv = side + i0;
         if (b) {
-            unpack_bits(side + i0 / 8 * b, i1 - i0, b, 0, block);
+            dq_unpack_bits(side + i0 / 8 * b, i1 - i0, b, 0, block);
             sv = block;
         }
         int rc = width == 16 ? join_16(x, i0, i1, n, e, k, hl, sl, head, sv, rest, esc, nesc, &j)

@@ -594,6 +594,65 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* grouped_pairs with the first codes packed, bits (1-8) a code less base (bitplanes.c's pack, as
+ * a kept state holds the previous checkpoint's codes): unpacked PACKED_CHUNK at a time into a
+ * buffer that stays in the cache, once to count the keys and once to group, where unpacking them
+ * whole first wrote a byte a code to new memory (a 124M delta's 373 MB, whose first touches cost
+ * more than the unpacking itself) and read it back twice. The chunks are grouped in order into
+ * the same groups, so out and pairs are grouped_pairs' of the unpacked codes. */
+#define PACKED_CHUNK 32768
+static void grouped_pairs_packed(const uint8_t *px, int bits, uint8_t base, const uint8_t *y, Py_ssize_t n,
+                                 const uint8_t table[511], int levels, uint8_t *o, int64_t *pairs) {
+    uint8_t x[PACKED_CHUNK];
+    int64_t count[256] = {0}, part[256];
+    Py_ssize_t start[256], begin[256], pos = 0;
+    for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) { /* (a chunk starts on a whole byte: 8 | PACKED_CHUNK) */
+        const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
+        dq_unpack_bits(px + at / 8 * bits, len, bits, base, x);
+        count_bytes(x, len, part);
+        for (int k = 0; k < 256; k++) count[k] += part[k];
+    }
+    for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
+    const int keys = groups_in(count);
+    memcpy(begin, start, sizeof(begin));
+    for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
+        const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
+        dq_unpack_bits(px + at / 8 * bits, len, bits, base, x);
+        group_forward(x, NULL, y + at, levels, table, len, keys, o, start);
+    }
+    memset(pairs, 0, 65536 * sizeof(int64_t));
+    for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
+}
+
+/* cyclic_packed_u8(packed, bits, base, b, levels, out, pairs): py_cyclic_u8's grouped difference
+ * and pairs (a - b, regrouped by a) where a comes packed (grouped_pairs_packed); b's length is
+ * the code count. delta.py's grouped_delta of a kept state's codes. */
+PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
+    Py_buffer a, b, out, pairs;
+    int bits, base, levels;
+    if (!PyArg_ParseTuple(args, "y*iiy*iw*w*", &a, &bits, &base, &b, &levels, &out, &pairs)) return NULL;
+    int ok = bits >= 1 && bits <= 8 && base >= 0 && base + (1 << bits) - 1 <= 255 &&
+             a.len == (b.len * bits + 7) / 8 && out.len == b.len && levels >= 1 && levels <= 256 &&
+             pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError,
+                        "cyclic_packed: the packed codes do not hold as many codes as b, out's length differs, "
+                        "bits outside 1..8 or past 255 with base, levels outside 1..256, or pairs is not 65536 int64");
+    else if (overlaps(&out, &a) || overlaps(&out, &b)) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "cyclic_packed: the grouped difference needs an out apart from a and b");
+    } else {
+        uint8_t table[511];
+        Py_BEGIN_ALLOW_THREADS
+        cyclic_table(levels, table);
+        grouped_pairs_packed(a.buf, bits, (uint8_t)base, b.buf, b.len, table, levels, out.buf, pairs.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* A regrouped delta two values to a byte (delta.py's pair_up): for each group k of sizes[k]
  * values, in order, its values two at a time as x * levels + y (levels <= 16: a pair fits a
  * byte), then one last group: the last value of each group of odd size. counts[(k << 8) | s]

@@ -14,8 +14,9 @@
  *                and scale, the finiteness, maximum and scale-gain sum of the scale, and Adam's
  *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
- *                previous codes (delta.py; AVX-512 VBMI2 where the CPU has it, chosen at run
- *                time), and counts of uint8 symbols and of pairs of them (histogram.py);
+ *                previous codes, kept packed or not (delta.py; AVX-512 VBMI2 where the CPU has
+ *                it, chosen at run time), and counts of uint8 symbols and of pairs of them
+ *                (histogram.py);
  *   varint.c     unsigned LEB128 varints of uint64 values, and back (varint.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py; the
  *                encoder's eight lanes in one AVX-512 vector where the CPU has it);
@@ -67,6 +68,8 @@ PyObject *py_split(PyObject *self, PyObject *args);
 PyObject *py_join(PyObject *self, PyObject *args);
 PyObject *py_pack(PyObject *self, PyObject *args);
 PyObject *py_unpack(PyObject *self, PyObject *args);
+/* n values of b bits (1 to 8) from in, as py_pack packed them, each plus base, into v. */
+void dq_unpack_bits(const uint8_t *in, Py_ssize_t n, int b, uint8_t base, uint8_t *v);
 PyObject *py_sketch_f32(PyObject *self, PyObject *args);
 PyObject *py_sketch_table(PyObject *self, PyObject *args);
 PyObject *py_partition(PyObject *self, PyObject *args);
@@ -91,6 +94,7 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
+PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args);
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
 PyObject *py_unpair_u8(PyObject *self, PyObject *args);
 PyObject *py_gap_up_u8(PyObject *self, PyObject *args);

@@ -35,6 +35,9 @@ static PyMethodDef methods[] = {
     {"cyclic_u8", py_cyclic_u8, METH_VARARGS,
      "cyclic_u8(a, b, levels, out[, pairs]): (a - b) mod levels; with pairs[65536], regrouped by a (out apart from "
      "a and b) and the pairs (a, difference) counted"},
+    {"cyclic_packed_u8", py_cyclic_packed_u8, METH_VARARGS,
+     "cyclic_packed_u8(packed, bits, base, b, levels, out, pairs): cyclic_u8's grouped difference and pairs, the "
+     "first codes packed bits a code less base (pack's), unpacked a chunk at a time"},
     {"allow_simd", py_allow_simd, METH_VARARGS,
      "allow_simd(flag) -> previous: whether the grouping, partition and rANS encoder kernels may take their"
      " AVX-512 paths (for tests)"},
