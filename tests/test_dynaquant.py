@@ -32,6 +32,7 @@ from hf_dynaquant.core.delta import (
     varint_decode,
     varint_encode,
 )
+from hf_dynaquant.core.dtypes import RawTensor
 from hf_dynaquant.core.quantizer import (
     FIRST_CENTRE,
     PROTECTED,
@@ -1721,6 +1722,44 @@ def test_kept_states_give_the_same_entries_as_decoding_the_base(
     assert prune or width is None or bases - {0}  # (unpruned: packed from past 0 at least once)
 
 
+def test_small_lossless_tensors_are_kept_for_the_next_delta(tmp_path, monkeypatch) -> None:
+    """A small tensor stored losslessly (a bias, a norm, their optimizer moments) is kept as a
+    copy of its bits for the next delta, which then reads no base state of it back from the
+    store (each such read replayed the chain of its XOR deltas); a larger one (past
+    ``KEEP_BYTES``) is not kept and is read back. The entries are those coded on the base read
+    back from the store, XOR deltas among them."""
+    from hf_dynaquant.codecs.lossless import KEEP_BYTES
+    from hf_dynaquant.store.store import EntryReader
+
+    torch.manual_seed(2)
+    ws = [{"w": torch.randn(120, 90) * 0.05, "b": torch.randn(90), "steps": torch.arange(KEEP_BYTES // 8 + 1)}]
+    for _ in range(4):
+        w, b, steps = ws[-1]["w"], ws[-1]["b"], ws[-1]["steps"]
+        ws.append({"w": w + 1e-3 * torch.randn(120, 90), "b": b * (1 + 1e-6), "steps": steps + 1})
+    config = QuantConfig(bins=8, min_numel=100)
+    read: list[str] = []
+    state = EntryReader.state
+    monkeypatch.setattr(EntryReader, "state", lambda self, sec, name: read.append(name) or state(self, sec, name))
+    ids = {}
+    for cached in (False, True):
+        store, prev, states, out = CheckpointStore(tmp_path / str(cached)), None, {}, []
+        for w in ws:
+            kept: dict = {}
+            read.clear()
+            given = states if cached else None
+            prev = compress_state_dict(store, w, config, base=prev, base_states=given, keep_states=kept)
+            assert set(read) == ({"steps"} if cached and out else {"b", "steps", "w"} if out else set())
+            b = kept["model", "b"]
+            assert isinstance(b, RawTensor) and np.array_equal(b.bits, w["b"].numpy().view(np.uint32))
+            assert not np.shares_memory(b.bits, w["b"].numpy())  # (training goes on changing the tensor)
+            assert ("model", "steps") not in kept and isinstance(kept["model", "w"], KeptState)
+            states = kept
+            out.append(prev)
+        ids[cached] = out
+    assert ids[True] == ids[False]  # content-addressed: identical manifests and payloads
+    assert any(store.open(e).record("model", "b")["uses_base"] for e in ids[True])  # (XOR deltas)
+
+
 @pytest.mark.parametrize("coding", ["ans", "regroup", "rle", "entropy"])
 def test_incompressible_code_streams_stay_readable(tmp_path, coding: str) -> None:
     """Streams zstd cannot shrink are stored raw; the coding must be recorded and honoured."""
@@ -1773,8 +1812,12 @@ def test_compressor_keeps_the_codes_packed_between_checkpoints(tmp_path) -> None
     comp.compress(1)
     packed = {key for key, st in comp._states.items() if isinstance(st, KeptState)}
     assert {section for section, _ in packed} == {"model", "optimizer"}
-    # (a bfloat16 v's scale spans over 16 levels: its codes stay a byte each)
-    assert all(st.levels > 16 for key, st in comp._states.items() if key not in packed)
+    # (a bfloat16 v's scale spans over 16 levels: its codes stay a byte each; the biases and
+    # their moments, stored losslessly, are kept as copies of their bits)
+    lossless = {key for key, st in comp._states.items() if isinstance(st, RawTensor)}
+    assert {name for sec, name in lossless if sec == "model"} == {"0.bias", "2.bias"}
+    assert all(name.startswith("/state/") for sec, name in lossless if sec == "optimizer")
+    assert all(st.levels > 16 for key, st in comp._states.items() if key not in packed | lossless)
     base_codes = comp._base_codes()
     with comp.store.open("step-1") as entry:
         for name in base_codes:
@@ -1790,6 +1833,9 @@ def test_compressor_keeps_the_codes_packed_between_checkpoints(tmp_path) -> None
     with comp.store.open("step-2") as entry:  # what is kept now is what the store decodes, both sections
         assert {sec for sec, _ in comp._states} == {"model", "optimizer"}
         for (sec, name), kept in comp._states.items():
+            if isinstance(kept, RawTensor):
+                assert np.array_equal(kept.bits, entry.state(sec, name).bits), (sec, name)
+                continue
             codes = kept.unpacked().codes if isinstance(kept, KeptState) else kept.codes
             assert np.array_equal(codes, entry.state(sec, name).codes), (sec, name)
     restored, restored_opt = _bf16_mlp_with_adam()

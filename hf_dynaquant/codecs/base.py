@@ -65,7 +65,7 @@ class Codec(ABC):
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
-    stable_state: ClassVar[bool] = False  # True if Encoded.state owns its memory (safe to keep)
+    stable_state: ClassVar[bool] = False  # True if the store may keep what kept() makes of Encoded.state
 
     @abstractmethod
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
@@ -75,8 +75,9 @@ class Codec(ABC):
 
     def kept(self, state: Any) -> Any:
         """What the store keeps of an encoded ``state`` (of a :attr:`stable_state` codec) for a
-        later delta on it, until then: the state itself, unless the codec can hold it smaller
-        (:meth:`encode` takes either as ``base``)."""
+        later delta on it, until then: the state itself (when it owns its memory), unless the
+        codec can hold it smaller or must copy it (:meth:`encode` takes either as ``base``);
+        None keeps nothing, and that delta reads the base entry's state back instead."""
         return state
 
     @abstractmethod

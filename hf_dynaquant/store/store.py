@@ -624,9 +624,10 @@ class CheckpointStore:
                 ``keep_states`` when it was written; saves decoding the base's chain again. Each
                 state is removed as its tensor is encoded, so the base's states and the new
                 entry's are not all held at once.
-            keep_states: a dict to fill with the states a later delta on this entry will need
-                (only codecs whose state owns its memory, like ``dynaquant``'s codes; in the
-                form the codec keeps them, :meth:`Codec.kept <hf_dynaquant.codecs.base.Codec.kept>`).
+            keep_states: a dict to fill with the states a later delta on this entry will need,
+                in the form the codec keeps them (:meth:`Codec.kept <hf_dynaquant.codecs.base.Codec.kept>`:
+                ``dynaquant``'s codes, packed; a copy of a small ``lossless`` tensor; a state the
+                codec does not keep is read back from this entry by that delta).
             freed: what paces handing the encoders' freed memory back to the operating system
                 (:class:`~hf_dynaquant.core.memory.ReleaseFreed`; default: every
                 :data:`~hf_dynaquant.core.memory.TRIM_EVERY` values).
@@ -714,7 +715,7 @@ class CheckpointStore:
                             f"tensor {section}/{name} was coded against a base entry, but the write names none"
                         )
                     writer.add_encoded(section, name, raw, codec, encoded)
-                    if keep_states is not None and codec.stable_state:
+                    if keep_states is not None and codec.stable_state and encoded.state is not None:
                         keep_states[(section, name)] = encoded.state
                     freed.processed(math.prod(raw.shape))
             for name, data in extras.items():
