@@ -8,9 +8,12 @@
 # --no-deps -d .whl zstandard==0.25.0 constriction==0.5.0` here; .whl/ is in .git/info/exclude),
 # installed into /tmp/site, never into the machine's own site-packages. The C kernels are built
 # there. Each step's output goes to $OUT (it comes back even when a step fails or the call runs
-# out of time): the CUDA tests, bench_settle (about a minute), then bench_gpu's DynaQuant and
-# plain arms at 300 steps (about three minutes; session 36's took 3), each step under a timeout
-# so that the whole stays inside one call's 10 minutes. STEPS and ARMS override the last.
+# out of time): the CUDA tests (about 15 s), then bench_gpu's DynaQuant, plain and
+# torch.distributed.checkpoint.async_save arms at 300 steps (session 44's DynaQuant and plain
+# arms took 68 and 46 s of training each, and some 100 s together beside), each step under a
+# timeout so that the whole stays inside one call's 10 minutes. SETTLE=1 also runs bench_settle
+# (about a minute; session 44 measured it: RESULTS.md, "On a GPU, session 44"); STEPS and ARMS
+# override bench_gpu's.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -29,9 +32,11 @@ python3 -c "import hf_dynaquant.core.kernels as k; assert k.native is not None, 
 echo "## tests" | tee "$OUT/tests.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device_search.py 2>&1 | tee -a "$OUT/tests.log"
 
-echo "## bench_settle" | tee "$OUT/settle.log"
-timeout 100 python3 benchmarks/bench_settle.py --json "$OUT/settle.json" --plot "$OUT/settle.png" 2>&1 | tee -a "$OUT/settle.log"
+if [ "${SETTLE:-0}" = 1 ]; then
+    echo "## bench_settle" | tee "$OUT/settle.log"
+    timeout 100 python3 benchmarks/bench_settle.py --json "$OUT/settle.json" --plot "$OUT/settle.png" 2>&1 | tee -a "$OUT/settle.log"
+fi
 
 echo "## bench_gpu" | tee "$OUT/gpu.log"
-timeout 300 python3 benchmarks/bench_gpu.py --steps "${STEPS:-300}" --search-seconds 40 --arms "${ARMS:-dynaquant,plain}" \
+timeout 380 python3 benchmarks/bench_gpu.py --steps "${STEPS:-300}" --search-seconds 40 --arms "${ARMS:-dynaquant,plain,dcp}" \
     --arm-timeout 150 --json "$OUT/gpu.json" --plot "$OUT/gpu.png" 2>&1 | tee -a "$OUT/gpu.log"
