@@ -141,13 +141,24 @@ class _EntryWriter:
         self.extras: dict[str, Any] = {}
         self.uses_base = False
 
-    def _blob(self, key: str, data: bytes | np.ndarray) -> dict[str, Any]:
-        view = memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data)).cast("B")
+    def _blob(self, key: str, data: bytes | np.ndarray, digest: str | None = None) -> dict[str, Any]:
+        view = _bytes_view(data)
         self.payload.add(key, "U8", (view.nbytes,), view)
-        return {"file": 0, "key": key, "nbytes": view.nbytes, "sha256": hashlib.sha256(view).hexdigest()}
+        return {"file": 0, "key": key, "nbytes": view.nbytes, "sha256": digest or hashlib.sha256(view).hexdigest()}
 
-    def add_encoded(self, section: str, name: str, raw: RawTensor | _RawSize, codec: Codec, enc: Encoded) -> None:
-        blobs = {b: self._blob(f"{section}/{name}/{b}", data) for b, data in enc.blobs.items()}
+    def add_encoded(
+        self,
+        section: str,
+        name: str,
+        raw: RawTensor | _RawSize,
+        codec: Codec,
+        enc: Encoded,
+        digests: Mapping[str, str] | None = None,
+    ) -> None:
+        """Add an encoded tensor's blobs and record; ``digests``: their SHA-256s where the
+        encoder's thread took them already (:func:`blob_digests`)."""
+        digests = digests or {}
+        blobs = {b: self._blob(f"{section}/{name}/{b}", data, digests.get(b)) for b, data in enc.blobs.items()}
         self.uses_base |= enc.uses_base
         self.sections.setdefault(section, {})[name] = {
             "dtype": raw.dtype,
@@ -689,7 +700,7 @@ class CheckpointStore:
                         base_state = _base_state(base_reader, section, name, raw)
                     yield section, name, raw, codec_for(section, name), base_state
 
-        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> tuple[str, str, _RawSize, Codec, Encoded]:
+        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> _Encoded:
             section, name, raw, codec, base_state = job
             encoded = codec.encode(raw, base_state)
             if keep_states is None or not codec.stable_state:
@@ -697,8 +708,9 @@ class CheckpointStore:
             else:
                 encoded.state = codec.kept(encoded.state)  # in the form kept, made here on the pool
             # the result keeps the raw tensor's dtype and size, not its bits (a made optimizer
-            # update, say): a result waiting its turn then holds only its blobs and a kept state
-            return section, name, _RawSize(raw.dtype, raw.shape, raw.nbytes), codec, encoded
+            # update, say): a result waiting its turn then holds only its blobs and a kept state;
+            # the blobs' checksums are taken here, on the pool, not by the thread that writes
+            return section, name, _RawSize(raw.dtype, raw.shape, raw.nbytes), codec, encoded, blob_digests(encoded)
 
         try:
             total = sum(len(g) for g in groups.values())
@@ -709,12 +721,12 @@ class CheckpointStore:
                     _TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT, held=_held_weight
                 )
                 freed = freed if freed is not None else ReleaseFreed()
-                for section, name, raw, codec, encoded in encoded_jobs:
+                for section, name, raw, codec, encoded, digests in encoded_jobs:
                     if encoded.uses_base and base_reader is None:
                         raise CodecError(
                             f"tensor {section}/{name} was coded against a base entry, but the write names none"
                         )
-                    writer.add_encoded(section, name, raw, codec, encoded)
+                    writer.add_encoded(section, name, raw, codec, encoded, digests)
                     if keep_states is not None and codec.stable_state and encoded.state is not None:
                         keep_states[(section, name)] = encoded.state
                     freed.processed(math.prod(raw.shape))
@@ -878,7 +890,21 @@ class _RawSize:
     nbytes: int
 
 
-def _held_weight(result: tuple[str, str, _RawSize, Codec, Encoded]) -> int:
+# what the pool makes of one tensor to write: (section, name, its dtype and size, codec, encoded, blob digests)
+_Encoded = tuple[str, str, _RawSize, Codec, Encoded, dict[str, str]]
+
+
+def _bytes_view(data: bytes | np.ndarray) -> memoryview:
+    """A blob's bytes as a flat byte view (an array made contiguous first)."""
+    return memoryview(data if isinstance(data, bytes) else np.ascontiguousarray(data)).cast("B")
+
+
+def blob_digests(encoded: Encoded) -> dict[str, str]:
+    """The hex SHA-256 of each of an encoded tensor's blobs, as the manifest records them."""
+    return {b: hashlib.sha256(_bytes_view(data)).hexdigest() for b, data in encoded.blobs.items()}
+
+
+def _held_weight(result: _Encoded) -> int:
     """What an encoded tensor waiting to be written holds, against
     :data:`~hf_dynaquant.core.pool.VALUES_IN_FLIGHT` (as float32 values): its blobs. (A state
     it still holds, a quantized tensor's codes, is what the next delta keeps of it anyway.)"""
