@@ -187,6 +187,92 @@ def test_completed_map_lets_light_items_pass_a_heavy_one_that_waits_and_never_st
         pool.shutdown()
 
 
+def test_ordered_map_lets_light_items_pass_a_heavy_one_that_waits_and_keeps_the_order() -> None:
+    """In order with a budget, a heavy item that does not fit beside a heavy one running waits
+    while light items after it go past (a save's two large Adam tensors of the embedding left a
+    thread idle while the second waited for the first); the results still come in the items'
+    order, the waiting item goes in once the first is done, and what runs never weighs more
+    than the budget. With ``held``, light items done behind it weigh what they hold, so more of
+    them pass than the budget's last quarter."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, ordered_map
+
+    def run(pool: ForkSafePool, held, passing: int) -> None:
+        release, lock = threading.Event(), threading.Lock()
+        running, peak, started, finished = [0], [0], [], [0]
+
+        def work(item: tuple[int, int]) -> int:
+            with lock:
+                started.append(item[0])
+                running[0] += min(item[1], 6)  # (what the budget counts an item over three quarters as)
+                peak[0] = max(peak[0], running[0])
+            if item[0] == 0:  # the first heavy one: done once enough light items are (or at the timeout)
+                release.wait(timeout=2)
+            with lock:
+                running[0] -= min(item[1], 6)
+                if item[0] == 0:
+                    started.append(-1)  # (the first heavy one done)
+                elif item[0] > 1:
+                    finished[0] += 1
+                    if finished[0] == passing:
+                        release.set()
+            return item[0]
+
+        items = [(0, 7), (1, 7)] + [(i, 1) for i in range(2, 40)]
+        out = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8, held=held))
+        assert out == list(range(40))
+        assert release.is_set()  # (not the timeout): that many light items went past the waiting one
+        assert started.index(-1) > passing and started.index(1) > started.index(-1)
+        assert peak[0] <= 8
+
+    pool = ForkSafePool("test-ordered-passing", max_workers=2)
+    try:
+        run(pool, lambda result: 0, 12)
+        run(pool, None, 2)
+    finally:
+        pool.shutdown()
+
+
+def test_ordered_map_takes_items_past_a_waiting_one_only_as_threads_free_up() -> None:
+    """In order, the items that go past a waiting one are taken from ``items`` (where a save makes
+    its optimizer tensors) one a thread at most, however much of the budget they leave free: a
+    pure-bf16 save's peak grew by a quarter of the budget when they were taken ahead by weight."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, ordered_map
+
+    pool = ForkSafePool("test-ordered-ahead", max_workers=2)
+    release, lock = threading.Event(), threading.Lock()
+    taken, finished, ahead = [0], [0], []
+
+    def items():
+        for item in [(0, 70), (1, 70)] + [(i, 1) for i in range(2, 30)]:
+            with lock:
+                taken[0] += 1
+                if not release.is_set():
+                    ahead.append(taken[0] - finished[0])
+            yield item
+
+    def work(item: tuple[int, int]) -> int:
+        if item[0] == 0:
+            release.wait(timeout=2)
+        with lock:
+            finished[0] += 1
+            if finished[0] == 10:
+                release.set()
+        return item[0]
+
+    try:
+        out = list(ordered_map(pool, work, items(), weight=lambda it: it[1], budget=80, held=lambda r: 0))
+        assert out == list(range(30))
+        assert release.is_set() and finished[0] == 30
+        # the two heavy ones, the two that passed (a thread's, and one ready for it), the one in hand
+        assert max(ahead) <= 5
+    finally:
+        pool.shutdown()
+
+
 def test_a_slow_item_at_the_head_leaves_the_other_threads_working() -> None:
     """With a budget, items behind a slow one keep running on the other threads while the
     caller waits for it (the budget, not a count of one more than the threads, bounds them)."""

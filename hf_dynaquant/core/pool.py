@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol, TypeVar
@@ -140,8 +141,9 @@ def ordered_map(
     would otherwise set the peak. ``held`` (with a budget) weighs what a result holds once
     ``fn`` is done: an item done behind one still working at the head then counts for that
     alone (and is itself let go), so lighter items go on beside a large one instead of the pool
-    idling; without it a done item keeps its weight until taken. ``items`` is consumed in the
-    calling thread."""
+    idling; without it a done item keeps its weight until taken. An item that does not fit
+    beside those in flight waits while lighter items after it go past it (still yielded after
+    it, in order). ``items`` is consumed in the calling thread."""
     results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True, held=held)
     try:
         for _, result in results:
@@ -185,65 +187,100 @@ def _bounded_map(
     """The loop of :func:`ordered_map` (``in_order``) and :func:`completed_map`: submit the
     items while the bounds allow, and take results (the oldest, or any that are done) to make
     room. In order with ``held``, an item done but not yet taken weighs ``held(result)`` and is
-    no longer referenced here (``None`` is yielded in its place). In any order with a budget,
-    an item that does not fit waits while the items after it that fit beside what runs go past
-    it, as long as they leave it its room once the items before it are done (so it is never
-    starved); it goes in first as soon as it fits. A restore's optimizer state takes the large
-    embedding's two moments first, each over half the budget: the second waited for the first
-    while the other threads idled (a second of one thread at the end of a 124M delta chain)."""
+    no longer referenced here (``None`` is yielded in its place). With a budget, an item that
+    does not fit waits while the items after it that fit beside what runs go past it, as long
+    as they leave it its room once the items before it are done (so it is never starved); it
+    goes in first as soon as it fits. In order, the items that went past it are yielded after
+    it all the same, and at most one a thread is working or queued at once: an item's input may
+    be made as it is taken from ``items`` (a save's optimizer tensors are), and queued by weight
+    the items made ahead could add the budget's last quarter to what runs. A restore's
+    optimizer state takes the large embedding's two moments first, each over half the budget:
+    the second waited for the first while the other threads idled (a second of one thread at
+    the end of a 124M delta chain); a save's two (Adam's update and scale of the embedding) left
+    one of two threads idle for 0.15 s of a 124M delta."""
     ahead = (pool.max_workers + 1 if budget is None else _AHEAD_WITH_BUDGET) if ahead is None else ahead
     if ahead < 1:
         raise ValueError(f"ahead must be at least 1, got {ahead}")
-    # in submission order: [item, weight now, whether settled, whether it went past the waiting item]
+    # an item's entry: [item, weight now, whether seen done, whether it went past the waiting item,
+    # its future once submitted]; ``pending`` holds the submitted ones not yet taken, ``order``
+    # (in order) every one not yet taken, the waiting one too, in the items' order
     pending: dict[Future[T], list[Any]] = {}
+    order: deque[list[Any]] = deque()
     load = 0
     settles = in_order and held is not None and budget is not None
-    waiting: list[Any] | None = None  # [item, weight] that waits for room, in any order with a budget
-    passed = 0  # the weight in flight of the items that went past it
+    waiting: list[Any] | None = None  # the entry of the item that waits for room (with a budget)
+    passed = 0  # the weight of the items that went past it (once seen done, with held: what they hold)
 
-    def settle() -> None:
-        """Weigh the items done (not yet taken) by what their results hold."""
-        nonlocal load
+    def wait_any() -> None:
+        """Wait until an item is done that was not seen done before (unless one is already), and
+        mark every such one seen; with ``held``, each then weighs what its result holds and is
+        let go here."""
+        nonlocal load, passed
+        if not any(future.done() and not entry[2] for future, entry in pending.items()):
+            wait([future for future in pending if not future.done()], return_when=FIRST_COMPLETED)
         for future, entry in pending.items():
             if not entry[2] and future.done():
-                now = entry[1] if future.exception() is not None else min(entry[1], held(future.result()))
-                load -= entry[1] - now
-                entry[0], entry[1], entry[2] = None, now, True
+                if settles:
+                    now = entry[1] if future.exception() is not None else min(entry[1], held(future.result()))
+                    load -= entry[1] - now
+                    passed -= entry[1] - now if entry[3] else 0
+                    entry[0], entry[1] = None, now
+                entry[2] = True
+
+    def taken(future: Future[T]) -> tuple[U | None, T]:
+        nonlocal load, passed
+        item, w, _, past, _ = pending.pop(future)
+        load -= w
+        passed -= w if past else 0
+        return item, future.result()
 
     def take(block: bool) -> Iterator[tuple[U | None, T]]:
-        """Results to make room: the oldest (in order, waiting for it, or for any item to be
-        done when that makes room too), else those done (waiting for one if ``block``)."""
-        nonlocal load, passed
-        if in_order:
-            head = next(iter(pending))
-            if block and settles and not head.done():
-                wait([f for f, entry in pending.items() if not entry[2]], return_when=FIRST_COMPLETED)
-                settle()
-                if not head.done():
-                    return
-            done = [head] if block else []
-        else:
+        """Results to make room: the oldest (in order: waiting for it, or for any item to be
+        done when that makes room too; the waiting item at the head goes in once it fits), else
+        those done (waiting for one if ``block``)."""
+        if not in_order:
             done = [f for f in pending if f.done()]
             if block and not done:
                 done = list(wait(list(pending), return_when=FIRST_COMPLETED).done)
-        for future in done:
-            item, w, _, past = pending.pop(future)
-            load -= w
-            passed -= w if past else 0
-            yield item, future.result()
+            for future in done:
+                yield taken(future)
+            return
+        while order:
+            head = order[0][4]
+            if head is None:  # the waiting item, all before it taken
+                if not admit_waiting():
+                    if block:
+                        wait_any()
+                    return
+                head = order[0][4]
+            if not head.done():  # (waiting for any item lets a light one pass, or weighs what it holds)
+                if not block:
+                    return
+                wait_any()
+                if not head.done():
+                    return
+            order.popleft()
+            yield taken(head)
+            if block:
+                return
 
-    def submit(item: U, w: int, past: bool = False) -> None:
+    def passing() -> int:
+        """How many items that went past the waiting one are still working."""
+        return sum(1 for future, entry in pending.items() if entry[3] and not future.done())
+
+    def submit(entry: list[Any], past: bool = False) -> None:
         nonlocal load, passed
-        pending[pool.submit(fn, item)] = [item, w, False, past]
-        load += w
-        passed += w if past else 0
+        entry[3], entry[4] = past, pool.submit(fn, entry[0])
+        pending[entry[4]] = entry
+        load += entry[1]
+        passed += entry[1] if past else 0
 
     def admit_waiting() -> bool:
         """Submit the waiting item if it fits now (the items that passed it then count as any)."""
         nonlocal waiting, passed
         if waiting is None or (pending and (len(pending) >= ahead or load + waiting[1] > budget)):
             return waiting is None
-        submit(*waiting)
+        submit(waiting)
         waiting, passed = None, 0
         for entry in pending.values():
             entry[3] = False
@@ -252,23 +289,32 @@ def _bounded_map(
     try:
         for item in items:
             w = _admitted(weight(item), budget) if weight is not None and budget is not None else 0
-            if in_order or budget is None:
-                while pending and (len(pending) >= ahead or (budget is not None and load + w > budget)):
+            entry = [item, w, False, False, None]
+            if in_order:
+                order.append(entry)
+            if budget is None:
+                while pending and len(pending) >= ahead:
                     yield from take(block=True)
-                submit(item, w)
-                if not in_order:
-                    yield from take(block=False)
+                submit(entry)
+                yield from take(block=False)
                 continue
             while True:
                 if admit_waiting():
                     if not pending or (len(pending) < ahead and load + w <= budget):
-                        submit(item, w)
+                        submit(entry)
                         break
                     if len(pending) < ahead:  # it does not fit: it waits, and the next items may pass
-                        waiting = [item, w]
+                        waiting = entry
                         break
-                elif len(pending) < ahead and load + w <= budget and passed + w + waiting[1] <= budget:
-                    submit(item, w, past=True)
+                # (one place in flight is left for the waiting item: those that passed it are
+                # taken after it in order)
+                elif (
+                    len(pending) + 1 < ahead
+                    and load + w <= budget
+                    and passed + w + waiting[1] <= budget
+                    and (not in_order or passing() < pool.max_workers)
+                ):
+                    submit(entry, past=True)
                     break
                 yield from take(block=True)
             yield from take(block=False)
