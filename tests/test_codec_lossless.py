@@ -127,6 +127,28 @@ def test_xor_delta_used_when_it_pays_and_exact() -> None:
     assert unrelated.shape == base.shape
 
 
+@pytest.mark.parametrize("n", [1, 768, 65536])
+def test_a_small_tensor_takes_the_smaller_of_its_two_codings_coded_once(n: int) -> None:
+    """A tensor no longer than the sample (a bias, a norm, their moments) is coded with its base
+    and without, once each, and keeps the delta where it is under 95% of the plain coding: the
+    same bytes as coding the one chosen again."""
+    from hf_dynaquant.codecs.lossless import LosslessCodec
+
+    torch.manual_seed(n)
+    base = torch.randn(n) * 0.02
+    for cur, expect in ((base + torch.randn(n) * 1e-6, n > 1), (torch.randn(n), False)):
+        raw, base_raw = to_raw(cur), to_raw(base)
+        plain = LosslessCodec(delta=False).encode(raw)
+        xor = LosslessCodec(delta=False).encode(RawTensor(raw.dtype, raw.shape, raw.bits ^ base_raw.bits))
+        enc = get_codec("lossless").encode(raw, base_raw)
+        pays = sum(map(len, xor.blobs.values())) < 0.95 * sum(map(len, plain.blobs.values()))
+        assert enc.uses_base is pays and (pays is expect or n == 1)  # (one value's two codings: either)
+        assert enc.blobs == (xor if pays else plain).blobs
+        assert enc.params == {**(xor if pays else plain).params, "xor": pays}
+        dec = get_codec("lossless").decode(raw.dtype, raw.shape, enc.params, MemoryBlobs(enc.blobs, "t"), base_raw)
+        assert_bits_equal(from_raw(dec), cur)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(min_size=0, max_size=4096), dtype=st.sampled_from(["F32", "BF16", "F16", "F64", "I32", "U8"]))
 def test_arbitrary_bit_patterns(data: bytes, dtype: str) -> None:

@@ -29,7 +29,8 @@ from .base import BlobSource, Codec, Encoded, register_codec
 __all__ = ["LosslessCodec", "CHUNK", "KEEP_BYTES"]
 
 CHUNK = 1 << 20  # elements per chunk
-_SAMPLE = 1 << 16  # elements used to decide whether a delta pays
+_SAMPLE = 1 << 16  # elements used to decide whether a delta pays (at most CHUNK)
+_DELTA_SHARE = 0.95  # a delta pays where its sample codes to under this share of the plain sample's size
 # bytes up to which a tensor's bits are kept for the next delta on it (LosslessCodec.kept)
 KEEP_BYTES = 1 << 16
 _POOL = ForkSafePool("dq-lossless")
@@ -145,20 +146,27 @@ class LosslessCodec(Codec):
     def _delta_pays(self, tensor: RawTensor, base: RawTensor) -> bool:
         sample = slice(0, min(tensor.bits.size, _SAMPLE))
         cur = tensor.bits[sample]
-        return _encoded_size(cur ^ base.bits[sample], tensor.dtype) < 0.95 * _encoded_size(cur, tensor.dtype)
+        return _encoded_size(cur ^ base.bits[sample], tensor.dtype) < _DELTA_SHARE * _encoded_size(cur, tensor.dtype)
 
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
-        use_base = (
+        offered = (
             self.delta
             and isinstance(base, RawTensor)
             and base.dtype == tensor.dtype
             and base.shape == tensor.shape
             and tensor.bits.size > 0
-            and self._delta_pays(tensor, base)
         )
-        bits = tensor.bits ^ base.bits if use_base else tensor.bits
-        chunks = _chunks(bits)
-        results = _run(lambda i: _encode_chunk(chunks[i], tensor.dtype), len(chunks))
+        if offered and tensor.bits.size <= _SAMPLE:
+            # the sample is the whole tensor, in one chunk: its two codings are the candidates
+            # (a model's biases and norms and their moments, coded three times each otherwise)
+            xor, plain = (_encode_chunk(bits, tensor.dtype) for bits in (tensor.bits ^ base.bits, tensor.bits))
+            use_base = len(xor[0]) < _DELTA_SHARE * len(plain[0])
+            results = [xor if use_base else plain]
+        else:
+            use_base = offered and self._delta_pays(tensor, base)
+            bits = tensor.bits ^ base.bits if use_base else tensor.bits
+            chunks = _chunks(bits)
+            results = _run(lambda i: _encode_chunk(chunks[i], tensor.dtype), len(chunks))
         blobs = {f"c{i}": blob for i, (blob, _) in enumerate(results)}
         params = {"chunks": [info for _, info in results], "xor": use_base}
         return Encoded(blobs, params, uses_base=use_base, state=tensor)
