@@ -2355,3 +2355,27 @@ def test_delta_size_is_known_before_coding_it(monkeypatch) -> None:
 
     monkeypatch.setattr(dynaquant_mod, "_delta_payload", refuse)
     assert codec._encode_state(_codes_state(unrelated), _codes_state(prev), {}).params["mode"] == "keyframe"
+
+
+def test_the_blobs_a_tensor_may_take_are_counted_from_its_plan() -> None:
+    """The payload header is reserved for the blobs each tensor may take: the codes (or delta),
+    the rare rows' flags where the plan has rare rows, and the protected values' chunks only
+    where the plan may protect (an optimizer moment's never does). Each bound holds."""
+    from hf_dynaquant.codecs.lossless import LosslessCodec
+    from hf_dynaquant.core.dtypes import to_raw
+    from hf_dynaquant.core.moments import adam_scale, scale_plan
+
+    torch.manual_seed(0)
+    w = torch.randn(3000, 1000)
+    n = w.numel()
+    for protect, expect in ((0.01, 1 + LosslessCodec().max_blobs(n)), (0.0, 1)):
+        plan = plan_quantization({"w": w}, QuantConfig(bins=8, prune=0.1, protect=protect, min_numel=1)).tensors["w"]
+        codec = DynaQuantCodec(plan)
+        assert codec.max_blobs(n) == expect
+        assert len(codec.encode(to_raw(w)).blobs) == (2 if protect else 1) <= expect
+    v = torch.rand(n) * 1e-4
+    codec = DynaQuantCodec(scale_plan(float(adam_scale(v, 1e-8).max()), 1e-8, 1.0))
+    assert codec.max_blobs(n) == 1 and len(codec.encode(to_raw(v)).blobs) == 1
+    rare = replace(plan, rare_rows=np.zeros(3000, np.uint8))
+    assert DynaQuantCodec(rare).max_blobs(n) == 2  # (the rows' flags)
+    assert DynaQuantCodec().max_blobs(n) == 2 + LosslessCodec().max_blobs(n)  # (no plan: every blob it could)
