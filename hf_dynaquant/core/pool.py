@@ -265,7 +265,7 @@ def _bounded_map(
                 return
 
     def passing() -> int:
-        """How many items that went past the waiting one are still working."""
+        """How many items that went past the waiting one are still working or queued."""
         return sum(1 for future, entry in pending.items() if entry[3] and not future.done())
 
     def submit(entry: list[Any], past: bool = False) -> None:

@@ -328,11 +328,11 @@ INLINE Py_ssize_t encode(const int L, const uint8_t *restrict sym, const uint32_
  * in about 25,000 of a 124M delta's, fixed on a branch the CPU predicts), and the new state
  * (q << 24) | (left + r) is made as x + left + q * (2^24 - freq), one multiply after q. Every
  * row stores each lane's low word at that lane's end and advances the end only where the lane
- * flushed (the word is then kept; elsewhere the next word written replaces it): a branch on
- * whether a row flushed, which one row in two to eight of a delta's streams does, cost 1.72 ns
- * a symbol where this takes 1.36 (the plain loops keep their branch, which they predict better:
- * without it they took 2.59 ns against 2.32). The stored word is inside the lane's buffer,
- * which has room for a word a symbol and two more. */
+ * flushed (the word is then kept; elsewhere the next word written replaces it). A branch on
+ * whether a row flushed, which depends on the data (a lane flushes once for each 32 bits it
+ * codes), cost 1.70-1.73 ns a symbol on a 124M delta's streams where this takes 1.35-1.45; the
+ * plain loops keep their branch (without it they took 2.59 ns against 2.32). The stored word is
+ * inside the lane's buffer, which has room for a word a symbol and two more. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && __GNUC__ >= 8))
 #include <immintrin.h>
 #define ANS_SIMD 1
