@@ -236,8 +236,9 @@ def test_ordered_map_lets_light_items_pass_a_heavy_one_that_waits_and_keeps_the_
 
 def test_ordered_map_takes_items_past_a_waiting_one_only_as_threads_free_up() -> None:
     """In order, the items that go past a waiting one are taken from ``items`` (where a save makes
-    its optimizer tensors) one a thread at most, however much of the budget they leave free: a
-    pure-bf16 save's peak grew by a quarter of the budget when they were taken ahead by weight."""
+    its optimizer tensors) one a thread at most, however much of the budget they leave free:
+    taken ahead by weight, the items made early could add the budget's last quarter to a save's
+    peak."""
     import threading
 
     from hf_dynaquant.core.pool import ForkSafePool, ordered_map
