@@ -1,0 +1,50 @@
+# session 46: CPU utilisation over a 124M fp32 keyframe (or delta with STEP=3 DELTA=1), with phase marks
+import os, sys, time, tempfile, shutil, gc, threading, resource
+sys.path.insert(0, "/work/main/benchmarks")
+import torch
+from transformers import GPT2Config
+from bench_scale import SIZES, CONFIG, fresh, train_step
+from hf_dynaquant import Compressor
+import hf_dynaquant.training.compressor as C, hf_dynaquant.pipeline as P
+from hf_dynaquant.core.memory import release_freed
+torch.manual_seed(0)
+model, opt = fresh(GPT2Config(**SIZES["124M"]))
+train_step(model, opt, 0)
+d = tempfile.mkdtemp(dir="/dev/shm")
+c = Compressor(model, os.path.join(d, "s"), CONFIG, optimizer=opt)
+c.compress(1)
+train_step(model, opt, 100); train_step(model, opt, 200)
+if not os.environ.get("DELTA"):
+    c = Compressor(model, os.path.join(d, "k"), CONFIG, optimizer=opt)
+marks = []
+def mark(name, f):
+    def g(*a, **k):
+        marks.append((time.perf_counter(), name + " start")); r = f(*a, **k); marks.append((time.perf_counter(), name + " end")); return r
+    return g
+C.encode_optimizer_state = mark("optimizer decisions", C.encode_optimizer_state)
+C.Compressor.plan_snapshot = mark("plan_snapshot", C.Compressor.plan_snapshot)
+C.write_planned = mark("write_planned", C.write_planned)
+gc.collect(); release_freed(); time.sleep(0.2)
+samples = []; stop = [False]
+def sampler():
+    while not stop[0]:
+        samples.append((time.perf_counter(), time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID))); time.sleep(0.02)
+th = threading.Thread(target=sampler); th.start()
+t0 = time.perf_counter(); cpu0 = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+c.compress(3)
+t1 = time.perf_counter(); cpu1 = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+stop[0] = True; th.join()
+print(f"save {t1-t0:.3f} s, CPU {cpu1-cpu0:.3f} s")
+for t, m in marks: print(f"  {t-t0:6.3f} {m}")
+# utilisation per 100 ms
+w = 0.1; b = 0
+pts = [(t - t0, c - cpu0) for t, c in samples]
+import bisect
+ts = [p[0] for p in pts]
+x = 0.0
+while x < t1 - t0:
+    i = bisect.bisect_left(ts, x); j = bisect.bisect_left(ts, x + w)
+    if j >= len(pts): j = len(pts) - 1
+    if j > i: print(f"  {x:5.2f}-{x+w:5.2f}: {(pts[j][1]-pts[i][1])/(pts[j][0]-pts[i][0]):4.2f} cores")
+    x += w
+shutil.rmtree(d)
