@@ -1,5 +1,6 @@
-# session 46: CPU utilisation over a 124M fp32 keyframe (or delta with STEP=3 DELTA=1), with phase marks
-import os, sys, time, tempfile, shutil, gc, threading, resource
+# session 46: CPU utilisation over a 124M fp32 keyframe (DELTA=1: the delta after the step-1 keyframe), with phase marks;
+# PERF="<perf record options>" (e.g. "-F 2000", or "-e page-faults -c 16 --call-graph dwarf,4096") also records the save with perf into OUT
+import os, sys, time, tempfile, shutil, gc, threading, resource, subprocess, signal
 sys.path.insert(0, "/work/main/benchmarks")
 import torch
 from transformers import GPT2Config
@@ -8,7 +9,7 @@ from hf_dynaquant import Compressor
 import hf_dynaquant.training.compressor as C, hf_dynaquant.pipeline as P
 from hf_dynaquant.core.memory import release_freed
 torch.manual_seed(0)
-model, opt = fresh(GPT2Config(**SIZES["124M"]))
+model, opt = fresh(GPT2Config(**SIZES[os.environ.get("SIZE", "124M")]))
 train_step(model, opt, 0)
 d = tempfile.mkdtemp(dir="/dev/shm")
 c = Compressor(model, os.path.join(d, "s"), CONFIG, optimizer=opt)
@@ -30,10 +31,16 @@ def sampler():
     while not stop[0]:
         samples.append((time.perf_counter(), time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID))); time.sleep(0.02)
 th = threading.Thread(target=sampler); th.start()
+perf = None
+if os.environ.get("PERF") is not None:
+    perf = subprocess.Popen(["perf", "record", *os.environ["PERF"].split(), "-p", str(os.getpid()), "-o", os.environ.get("OUT", "/tmp/perf.data")], stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
 t0 = time.perf_counter(); cpu0 = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
 c.compress(3)
 t1 = time.perf_counter(); cpu1 = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
 stop[0] = True; th.join()
+if perf is not None:
+    perf.send_signal(signal.SIGINT); perf.wait()
 print(f"save {t1-t0:.3f} s, CPU {cpu1-cpu0:.3f} s")
 for t, m in marks: print(f"  {t-t0:6.3f} {m}")
 # utilisation per 100 ms
