@@ -43,7 +43,7 @@ setup(
                 f"{CSRC}/{name}.c"
                 for name in (
                     "module", "bitplanes", "sketch", "partition", "rounding", "moments", "delta", "ans", "kmeans", "trellis",
-                    "varint",
+                    "varint", "factored",
                 )
             ],
             depends=[f"{CSRC}/kernels.h"],

@@ -2358,9 +2358,10 @@ def test_delta_size_is_known_before_coding_it(monkeypatch) -> None:
 
 
 def test_the_blobs_a_tensor_may_take_are_counted_from_its_plan() -> None:
-    """The payload header is reserved for the blobs each tensor may take: the codes (or delta),
-    the rare rows' flags where the plan has rare rows, and the protected values' chunks only
-    where the plan may protect (an optimizer moment's never does). Each bound holds."""
+    """The payload header is reserved for the blobs each tensor may take: the codes (or delta;
+    an Adam scale's factored keyframe keeps its terms in blob codes too), the rare rows' flags
+    where the plan has rare rows, and the protected values' chunks only where the plan may
+    protect (an optimizer moment's never does). Each bound holds."""
     from hf_dynaquant.codecs.lossless import LosslessCodec
     from hf_dynaquant.core.dtypes import to_raw
     from hf_dynaquant.core.moments import adam_scale, scale_plan
@@ -2376,6 +2377,9 @@ def test_the_blobs_a_tensor_may_take_are_counted_from_its_plan() -> None:
     v = torch.rand(n) * 1e-4
     codec = DynaQuantCodec(scale_plan(float(adam_scale(v, 1e-8).max()), 1e-8, 1.0))
     assert codec.max_blobs(n) == 1 and len(codec.encode(to_raw(v)).blobs) == 1
+    rows, cols = torch.rand(3000, 1) * 1e-4, torch.rand(1, 1000) * 1e-4  # v close to a product
+    factored = codec.encode(to_raw(rows * cols * (1 + 0.1 * torch.rand(3000, 1000))))
+    assert factored.params["codes_stream"] == "ans-factored" and list(factored.blobs) == ["codes"]
     rare = replace(plan, rare_rows=np.zeros(3000, np.uint8))
     assert DynaQuantCodec(rare).max_blobs(n) == 2  # (the rows' flags)
     assert DynaQuantCodec().max_blobs(n) == 2 + LosslessCodec().max_blobs(n)  # (no plan: every blob it could)

@@ -70,6 +70,7 @@ from ..core.entropy import (
     entropy_bits,
     order0_bits,
 )
+from ..core.factored import MAX_FACTORED_LEVELS, context_count, factored_contexts, factored_terms
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..core.varint import length_prefixed, split_prefixed, uleb128_decode, uleb128_encode
@@ -87,6 +88,8 @@ _SLACK = 64  # bytes by which an rANS payload may exceed its estimate (ans_bytes
 DEFAULT_DELTA_CODING = "ans"
 _TOKEN_LEVEL = 9  # zstd level for run-length token streams: small, so a strong level is cheap
 ROWS_ANS = "ans-rows"  # keyframe codes coded by rANS, the common and the rare rows each with a model
+FACTORED_ANS = "ans-factored"  # keyframe codes coded by rANS with contexts from row and column terms (_Factored)
+_FACTORED_MIN = 1 << 16  # the fewest codes a factored keyframe is tried on (its tables take a few KB)
 TRELLIS = "tcq8"  # the trellis a keyframe's symbols follow (core.trellis: 8 states, Ungerboeck's)
 
 
@@ -264,8 +267,9 @@ class DynaQuantCodec(Codec):
     # packed from their smallest ("pack<N>+<B>"), which earlier records never use. 5: packed codes
     # zstd-compressed ("zstd:pack<N>+<B>"), which earlier records never use. 6: deltas two to an
     # rANS symbol ("ans<L>:pairs"), which earlier records never use. 7: deltas as the gaps between
-    # the changed ones ("ans<L>:gaps"), which earlier records never use
-    version = 7
+    # the changed ones ("ans<L>:gaps"), which earlier records never use. 8: keyframe codes with
+    # contexts from row and column terms ("ans-factored"), which earlier records never use
+    version = 8
     stable_state = True  # codes, centres and protected values are new arrays
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
@@ -383,6 +387,7 @@ class DynaQuantCodec(Codec):
             # "ans" codes keyframes with rANS too where it pays (few levels); the paper's codings keep
             # zstd keyframes, which decode several times faster
             symbols = state.codes
+            factored: _Factored | None = None
             if state.trellis:
                 symbols = trellis.pack(state.codes, state.rare_rows, state.common)
                 params["trellis"] = TRELLIS
@@ -391,8 +396,18 @@ class DynaQuantCodec(Codec):
             if state.rare_rows is not None:
                 codes_coding, codes_payload = ROWS_ANS, _rows_encode(symbols, state.rare_rows)
             elif self.delta_coding == "ans":  # (key_counts: the codes' histogram, made beside a delta)
-                codes_coding, codes_payload, packed = encode_codes_packed(symbols, key_counts)
-                packed = None if state.trellis else packed  # (a trellis tensor's symbols are not its codes)
+                factored = _Factored.tried(state) if self.plan is not None and self.plan.factored else None
+                if factored is not None and key_counts is None:
+                    key_counts = current_counts(factored.pairs, factored.contexts)
+                if factored is not None and self._surely_smaller(factored.estimate, key_counts, state):
+                    codes_coding, codes_payload = FACTORED_ANS, factored.code()  # (no keyframe of its own coded)
+                else:
+                    codes_coding, codes_payload, packed = encode_codes_packed(symbols, key_counts)
+                    packed = None if state.trellis else packed  # (a trellis tensor's symbols are not its codes)
+                    if factored is not None and factored.estimate < len(codes_payload):
+                        factored_payload = factored.code()
+                        if len(factored_payload) < len(codes_payload):
+                            codes_coding, codes_payload, packed = FACTORED_ANS, factored_payload, None
             else:
                 codes_coding, codes_payload = encode_stream(symbols)
             if delta is None and estimate is not None and estimate < len(codes_payload):
@@ -406,6 +421,8 @@ class DynaQuantCodec(Codec):
                 if codes_coding == ROWS_ANS:
                     rows_coding, blobs["rows"] = encode_stream(state.rare_rows)
                     params["rows_stream"] = rows_coding
+                elif codes_coding == FACTORED_ANS:
+                    params["factored"] = factored.params()
         params["protected"] = {"n": int(state.protected.size)}
         if state.protected.size:  # none (optimizer moments, protect=0): no blob, no stream params
             prot = LosslessCodec(delta=False).encode(RawTensor("BF16", (state.protected.size,), state.protected))
@@ -457,6 +474,8 @@ class DynaQuantCodec(Codec):
             if not isinstance(base, QuantState) or base.codes.size != n:
                 raise CorruptCheckpointError(f"{where}: delta-coded but its base state is missing or differs in size")
             codes = _undo_delta(base.codes, blobs("delta"), params, n, where)
+        elif params["codes_stream"] == FACTORED_ANS:
+            codes = _factored_decode(blobs, params.get("factored"), shape, n, where)
         elif params["codes_stream"] == ROWS_ANS:
             if not shape:
                 raise CorruptCheckpointError(f"{where}: codes coded by rows, but the tensor has none")
@@ -530,6 +549,80 @@ def _unpack(
         return trellis.unpack(stored, shape[0], tuple(levels), rare_rows)
     except ValueError as exc:
         raise CorruptCheckpointError(f"{where}: {exc}") from None
+
+
+@dataclass
+class _Factored:
+    """A keyframe's codes coded with contexts from their rows' and columns' terms
+    (:mod:`~hf_dynaquant.core.factored`): an "ans" delta (:func:`_delta_payload`) on the base of
+    the codes' contexts, modulo the context count. Within a context the delta and the code are
+    one another's (codes lie below the levels, which the contexts outnumber), so each context's
+    model is the codes' there; and the delta coder's kernels (grouping, counting, rANS in lanes)
+    code and decode it. Tried (:meth:`tried`) where the codes' plan asks (an Adam scale's)."""
+
+    terms: np.ndarray  # int16: the row terms, then the column terms
+    contexts: int  # B
+    base: np.ndarray  # each code's context (uint8, flat)
+    grouped: np.ndarray  # the delta, regrouped by context
+    pairs: np.ndarray  # its (context, delta) counts: every histogram the coding needs
+    estimate: float  # bytes: the rANS stream's (to a few bytes) and the terms' (raw, a bound)
+    stream: str = ""  # the rANS stream's coding, once coded
+    terms_stream: str = ""  # the terms' stream coding, once coded
+
+    @classmethod
+    def tried(cls, state: QuantState) -> _Factored | None:
+        """The factored coding of ``state``'s codes, its size estimated and nothing coded yet;
+        None where it does not apply (fewer than :data:`_FACTORED_MIN` codes, no rows and
+        columns, more levels than contexts fit a byte, trellis symbols)."""
+        n, shape = state.codes.size, state.shape
+        if state.trellis or n < _FACTORED_MIN or len(shape) < 2 or state.levels > MAX_FACTORED_LEVELS:
+            return None
+        rows = int(shape[0])
+        if rows < 2 or n // rows < 2:
+            return None
+        contexts = context_count(state.levels)
+        terms = factored_terms(state.codes, rows)
+        base = factored_contexts(terms, rows, n // rows, contexts)
+        grouped, pairs = grouped_delta(base, state.codes, contexts)
+        return cls(terms, contexts, base, grouped, pairs, ans_bytes(pairs) + 2 * terms.size)
+
+    def code(self) -> bytes:
+        """Blob ``codes``: the terms (length-prefixed, in the one blob a delta or a plain
+        keyframe takes: a blob of their own widened every delta's reserved header), then the
+        codes' rANS stream; the codings are kept for :meth:`params`."""
+        self.terms_stream, terms = encode_stream(self.terms.astype("<i2").view(np.uint8))
+        self.stream, payload, _ = _delta_payload(self.base, self.grouped, "ans", self.pairs, self.estimate)
+        return length_prefixed(terms) + payload
+
+    def params(self) -> dict[str, Any]:
+        """The ``factored`` param of the blob :meth:`code` made."""
+        return {"contexts": self.contexts, "stream": self.stream, "terms_stream": self.terms_stream}
+
+
+def _factored_decode(blobs: BlobSource, spec: Any, shape: tuple[int, ...], n: int, where: str) -> np.ndarray:
+    """The codes of a factored keyframe (:class:`_Factored`) from its blobs and its "factored"
+    param ``spec``."""
+    if not isinstance(spec, dict) or len(shape) < 2 or int(shape[0]) < 1 or not n:
+        raise CorruptCheckpointError(
+            f"{where}: codes with factored contexts, but no rows and columns or no 'factored' param"
+        )
+    contexts, stream, terms_stream = spec.get("contexts"), spec.get("stream"), spec.get("terms_stream")
+    if not isinstance(contexts, int) or not 1 <= contexts <= 256 or not isinstance(terms_stream, str):
+        raise CorruptCheckpointError(
+            f"{where}: factored contexts {contexts!r} (1 to 256) or terms stream {terms_stream!r}"
+        )
+    rows = int(shape[0])
+    size = 2 * (rows + n // rows)  # (int16 terms, a row's and a column's each)
+    try:
+        stored, stream_payload = split_prefixed(blobs("codes"), "factored terms")
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: {exc}") from None
+    terms = decode_stream(terms_stream, stored, size, where)
+    if terms.size != size:
+        raise CorruptCheckpointError(f"{where}: the factored terms hold {terms.size} bytes, expected {size}")
+    base = factored_contexts(np.ascontiguousarray(terms).view("<i2"), rows, n // rows, contexts)
+    as_delta = {"delta_coding": "ans", "delta_levels": contexts, "delta_stream": [stream, n]}
+    return _undo_delta(base, stream_payload, as_delta, n, where)
 
 
 def _row_keys(rare_rows: np.ndarray, n: int) -> np.ndarray:

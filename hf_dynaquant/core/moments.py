@@ -289,13 +289,16 @@ def grid_step(top: float, eps: float, step: float) -> float:
 def scale_plan(top: float, eps: float, step: float) -> TensorPlan:
     """A plan whose codebook is the fixed log grid ``log(eps) + h * k`` up to ``top``, the
     scale's maximum (of the full tensor when a process holds a shard of it, so that every shard
-    gets the full tensor's grid), ``h = grid_step(top, eps, step)``; nothing is pruned or protected."""
+    gets the full tensor's grid), ``h = grid_step(top, eps, step)``; nothing is pruned or protected.
+    A keyframe may code its codes with contexts from their rows' and columns' terms
+    (:mod:`~hf_dynaquant.core.factored`: ``v`` is close to the outer product of its row and
+    column sums, so the scale to a row term plus a column term)."""
     origin = math.log(scale_floor(eps))
     span = max(top - origin, 0.0)
     step = grid_step(top, eps, step)
     levels = int(math.floor(span / step + 0.5)) + 1
     centres = (origin + step * np.arange(levels, dtype=np.float64)).astype(np.float32)
-    plan = TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude")
+    plan = TensorPlan("moment_scale", centres, float("inf"), None, None, "magnitude", factored=True)
     plan.thresholds = _second_moment_thresholds(float(eps), midpoints(centres).tobytes())
     return plan
 

@@ -299,6 +299,10 @@ class TensorPlan:
     # round each value to its nearest centre, error feedback and the trellis left out: how the
     # search sizes candidates (see search.configuration.measured_bits)
     nearest: bool = False
+    # a keyframe may code the codes with contexts from their rows' and columns' terms
+    # (core.factored): an Adam scale's (moments.scale_plan), whose codes are close to a row
+    # term plus a column term
+    factored: bool = False
 
     def target(self, w: torch.Tensor) -> np.ndarray:
         """The flat float32 values the codes quantize: the weights, or their residual."""

@@ -18,6 +18,8 @@
  *                it, chosen at run time), and counts of uint8 symbols and of pairs of them
  *                (histogram.py);
  *   varint.c     unsigned LEB128 varints of uint64 values, and back (varint.py);
+ *   factored.c   a matrix of codes' row and column sums, and each code's context from row and
+ *                column terms (factored.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py; the
  *                encoder's eight lanes in one AVX-512 vector where the CPU has it);
  *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
@@ -93,6 +95,8 @@ PyObject *py_dequantize_u8(PyObject *self, PyObject *args);
 PyObject *py_regroup_u8(PyObject *self, PyObject *args);
 PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
+PyObject *py_factored_sums(PyObject *self, PyObject *args);
+PyObject *py_factored_contexts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args);
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args);
