@@ -72,9 +72,9 @@ def test_terms_and_contexts_match_the_numpy_reference(monkeypatch, shape) -> Non
 def test_a_scale_keyframe_codes_with_factored_contexts_and_reads_back(monkeypatch) -> None:
     """Codes close to a row term plus a column term take a quarter fewer bytes with factored
     contexts than the plain keyframe's coding, and read back exactly; without the compiled
-    kernels the same bytes are written and read. Codes that the plain coding takes at their entropy (packed, uniform over
-    16 levels), vectors, short tensors and plans that do not ask for it (the weights') keep the
-    plain keyframe."""
+    kernels the same bytes are written and read. Codes that the plain coding takes at their
+    entropy (packed, uniform over 16 levels), vectors, short tensors and plans that do not ask
+    for it (the weights') keep the plain keyframe."""
     shape = (1024, 768)
     codes = _scale_codes(*shape)
     encoded = _scale_codec()._encode_state(_state(codes, shape), None, {})

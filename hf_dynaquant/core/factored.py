@@ -11,9 +11,10 @@ pay only for what is left. A keyframe's scale codes then take a quarter fewer bi
 and 1.77 as the plain keyframe codes them (packed, then zstd), and 2.11 at their order-0 entropy
 (``benchmarks/out/factored_s47.log``). The weights' codes gain little from these contexts (the
 linear layers' nothing, the embedding's 1-3%), and Adam's update's coding already takes about
-what they would give (the same measurement), so only the scale's are coded with them. They cost a keyframe a pass that groups the codes by context
-and an rANS stream in place of zstd's: on one core about 1.4 ns a code more to encode and 2.2
-to decode (0.2 s and 0.3 s for a 124M GPT-2's scales).
+what they would give (the same measurement), so only the scale's are coded with them. They cost
+a keyframe a pass that groups the codes by context and an rANS stream in place of zstd's: on
+one core about 1.4 ns a code more to encode and 2.2 to decode (0.2 s and 0.3 s for a 124M
+GPT-2's scales).
 
 The prediction is kept in quarters of a level: a code's context is ``clip(R_i + S_j, 0, B - 1)``
 with integer terms ``R_i = round(4 * mean of row i)`` and ``S_j = round(4 * mean of column j) -
