@@ -13,7 +13,8 @@ Params: ``levels``, ``centres``, ``mode`` (``keyframe`` | ``delta``), ``delta_co
 + RLE + zstd; ``rle`` and ``entropy``: for comparisons), ``codes_stream`` (a keyframe's coding:
 under ``ans``, codes spanning at most 16 values packed two or more to a byte, then zstd
 where it shrinks them, or rANS where it saves 10% over that, which decodes faster,
-:func:`~hf_dynaquant.core.entropy.encode_codes`; zstd under the others),
+:func:`~hf_dynaquant.core.entropy.encode_codes`; an Adam scale's with factored contexts where
+that is smaller, ``ans-factored``, :class:`_Factored`; zstd under the others),
 ``protected`` (the lossless params of the protected values, with their count ``n``),
 ``layer_type``, ``residual`` (``previous`` | ``pretrained``; absent: the codes are of the
 weights themselves), ``trellis`` (``tcq8``: a keyframe's codes are trellis symbols, put back
