@@ -12,7 +12,8 @@ from hf_dynaquant.codecs.dynaquant import DynaQuantCodec, QuantState
 from hf_dynaquant.core import ans as ans_mod
 from hf_dynaquant.core import delta as delta_mod
 from hf_dynaquant.core import factored as factored_mod
-from hf_dynaquant.core.factored import context_count, factored_contexts, factored_terms
+from hf_dynaquant.core.delta import grouped_delta
+from hf_dynaquant.core.factored import FactoredContexts, context_count, factored_contexts, factored_terms
 from hf_dynaquant.core.moments import scale_plan
 from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
 from hf_dynaquant.errors import CorruptCheckpointError
@@ -49,7 +50,8 @@ def _blobs(blobs: dict[str, bytes]):
 @pytest.mark.parametrize("shape", [(1, 5), (7, 1), (300, 257), (64, 4096), (3, 40000)])
 def test_terms_and_contexts_match_the_numpy_reference(monkeypatch, shape) -> None:
     """The compiled sums and contexts are the numpy reference's, also for terms a damaged file
-    holds (any int16: clipped, never an overflow); bad arguments are refused."""
+    holds (any int16: clipped, never an overflow), and the delta grouped on contexts made a chunk
+    at a time is the one on the contexts made whole; bad arguments are refused."""
     rows, cols = shape
     codes = np.random.default_rng(1).integers(0, 256, rows * cols).astype(np.uint8)
     wild = np.random.default_rng(2).integers(-32768, 32768, rows + cols).astype(np.int16)
@@ -60,6 +62,12 @@ def test_terms_and_contexts_match_the_numpy_reference(monkeypatch, shape) -> Non
     assert np.array_equal(native[0], reference[0]) and np.array_equal(native[1], reference[1])
     row_means = codes.reshape(rows, cols).mean(axis=1)
     assert np.array_equal(native[0][:rows], np.rint(4 * row_means).astype(np.int16))
+    codes14 = codes % 14
+    for contexts in (1, 53, 200):  # grouped on the contexts made a chunk at a time, as on them made whole
+        base = FactoredContexts(wild, rows, cols, contexts)
+        chunked = grouped_delta(base, codes14, max(contexts, 14))
+        whole = grouped_delta(base.unpacked(), codes14, max(contexts, 14))
+        assert np.array_equal(chunked[0], whole[0]) and np.array_equal(chunked[1], whole[1])
     assert context_count(14) == 53 and context_count(64) == 253
     with pytest.raises(ValueError):
         context_count(65)

@@ -71,7 +71,7 @@ from ..core.entropy import (
     entropy_bits,
     order0_bits,
 )
-from ..core.factored import MAX_FACTORED_LEVELS, context_count, factored_contexts, factored_terms
+from ..core.factored import MAX_FACTORED_LEVELS, FactoredContexts, context_count, factored_contexts, factored_terms
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..core.varint import length_prefixed, split_prefixed, uleb128_decode, uleb128_encode
@@ -138,7 +138,11 @@ class KeptState:
 
 
 def _delta_payload(
-    prev: np.ndarray | PackedCodes, delta: np.ndarray, coding: str, pairs: np.ndarray | None, estimate: float | None
+    prev: np.ndarray | PackedCodes | FactoredContexts,
+    delta: np.ndarray,
+    coding: str,
+    pairs: np.ndarray | None,
+    estimate: float | None,
 ) -> tuple[str, bytes, int]:
     """``(stream coding, payload, stream bytes before entropy coding)`` of the codes' cyclic
     delta. Under "ans" ``delta`` comes regrouped by ``prev``, ``pairs`` holds its groups'
@@ -563,7 +567,7 @@ class _Factored:
 
     terms: np.ndarray  # int16: the row terms, then the column terms
     contexts: int  # B
-    base: np.ndarray  # each code's context (uint8, flat)
+    base: FactoredContexts  # each code's context, as its terms give it
     grouped: np.ndarray  # the delta, regrouped by context
     pairs: np.ndarray  # its (context, delta) counts: every histogram the coding needs
     estimate: float  # bytes: the rANS stream's (to a few bytes) and the terms' (raw, a bound)
@@ -583,7 +587,7 @@ class _Factored:
             return None
         contexts = context_count(state.levels)
         terms = factored_terms(state.codes, rows)
-        base = factored_contexts(terms, rows, n // rows, contexts)
+        base = FactoredContexts(terms, rows, n // rows, contexts)
         grouped, pairs = grouped_delta(base, state.codes, contexts)
         return cls(terms, contexts, base, grouped, pairs, ans_bytes(pairs) + 2 * terms.size)
 

@@ -29,6 +29,7 @@ import functools
 import numpy as np
 
 from .bitplanes import PackedCodes
+from .factored import FactoredContexts
 from .histogram import pair_counts
 from .kernels import native
 from .varint import uleb128_decode, uleb128_encode
@@ -231,7 +232,9 @@ def cyclic_delta(prev: np.ndarray, cur: np.ndarray, levels: int) -> np.ndarray:
     return _cyclic(prev, cur, levels)
 
 
-def grouped_delta(prev: np.ndarray | PackedCodes, cur: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+def grouped_delta(
+    prev: np.ndarray | PackedCodes | FactoredContexts, cur: np.ndarray, levels: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``(grouped, pairs)``: the :func:`cyclic_delta` :func:`regroup`-ed by ``prev``, and
     ``pair_counts(prev, delta)`` of the pairs there can be (``levels x levels``: the previous
     codes are below ``levels``, as :func:`cyclic_delta` requires, and so are the differences),
@@ -241,7 +244,16 @@ def grouped_delta(prev: np.ndarray | PackedCodes, cur: np.ndarray, levels: int) 
     (rows), and the current codes' histogram (:func:`current_counts`). ``prev`` may come packed
     (:class:`~hf_dynaquant.core.bitplanes.PackedCodes`, as a kept state holds the previous
     checkpoint's codes): the kernel then unpacks it a cache-sized chunk at a time as it reads
-    it, never whole (whole, a 124M delta's previous codes took 373 MB of new memory)."""
+    it, never whole (whole, a 124M delta's previous codes took 373 MB of new memory); or as the
+    :class:`~hf_dynaquant.core.factored.FactoredContexts` a factored keyframe is coded on, made a
+    chunk at a time the same way."""
+    if isinstance(prev, FactoredContexts):
+        if native is None or prev.size != cur.size or not 1 <= levels <= 256 or cur.dtype != np.uint8:
+            return grouped_delta(prev.unpacked(), cur, levels)
+        cur = np.ascontiguousarray(cur)
+        grouped, pairs = np.empty_like(cur), np.empty(65536, dtype=np.int64)
+        native.cyclic_factored_u8(*prev.bounded_terms(), prev.contexts, cur, levels, grouped, pairs)
+        return grouped, pairs.reshape(256, 256)[:levels, :levels]
     if isinstance(prev, PackedCodes):
         if native is None or prev.size != cur.size or not 1 <= levels <= 256 or cur.dtype != np.uint8:
             return grouped_delta(prev.unpacked(), cur, levels)

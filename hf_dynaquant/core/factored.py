@@ -27,11 +27,20 @@ one the format fixes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .kernels import native
 
-__all__ = ["CONTEXTS_PER_LEVEL", "MAX_FACTORED_LEVELS", "context_count", "factored_terms", "factored_contexts"]
+__all__ = [
+    "CONTEXTS_PER_LEVEL",
+    "MAX_FACTORED_LEVELS",
+    "FactoredContexts",
+    "context_count",
+    "factored_terms",
+    "factored_contexts",
+]
 
 CONTEXTS_PER_LEVEL = 4  # the prediction's resolution: contexts per level
 MAX_FACTORED_LEVELS = 64  # the most levels whose contexts fit a byte (4 * 63 + 1 = 253)
@@ -71,8 +80,7 @@ def factored_contexts(terms: np.ndarray, rows: int, cols: int, contexts: int) ->
     int16 values: a damaged file's give contexts all the same, never an error)."""
     if terms.size != rows + cols or not 1 <= contexts <= 256:
         raise ValueError(f"{terms.size} terms for {rows} rows and {cols} columns, or {contexts} contexts")
-    bounded = np.clip(terms.astype(np.int16), -_TERM_BOUND, _TERM_BOUND)
-    row_terms, col_terms = np.ascontiguousarray(bounded[:rows]), np.ascontiguousarray(bounded[rows:])
+    row_terms, col_terms = FactoredContexts(terms, rows, cols, contexts).bounded_terms()
     if native is not None:
         out = np.empty(rows * cols, dtype=np.uint8)
         native.factored_contexts(row_terms, col_terms, contexts, out)
@@ -83,3 +91,29 @@ def factored_contexts(terms: np.ndarray, rows: int, cols: int, contexts: int) ->
         sums = np.add.outer(row_terms[r : r + step], col_terms)
         out[r : r + step] = np.clip(sums, 0, contexts - 1, out=sums)
     return out.reshape(-1)
+
+
+class FactoredContexts(NamedTuple):
+    """The contexts of a ``rows x cols`` matrix of codes as their terms give them, not made yet:
+    :func:`~hf_dynaquant.core.delta.grouped_delta` makes them a chunk at a time as it groups by
+    them. Made whole, a 124M GPT-2's scale contexts took 124 MB of new memory a keyframe, on top
+    of the grouped codes (what a delta on packed previous codes never holds either), and a pure
+    bfloat16 keyframe's peak rose past its checkpoint's size."""
+
+    terms: np.ndarray  # int16: the row terms, then the column terms
+    rows: int
+    cols: int
+    contexts: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    def unpacked(self) -> np.ndarray:
+        """The contexts, made whole (:func:`factored_contexts`)."""
+        return factored_contexts(self.terms, self.rows, self.cols, self.contexts)
+
+    def bounded_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(row terms, column terms)``, contiguous int16, clipped as :func:`factored_contexts` clips them."""
+        bounded = np.clip(self.terms.astype(np.int16), -_TERM_BOUND, _TERM_BOUND)
+        return np.ascontiguousarray(bounded[: self.rows]), np.ascontiguousarray(bounded[self.rows :])

@@ -594,12 +594,9 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* grouped_pairs with the first codes packed, bits (1-8) a code less base (bitplanes.c's pack, as
- * a kept state holds the previous checkpoint's codes): unpacked PACKED_CHUNK at a time into a
- * buffer that stays in the cache, once to count the keys and once to group, where unpacking them
- * whole first wrote a byte a code to new memory (a 124M delta's 373 MB, whose first touches cost
- * more than the unpacking itself) and read it back twice. The chunks are grouped in order into
- * the same groups, so out and pairs are grouped_pairs' of the unpacked codes. */
+/* The codes grouped_pairs_chunked (below) makes at a time: packed ones, bits (1-8) a code less
+ * base (bitplanes.c's pack, as a kept state holds the previous checkpoint's codes), unpacked, or
+ * factored contexts made from their terms. */
 #define PACKED_CHUNK 32768
 
 #ifdef GROUP_SIMD
@@ -628,14 +625,45 @@ static void unpack_chunk(const uint8_t *in, Py_ssize_t n, int bits, uint8_t base
     if (done < n) dq_unpack_bits(in + done / 8 * bits, n - done, bits, base, v + done);
 }
 
-static void grouped_pairs_packed(const uint8_t *px, int bits, uint8_t base, const uint8_t *y, Py_ssize_t n,
-                                 const uint8_t table[511], int levels, uint8_t *o, int64_t *pairs) {
+/* Where the first codes of grouped_pairs_chunked come from: packed (as a kept state holds them),
+ * or made from row and column terms (factored contexts); fill writes codes at..at+len-1 into x. */
+typedef struct {
+    const uint8_t *packed;
+    int bits;
+    uint8_t base;
+    const int16_t *row_terms, *col_terms;
+    Py_ssize_t cols;
+    int16_t top;
+} first_codes_t;
+
+static void fill_packed(const first_codes_t *f, Py_ssize_t at, Py_ssize_t len, uint8_t *x) {
+    unpack_chunk(f->packed + at / 8 * f->bits, len, f->bits, f->base, x); /* (a chunk starts on a whole byte) */
+}
+
+static void fill_factored(const first_codes_t *f, Py_ssize_t at, Py_ssize_t len, uint8_t *x) {
+    Py_ssize_t i = at / f->cols, j = at % f->cols;
+    for (Py_ssize_t k = 0; k < len; i++, j = 0) {
+        const Py_ssize_t run = f->cols - j < len - k ? f->cols - j : len - k;
+        factored_row(f->row_terms[i], f->col_terms + j, run, f->top, x + k);
+        k += run;
+    }
+}
+
+/* grouped_pairs with the first codes made PACKED_CHUNK at a time into a buffer that stays in the
+ * cache, once to count the keys and once to group, where making them whole first wrote a byte a
+ * code to new memory (a 124M delta's previous codes, 373 MB, whose first touches cost more than
+ * the unpacking itself; a 124M keyframe's scale contexts, 124 MB) and read it back twice. The
+ * chunks are grouped in order into the same groups, so out and pairs are grouped_pairs' of the
+ * codes made whole. */
+static void grouped_pairs_chunked(void (*fill)(const first_codes_t *, Py_ssize_t, Py_ssize_t, uint8_t *),
+                                  const first_codes_t *f, const uint8_t *y, Py_ssize_t n, const uint8_t table[511],
+                                  int levels, uint8_t *o, int64_t *pairs) {
     uint8_t x[PACKED_CHUNK];
     int64_t count[256] = {0}, part[256];
     Py_ssize_t start[256], begin[256], pos = 0;
-    for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) { /* (a chunk starts on a whole byte: 8 | PACKED_CHUNK) */
+    for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
-        unpack_chunk(px + at / 8 * bits, len, bits, base, x);
+        fill(f, at, len, x);
         count_bytes(x, len, part);
         for (int k = 0; k < 256; k++) count[k] += part[k];
     }
@@ -644,7 +672,7 @@ static void grouped_pairs_packed(const uint8_t *px, int bits, uint8_t base, cons
     memcpy(begin, start, sizeof(begin));
     for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
-        unpack_chunk(px + at / 8 * bits, len, bits, base, x);
+        fill(f, at, len, x);
         group_forward(x, NULL, y + at, levels, table, len, keys, o, start);
     }
     memset(pairs, 0, 65536 * sizeof(int64_t));
@@ -652,7 +680,7 @@ static void grouped_pairs_packed(const uint8_t *px, int bits, uint8_t base, cons
 }
 
 /* cyclic_packed_u8(packed, bits, base, b, levels, out, pairs): py_cyclic_u8's grouped difference
- * and pairs (a - b, regrouped by a) where a comes packed (grouped_pairs_packed); b's length is
+ * and pairs (a - b, regrouped by a) where a comes packed (grouped_pairs_chunked); b's length is
  * the code count. delta.py's grouped_delta of a kept state's codes. */
 PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
     Py_buffer a, b, out, pairs;
@@ -670,12 +698,47 @@ PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "cyclic_packed: the grouped difference needs an out apart from a and b");
     } else {
         uint8_t table[511];
+        const first_codes_t f = {.packed = a.buf, .bits = bits, .base = (uint8_t)base};
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
-        grouped_pairs_packed(a.buf, bits, (uint8_t)base, b.buf, b.len, table, levels, out.buf, pairs.buf);
+        grouped_pairs_chunked(fill_packed, &f, b.buf, b.len, table, levels, out.buf, pairs.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* cyclic_factored_u8(row_terms, col_terms, contexts, b, levels, out, pairs): py_cyclic_u8's
+ * grouped difference and pairs ((a - b) mod levels, regrouped by a) where a is the factored
+ * contexts of a rows x cols matrix (factored.py: clip(r[i] + c[j], 0, contexts - 1), int16 terms
+ * within +-2^12), made a chunk at a time (grouped_pairs_chunked), never whole; b's length is
+ * rows x cols. delta.py's grouped_delta of a keyframe's factored contexts. */
+PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
+    Py_buffer r, c, b, out, pairs;
+    int contexts, levels;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iw*w*", &r, &c, &contexts, &b, &levels, &out, &pairs)) return NULL;
+    const Py_ssize_t rows = r.len / 2, cols = c.len / 2;
+    int ok = r.len % 2 == 0 && c.len % 2 == 0 && cols > 0 && b.len == rows * cols && out.len == b.len &&
+             contexts >= 1 && contexts <= 256 && levels >= 1 && levels <= 256 &&
+             pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t) &&
+             terms_bounded(r.buf, rows) && terms_bounded(c.buf, cols);
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError,
+                        "cyclic_factored: b is not rows x cols, out's length differs, terms past +-4096, contexts "
+                        "or levels outside 1..256, or pairs is not 65536 int64");
+    else if (overlaps(&out, &b)) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "cyclic_factored: the grouped difference needs an out apart from b");
+    } else {
+        uint8_t table[511];
+        const first_codes_t f = {.row_terms = r.buf, .col_terms = c.buf, .cols = cols, .top = (int16_t)(contexts - 1)};
+        Py_BEGIN_ALLOW_THREADS
+        cyclic_table(levels, table);
+        grouped_pairs_chunked(fill_factored, &f, b.buf, b.len, table, levels, out.buf, pairs.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

@@ -54,19 +54,10 @@ PyObject *py_factored_sums(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* out[i * cols + j] = clip(r[i] + c[j], 0, top), the terms already within +-2^12 (no overflow). */
+/* out[i * cols + j] = clip(r[i] + c[j], 0, top), the terms already within +-2^12. */
 SIMD_CLONES static void contexts(const int16_t *restrict r, Py_ssize_t rows, const int16_t *restrict c, Py_ssize_t cols,
                                  int16_t top, uint8_t *restrict out) {
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        const int16_t ri = r[i];
-        uint8_t *restrict o = out + i * cols;
-        for (Py_ssize_t j = 0; j < cols; j++) {
-            int16_t v = (int16_t)(ri + c[j]);
-            v = v < 0 ? 0 : v;
-            v = v > top ? top : v;
-            o[j] = (uint8_t)v;
-        }
-    }
+    for (Py_ssize_t i = 0; i < rows; i++) factored_row(r[i], c, cols, top, out + i * cols);
 }
 
 /* factored_contexts(rows_terms, cols_terms, contexts, out): factored.py's contexts of a rows x cols
@@ -76,12 +67,8 @@ PyObject *py_factored_contexts(PyObject *self, PyObject *args) {
     int count;
     if (!PyArg_ParseTuple(args, "y*y*iw*", &r, &c, &count, &out)) return NULL;
     const Py_ssize_t rows = r.len / 2, cols = c.len / 2;
-    int ok = r.len % 2 == 0 && c.len % 2 == 0 && count >= 1 && count <= 256 && out.len == rows * cols;
-    if (ok) {
-        const int16_t *rv = r.buf, *cv = c.buf;
-        for (Py_ssize_t i = 0; i < rows && ok; i++) ok = rv[i] >= -(1 << 12) && rv[i] <= (1 << 12);
-        for (Py_ssize_t j = 0; j < cols && ok; j++) ok = cv[j] >= -(1 << 12) && cv[j] <= (1 << 12);
-    }
+    int ok = r.len % 2 == 0 && c.len % 2 == 0 && count >= 1 && count <= 256 && out.len == rows * cols &&
+             terms_bounded(r.buf, rows) && terms_bounded(c.buf, cols);
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
                         "factored_contexts: terms past +-4096, contexts outside 1..256, or out is not rows x cols");

@@ -14,8 +14,8 @@
  *                and scale, the finiteness, maximum and scale-gain sum of the scale, and Adam's
  *                moments back from a decoded update and scale, or from their codes (moments.py);
  *   delta.c      the delta encoder's cyclic difference and regrouping of uint8 codes by the
- *                previous codes, kept packed or not (delta.py; AVX-512 VBMI2 where the CPU has
- *                it, chosen at run time), and counts of uint8 symbols and of pairs of them
+ *                previous codes, kept packed or not, or by factored contexts (delta.py; AVX-512
+ *                VBMI2 where the CPU has it, chosen at run time), and counts of uint8 symbols and of pairs of them
  *                (histogram.py);
  *   varint.c     unsigned LEB128 varints of uint64 values, and back (varint.py);
  *   factored.c   a matrix of codes' row and column sums, and each code's context from row and
@@ -97,6 +97,25 @@ PyObject *py_byte_counts(PyObject *self, PyObject *args);
 PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_factored_sums(PyObject *self, PyObject *args);
 PyObject *py_factored_contexts(PyObject *self, PyObject *args);
+PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args);
+
+/* A row of factored contexts (factored.c, delta.c's fused grouping): out[j] = clip(r + c[j], 0,
+ * top) for terms within +-2^12 (their sum cannot overflow). */
+INLINE void factored_row(int16_t r, const int16_t *restrict c, Py_ssize_t n, int16_t top, uint8_t *restrict out) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int16_t v = (int16_t)(r + c[j]);
+        v = v < 0 ? 0 : v;
+        v = v > top ? top : v;
+        out[j] = (uint8_t)v;
+    }
+}
+
+/* Whether each of n int16 terms lies within +-2^12 (what factored_row assumes). */
+INLINE int terms_bounded(const int16_t *t, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (t[i] < -(1 << 12) || t[i] > (1 << 12)) return 0;
+    return 1;
+}
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args);
 PyObject *py_pair_up_u8(PyObject *self, PyObject *args);

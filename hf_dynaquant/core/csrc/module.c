@@ -60,6 +60,9 @@ static PyMethodDef methods[] = {
     {"pair_counts", py_pair_counts, METH_VARARGS, "pair_counts(keys, values, counts): counts[256 * key + value]"},
     {"factored_sums", py_factored_sums, METH_VARARGS,
      "factored_sums(codes, rows, row_sums, col_sums): a matrix of uint8 codes' row and column sums (int64)"},
+    {"cyclic_factored_u8", py_cyclic_factored_u8, METH_VARARGS,
+     "cyclic_factored_u8(row_terms, col_terms, contexts, b, levels, out, pairs): cyclic_u8's grouped difference and pairs, "
+     "the first codes the factored contexts of row and column terms"},
     {"factored_contexts", py_factored_contexts, METH_VARARGS,
      "factored_contexts(row_terms, col_terms, contexts, out): clip(r[i] + c[j], 0, contexts - 1) (int16 terms, uint8 out)"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
