@@ -1,10 +1,8 @@
 # session 46: per large tensor of a 124M fp32 delta: the delta's estimated bytes against the keyframe's payload and order-0 entropy, and what was kept
-import os, sys, tempfile, shutil, math
+import sys, shutil
 sys.path.insert(0, "/work/main/benchmarks")
-import numpy as np, torch
-from transformers import GPT2Config
-from bench_scale import SIZES, CONFIG, fresh, train_step
-from hf_dynaquant import Compressor
+from bench_scale import train_step
+from s46_first_keyframe import first_keyframe
 import hf_dynaquant.codecs.dynaquant as dq
 from hf_dynaquant.core.delta import grouped_delta, current_counts
 from hf_dynaquant.core.entropy import entropy_bits, ans_bytes
@@ -21,12 +19,7 @@ def enc(self, state, base, extra):
         rows.append((self.plan.layer_type, n, state.levels, est, kb, r.params["mode"], sum(len(b) for b in r.blobs.values())))
     return r
 dq.DynaQuantCodec._encode_state = enc
-torch.manual_seed(0)
-model, opt = fresh(GPT2Config(**SIZES[os.environ.get("SIZE", "124M")]))
-train_step(model, opt, 0)
-d = tempfile.mkdtemp(dir="/dev/shm")
-c = Compressor(model, os.path.join(d, "s"), CONFIG, optimizer=opt)
-c.compress(1)
+model, opt, d, c = first_keyframe()
 for step in (3, 4):
     rows.clear()
     train_step(model, opt, step * 100)

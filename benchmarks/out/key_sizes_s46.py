@@ -1,10 +1,7 @@
 # session 46: a 124M fp32 keyframe's codes: stored payload against the codes' order-0 entropy, by kind and coding
-import os, sys, tempfile, shutil, collections
+import sys, shutil, collections
 sys.path.insert(0, "/work/main/benchmarks")
-import numpy as np, torch
-from transformers import GPT2Config
-from bench_scale import SIZES, CONFIG, fresh, train_step
-from hf_dynaquant import Compressor
+from s46_first_keyframe import first_keyframe
 import hf_dynaquant.codecs.dynaquant as dq
 from hf_dynaquant.core.entropy import entropy_bits
 from hf_dynaquant.core.histogram import byte_counts
@@ -18,12 +15,7 @@ def enc(self, state, base, extra):
         rows.append((self.plan.layer_type, state.levels, r.params.get("mode"), r.params.get("codes_stream", [None])[0] if isinstance(r.params.get("codes_stream"), list) else r.params.get("codes_stream"), state.codes.size, ent, pay))
     return r
 dq.DynaQuantCodec._encode_state = enc
-torch.manual_seed(0)
-model, opt = fresh(GPT2Config(**SIZES[os.environ.get("SIZE", "124M")]))
-train_step(model, opt, 0)
-d = tempfile.mkdtemp(dir="/dev/shm")
-c = Compressor(model, os.path.join(d, "s"), CONFIG, optimizer=opt)
-c.compress(1)
+model, opt, d, c = first_keyframe()
 agg = collections.defaultdict(lambda: [0, 0, 0.0, 0])
 for lt, lev, mode, coding, n, ent, pay in rows:
     a = agg[(lt, lev, mode, str(coding))]; a[0] += 1; a[1] += n; a[2] += ent; a[3] += pay

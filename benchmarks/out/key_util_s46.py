@@ -1,19 +1,13 @@
 # session 46: CPU utilisation over a 124M fp32 keyframe (DELTA=1: the delta after the step-1 keyframe), with phase marks;
 # PERF="<perf record options>" (e.g. "-F 2000", or "-e page-faults -c 16 --call-graph dwarf,4096") also records the save with perf into OUT
-import os, sys, time, tempfile, shutil, gc, threading, resource, subprocess, signal
+import os, sys, time, shutil, gc, threading, subprocess, signal
 sys.path.insert(0, "/work/main/benchmarks")
-import torch
-from transformers import GPT2Config
-from bench_scale import SIZES, CONFIG, fresh, train_step
+from bench_scale import CONFIG, train_step
+from s46_first_keyframe import first_keyframe
 from hf_dynaquant import Compressor
-import hf_dynaquant.training.compressor as C, hf_dynaquant.pipeline as P
+import hf_dynaquant.training.compressor as C
 from hf_dynaquant.core.memory import release_freed
-torch.manual_seed(0)
-model, opt = fresh(GPT2Config(**SIZES[os.environ.get("SIZE", "124M")]))
-train_step(model, opt, 0)
-d = tempfile.mkdtemp(dir="/dev/shm")
-c = Compressor(model, os.path.join(d, "s"), CONFIG, optimizer=opt)
-c.compress(1)
+model, opt, d, c = first_keyframe()
 train_step(model, opt, 100); train_step(model, opt, 200)
 if not os.environ.get("DELTA"):
     c = Compressor(model, os.path.join(d, "k"), CONFIG, optimizer=opt)
