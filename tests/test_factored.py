@@ -63,11 +63,11 @@ def test_terms_and_contexts_match_the_numpy_reference(monkeypatch, shape) -> Non
     row_means = codes.reshape(rows, cols).mean(axis=1)
     assert np.array_equal(native[0][:rows], np.rint(4 * row_means).astype(np.int16))
     codes14 = codes % 14
-    for contexts in (1, 53, 200):  # grouped on the contexts made a chunk at a time, as on them made whole
+    for contexts in (1, 53, 200):  # grouped on the contexts never made, as on them made whole
         base = FactoredContexts(wild, rows, cols, contexts)
-        chunked = grouped_delta(base, codes14, max(contexts, 14))
+        never_made = grouped_delta(base, codes14, max(contexts, 14))
         whole = grouped_delta(base.unpacked(), codes14, max(contexts, 14))
-        assert np.array_equal(chunked[0], whole[0]) and np.array_equal(chunked[1], whole[1])
+        assert np.array_equal(never_made[0], whole[0]) and np.array_equal(never_made[1], whole[1])
     assert context_count(14) == 53 and context_count(64) == 253
     with pytest.raises(ValueError):
         context_count(65)
@@ -75,6 +75,54 @@ def test_terms_and_contexts_match_the_numpy_reference(monkeypatch, shape) -> Non
         factored_terms(codes, next(k for k in range(rows + 1, rows + 100) if codes.size % k))
     with pytest.raises(ValueError):
         factored_contexts(wild[:-1], rows, cols, 200)
+
+
+@pytest.mark.parametrize("terms", ["fitted", "clipped at both ends", "wild", "one column term"])
+@pytest.mark.parametrize("shape", [(300, 257), (2000, 96), (5, 3000)])
+def test_grouping_by_classes_of_columns_is_the_counting_sort(monkeypatch, terms, shape) -> None:
+    """The kernels group and ungroup a row's codes a class of equal column terms at a time
+    (rows whose end contexts take two classes or more go column by column): the grouped
+    delta, its pairs, the contexts' counts and the codes undone are the numpy reference's on
+    the contexts made whole, for terms fitted to the codes, terms that clip many rows at both
+    ends, a damaged file's terms and columns that all share one term."""
+    rows, cols = shape
+    levels = 14
+    contexts = context_count(levels)
+    codes = _scale_codes(rows, cols, levels, seed=rows)
+    fitted = factored_terms(codes, rows)
+    rng = np.random.default_rng(cols)
+    given = {
+        "fitted": fitted,
+        "clipped at both ends": np.concatenate((fitted[:rows] + rng.integers(-40, 41, rows), fitted[rows:])),
+        "wild": rng.integers(-32768, 32768, rows + cols),
+        "one column term": np.concatenate((fitted[:rows], np.full(cols, 3))),
+    }[terms].astype(np.int16)
+    base = FactoredContexts(given, rows, cols, contexts)
+    whole = base.unpacked()
+    grouped, pairs = grouped_delta(base, codes, contexts)
+    reference = grouped_delta(whole, codes, contexts)
+    assert np.array_equal(grouped, reference[0]) and np.array_equal(pairs, reference[1])
+    assert np.array_equal(base.counts(), np.bincount(whole, minlength=1))
+    assert np.array_equal(delta_mod.undo_regrouped_delta(grouped, base, contexts), codes)
+    with monkeypatch.context() as patch:
+        patch.setattr(factored_mod, "native", None)
+        patch.setattr(delta_mod, "native", None)
+        assert np.array_equal(base.counts(), np.bincount(whole, minlength=1))
+        assert np.array_equal(delta_mod.undo_regrouped_delta(grouped, base, contexts), codes)
+    native = delta_mod.native
+    if native is not None:  # arguments the kernels refuse
+        r, c = base.bounded_terms()
+        out = np.empty_like(codes)
+        with pytest.raises(ValueError, match="ungroup_factored"):
+            native.ungroup_factored_u8(grouped[:-1], r, c, contexts, contexts, out)
+        with pytest.raises(ValueError, match="ungroup_factored"):
+            native.ungroup_factored_u8(grouped, r, c, 0, contexts, out)
+        with pytest.raises(ValueError, match="ungroup_factored"):
+            native.ungroup_factored_u8(grouped, r, c, contexts, contexts, grouped)
+        with pytest.raises(ValueError, match="factored_counts"):
+            native.factored_counts(r, c, contexts, np.zeros(255, np.int64))
+        with pytest.raises(ValueError, match="factored_counts"):
+            native.factored_counts(r, np.full(cols, 5000, np.int16), contexts, np.zeros(256, np.int64))
 
 
 def test_a_scale_keyframe_codes_with_factored_contexts_and_reads_back(monkeypatch) -> None:

@@ -71,7 +71,7 @@ from ..core.entropy import (
     entropy_bits,
     order0_bits,
 )
-from ..core.factored import MAX_FACTORED_LEVELS, FactoredContexts, context_count, factored_contexts, factored_terms
+from ..core.factored import MAX_FACTORED_LEVELS, FactoredContexts, context_count, factored_terms
 from ..core.histogram import byte_counts
 from ..core.quantizer import FIRST_CENTRE, TensorPlan, decoded_values, quantize
 from ..core.varint import length_prefixed, split_prefixed, uleb128_decode, uleb128_encode
@@ -194,12 +194,14 @@ _GAP_SHARE = 1 / 8  # the most of a delta's values that may have changed for gap
 _GAP_SLACK = 0.02  # gaps are kept over a coding at most this much smaller (a restore decodes them faster)
 
 
-def _groups(prev: np.ndarray) -> np.ndarray:
+def _groups(prev: np.ndarray | FactoredContexts) -> np.ndarray:
     """Sizes of the regrouped delta's groups: how many values the base has at each code."""
-    return byte_counts(prev)
+    return prev.counts() if isinstance(prev, FactoredContexts) else byte_counts(prev)
 
 
-def _undo_delta(prev: np.ndarray, payload: np.ndarray, params: dict[str, Any], n: int, where: str) -> np.ndarray:
+def _undo_delta(
+    prev: np.ndarray | FactoredContexts, payload: np.ndarray, params: dict[str, Any], n: int, where: str
+) -> np.ndarray:
     """The current codes from a stored delta on the base's codes ``prev``."""
     coding, (stream_coding, size) = params["delta_coding"], params["delta_stream"]
     levels = params["delta_levels"]
@@ -625,7 +627,7 @@ def _factored_decode(blobs: BlobSource, spec: Any, shape: tuple[int, ...], n: in
     terms = decode_stream(terms_stream, stored, size, where)
     if terms.size != size:
         raise CorruptCheckpointError(f"{where}: the factored terms hold {terms.size} bytes, expected {size}")
-    base = factored_contexts(np.ascontiguousarray(terms).view("<i2"), rows, n // rows, contexts)
+    base = FactoredContexts(np.ascontiguousarray(terms).view("<i2"), rows, n // rows, contexts)
     as_delta = {"delta_coding": "ans", "delta_levels": contexts, "delta_stream": [stream, n]}
     return _undo_delta(base, stream_payload, as_delta, n, where)
 

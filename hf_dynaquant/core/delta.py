@@ -245,8 +245,8 @@ def grouped_delta(
     (:class:`~hf_dynaquant.core.bitplanes.PackedCodes`, as a kept state holds the previous
     checkpoint's codes): the kernel then unpacks it a cache-sized chunk at a time as it reads
     it, never whole (whole, a 124M delta's previous codes took 373 MB of new memory); or as the
-    :class:`~hf_dynaquant.core.factored.FactoredContexts` a factored keyframe is coded on, made a
-    chunk at a time the same way."""
+    :class:`~hf_dynaquant.core.factored.FactoredContexts` a factored keyframe is coded on, never
+    made (the kernel groups a row's codes a class of columns at a time)."""
     if isinstance(prev, FactoredContexts):
         if native is None or prev.size != cur.size or not 1 <= levels <= 256 or cur.dtype != np.uint8:
             return grouped_delta(prev.unpacked(), cur, levels)
@@ -323,7 +323,7 @@ def ungroup(grouped: np.ndarray, prev_codes: np.ndarray) -> np.ndarray:
 
 def undo_regrouped_delta(
     grouped: np.ndarray,
-    prev: np.ndarray,
+    prev: np.ndarray | FactoredContexts,
     levels: int,
     *,
     in_place: bool = False,
@@ -335,7 +335,16 @@ def undo_regrouped_delta(
     for a caller that gives ``prev`` up. ``groups``: ``byte_counts(prev)`` when the caller has
     it (the delta's rANS models are made of it), so that the kernel does not count it again;
     counts that are not ``prev``'s histogram raise ``ValueError`` (in place, ``prev`` is then
-    partly overwritten)."""
+    partly overwritten). ``prev`` may be the
+    :class:`~hf_dynaquant.core.factored.FactoredContexts` of a factored keyframe: where the
+    kernel is built they are never made (the groups' sizes are the terms', so ``groups`` is not
+    read), and the codes come in a new array."""
+    if isinstance(prev, FactoredContexts):
+        if native is None or grouped.dtype != np.uint8 or grouped.size != prev.size or not 1 <= levels <= 256:
+            return undo_regrouped_delta(grouped, prev.unpacked(), levels, in_place=True, groups=groups)
+        out = np.empty(prev.size, dtype=np.uint8)
+        native.ungroup_factored_u8(np.ascontiguousarray(grouped), *prev.bounded_terms(), prev.contexts, levels, out)
+        return out
     if _native_u8(grouped, prev) and 1 <= levels <= 256:
         out = prev if in_place and prev.flags.writeable else np.empty_like(prev)
         if groups is None:

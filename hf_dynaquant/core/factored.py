@@ -94,11 +94,20 @@ def factored_contexts(terms: np.ndarray, rows: int, cols: int, contexts: int) ->
 
 
 class FactoredContexts(NamedTuple):
-    """The contexts of a ``rows x cols`` matrix of codes as their terms give them, not made yet:
-    :func:`~hf_dynaquant.core.delta.grouped_delta` makes them a chunk at a time as it groups by
-    them. Made whole, a 124M GPT-2's scale contexts took 124 MB of new memory a keyframe, on top
+    """The contexts of a ``rows x cols`` matrix of codes as their terms give them, never made
+    where the kernels are built: :func:`~hf_dynaquant.core.delta.grouped_delta` and
+    :func:`~hf_dynaquant.core.delta.undo_regrouped_delta` group and ungroup by them a row at a
+    time. Made whole, a 124M GPT-2's scale contexts took 124 MB of new memory a keyframe, on top
     of the grouped codes (what a delta on packed previous codes never holds either), and a pure
-    bfloat16 keyframe's peak rose past its checkpoint's size."""
+    bfloat16 keyframe's peak rose past its checkpoint's size.
+
+    A row's contexts follow from its columns' terms: the columns with one term value (a *class*)
+    take one context in every row, ``clip(R_i + value)``. The kernels sort the columns by term
+    once, then move each row's codes a class at a time, a run of columns known in advance,
+    to their context's group (each context's codes in a row are one class's, unless two classes
+    clip to the same end context: such rows go a column at a time). That took the grouping from
+    1.2-1.4 ns a code to about 0.5 on a 124M GPT-2's scales, and the contexts' counts come from
+    ``rows x classes`` steps instead of a pass over the codes."""
 
     terms: np.ndarray  # int16: the row terms, then the column terms
     rows: int
@@ -112,6 +121,18 @@ class FactoredContexts(NamedTuple):
     def unpacked(self) -> np.ndarray:
         """The contexts, made whole (:func:`factored_contexts`)."""
         return factored_contexts(self.terms, self.rows, self.cols, self.contexts)
+
+    def counts(self) -> np.ndarray:
+        """How many codes take each context (int64, as long as the largest context taken plus
+        one, as :func:`~hf_dynaquant.core.histogram.byte_counts` of :meth:`unpacked` gives
+        them): from the terms alone where the kernel is built, a row's columns counted a class
+        of equal column terms at a time."""
+        if native is None:
+            return np.bincount(self.unpacked(), minlength=1)
+        counts = np.zeros(256, dtype=np.int64)
+        native.factored_counts(*self.bounded_terms(), self.contexts, counts)
+        present = np.flatnonzero(counts)
+        return counts[: int(present[-1]) + 1 if present.size else 1]
 
     def bounded_terms(self) -> tuple[np.ndarray, np.ndarray]:
         """``(row terms, column terms)``, contiguous int16, clipped as :func:`factored_contexts` clips them."""

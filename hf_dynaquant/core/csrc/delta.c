@@ -594,9 +594,8 @@ PyObject *py_cyclic_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The codes grouped_pairs_chunked (below) makes at a time: packed ones, bits (1-8) a code less
- * base (bitplanes.c's pack, as a kept state holds the previous checkpoint's codes), unpacked, or
- * factored contexts made from their terms. */
+/* The codes grouped_pairs_chunked (below) unpacks at a time: packed ones, bits (1-8) a code less
+ * base (bitplanes.c's pack, as a kept state holds the previous checkpoint's codes). */
 #define PACKED_CHUNK 32768
 
 #ifdef GROUP_SIMD
@@ -625,45 +624,30 @@ static void unpack_chunk(const uint8_t *in, Py_ssize_t n, int bits, uint8_t base
     if (done < n) dq_unpack_bits(in + done / 8 * bits, n - done, bits, base, v + done);
 }
 
-/* Where the first codes of grouped_pairs_chunked come from: packed (as a kept state holds them),
- * or made from row and column terms (factored contexts); fill writes codes at..at+len-1 into x. */
+/* The packed first codes of grouped_pairs_chunked; fill writes codes at..at+len-1 into x. */
 typedef struct {
     const uint8_t *packed;
     int bits;
     uint8_t base;
-    const int16_t *row_terms, *col_terms;
-    Py_ssize_t cols;
-    int16_t top;
 } first_codes_t;
 
 static void fill_packed(const first_codes_t *f, Py_ssize_t at, Py_ssize_t len, uint8_t *x) {
     unpack_chunk(f->packed + at / 8 * f->bits, len, f->bits, f->base, x); /* (a chunk starts on a whole byte) */
 }
 
-static void fill_factored(const first_codes_t *f, Py_ssize_t at, Py_ssize_t len, uint8_t *x) {
-    Py_ssize_t i = at / f->cols, j = at % f->cols;
-    for (Py_ssize_t k = 0; k < len; i++, j = 0) {
-        const Py_ssize_t run = f->cols - j < len - k ? f->cols - j : len - k;
-        factored_row(f->row_terms[i], f->col_terms + j, run, f->top, x + k);
-        k += run;
-    }
-}
-
-/* grouped_pairs with the first codes made PACKED_CHUNK at a time into a buffer that stays in the
- * cache, once to count the keys and once to group, where making them whole first wrote a byte a
- * code to new memory (a 124M delta's previous codes, 373 MB, whose first touches cost more than
- * the unpacking itself; a 124M keyframe's scale contexts, 124 MB) and read it back twice. The
- * chunks are grouped in order into the same groups, so out and pairs are grouped_pairs' of the
- * codes made whole. */
-static void grouped_pairs_chunked(void (*fill)(const first_codes_t *, Py_ssize_t, Py_ssize_t, uint8_t *),
-                                  const first_codes_t *f, const uint8_t *y, Py_ssize_t n, const uint8_t table[511],
+/* grouped_pairs with the first codes unpacked PACKED_CHUNK at a time into a buffer that stays in
+ * the cache, once to count the keys and once to group, where unpacking them whole first wrote a
+ * byte a code to new memory (a 124M delta's previous codes, 373 MB, whose first touches cost more
+ * than the unpacking itself) and read it back twice. The chunks are grouped in order into the
+ * same groups, so out and pairs are grouped_pairs' of the codes made whole. */
+static void grouped_pairs_chunked(const first_codes_t *f, const uint8_t *y, Py_ssize_t n, const uint8_t table[511],
                                   int levels, uint8_t *o, int64_t *pairs) {
     uint8_t x[PACKED_CHUNK];
     int64_t count[256] = {0}, part[256];
     Py_ssize_t start[256], begin[256], pos = 0;
     for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
-        fill(f, at, len, x);
+        fill_packed(f, at, len, x);
         count_bytes(x, len, part);
         for (int k = 0; k < 256; k++) count[k] += part[k];
     }
@@ -672,7 +656,7 @@ static void grouped_pairs_chunked(void (*fill)(const first_codes_t *, Py_ssize_t
     memcpy(begin, start, sizeof(begin));
     for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
-        fill(f, at, len, x);
+        fill_packed(f, at, len, x);
         group_forward(x, NULL, y + at, levels, table, len, keys, o, start);
     }
     memset(pairs, 0, 65536 * sizeof(int64_t));
@@ -701,7 +685,7 @@ PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
         const first_codes_t f = {.packed = a.buf, .bits = bits, .base = (uint8_t)base};
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
-        grouped_pairs_chunked(fill_packed, &f, b.buf, b.len, table, levels, out.buf, pairs.buf);
+        grouped_pairs_chunked(&f, b.buf, b.len, table, levels, out.buf, pairs.buf);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
@@ -709,20 +693,85 @@ PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The factored grouping (delta.py's grouped_delta of a keyframe's factored contexts): the cyclic
+ * difference (context - y) mod levels of each code y of a factored matrix (factored_t),
+ * regrouped by context as grouped_pairs regroups by a key, and its pairs counted. The groups'
+ * sizes come from the terms (factored_counts), and a row's codes go a class at a time: its
+ * columns, a run known in advance, gathered from the row and stored one after another at their
+ * context's next place, with no context made and no place updated per code (grouped_pairs'
+ * counting sort over 53-61 contexts took 1.2-1.4 ns a code on a 124M GPT-2's Adam scales, about
+ * half a keyframe's added cost). Rows where two classes or more clip to an end context go column
+ * by column, as the counting sort does. */
+static void factored_grouped_pairs(const factored_t *f, const uint8_t *y, const uint8_t table[511], uint8_t *o,
+                                   int64_t *pairs) {
+    int64_t count[256];
+    Py_ssize_t pos[256], begin[256], at = 0;
+    factored_counts(f, count);
+    for (int k = 0; k < 256; k++) { begin[k] = pos[k] = at; at += count[k]; }
+    for (Py_ssize_t i = 0; i < f->rows; i++) {
+        const int r = f->r[i];
+        const uint8_t *row = y + i * f->cols;
+        if (row_by_class(f, r))
+            for (Py_ssize_t k = 0; k < f->classes; k++) {
+                const int c = class_context(f, r, k);
+                const int32_t *cols = f->order + f->start[k];
+                const Py_ssize_t len = f->start[k + 1] - f->start[k];
+                const uint8_t *d = table + c + 255; /* d[-y] = (c - y) mod levels */
+                uint8_t *out = o + pos[c];
+                for (Py_ssize_t j = 0; j < len; j++) out[j] = d[-(int)row[cols[j]]];
+                pos[c] += len;
+            }
+        else
+            for (Py_ssize_t j = 0; j < f->cols; j++) {
+                int c = r + f->c[j];
+                c = c < 0 ? 0 : c > f->top ? f->top : c;
+                o[pos[c]++] = table[c - (int)row[j] + 255];
+            }
+    }
+    memset(pairs, 0, 65536 * sizeof(int64_t));
+    for (int k = 0; k < groups_in(count); k++) count_bytes(o + begin[k], count[k], pairs + ((Py_ssize_t)k << 8));
+}
+
+/* The inverse: each code of a factored matrix (context - d) mod levels from the grouped
+ * differences, read a class at a time as factored_grouped_pairs stored them. */
+static void factored_ungroup(const factored_t *f, const uint8_t *v, const uint8_t table[511], uint8_t *o) {
+    int64_t count[256];
+    Py_ssize_t pos[256], at = 0;
+    factored_counts(f, count);
+    for (int k = 0; k < 256; k++) { pos[k] = at; at += count[k]; }
+    for (Py_ssize_t i = 0; i < f->rows; i++) {
+        const int r = f->r[i];
+        uint8_t *row = o + i * f->cols;
+        if (row_by_class(f, r))
+            for (Py_ssize_t k = 0; k < f->classes; k++) {
+                const int c = class_context(f, r, k);
+                const int32_t *cols = f->order + f->start[k];
+                const Py_ssize_t len = f->start[k + 1] - f->start[k];
+                const uint8_t *code = table + c + 255, *in = v + pos[c]; /* code[-d] = (c - d) mod levels */
+                for (Py_ssize_t j = 0; j < len; j++) row[cols[j]] = code[-(int)in[j]];
+                pos[c] += len;
+            }
+        else
+            for (Py_ssize_t j = 0; j < f->cols; j++) {
+                int c = r + f->c[j];
+                c = c < 0 ? 0 : c > f->top ? f->top : c;
+                row[j] = table[c - (int)v[pos[c]++] + 255];
+            }
+    }
+}
+
 /* cyclic_factored_u8(row_terms, col_terms, contexts, b, levels, out, pairs): py_cyclic_u8's
  * grouped difference and pairs ((a - b) mod levels, regrouped by a) where a is the factored
  * contexts of a rows x cols matrix (factored.py: clip(r[i] + c[j], 0, contexts - 1), int16 terms
- * within +-2^12), made a chunk at a time (grouped_pairs_chunked), never whole; b's length is
- * rows x cols. delta.py's grouped_delta of a keyframe's factored contexts. */
+ * within +-2^12), never made (factored_grouped_pairs); b's length is rows x cols. delta.py's
+ * grouped_delta of a keyframe's factored contexts. */
 PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
     Py_buffer r, c, b, out, pairs;
     int contexts, levels;
     if (!PyArg_ParseTuple(args, "y*y*iy*iw*w*", &r, &c, &contexts, &b, &levels, &out, &pairs)) return NULL;
-    const Py_ssize_t rows = r.len / 2, cols = c.len / 2;
-    int ok = r.len % 2 == 0 && c.len % 2 == 0 && cols > 0 && b.len == rows * cols && out.len == b.len &&
-             contexts >= 1 && contexts <= 256 && levels >= 1 && levels <= 256 &&
-             pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t) &&
-             terms_bounded(r.buf, rows) && terms_bounded(c.buf, cols);
+    int ok = factored_fits(&r, &c, contexts) && b.len == (r.len / 2) * (c.len / 2) && out.len == b.len &&
+             levels >= 1 && levels <= 256 && pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t);
+    factored_t f;
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
                         "cyclic_factored: b is not rows x cols, out's length differs, terms past +-4096, contexts "
@@ -730,15 +779,53 @@ PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
     else if (overlaps(&out, &b)) {
         ok = 0;
         PyErr_SetString(PyExc_ValueError, "cyclic_factored: the grouped difference needs an out apart from b");
+    } else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
+        ok = 0;
+        PyErr_NoMemory();
     } else {
         uint8_t table[511];
-        const first_codes_t f = {.row_terms = r.buf, .col_terms = c.buf, .cols = cols, .top = (int16_t)(contexts - 1)};
         Py_BEGIN_ALLOW_THREADS
         cyclic_table(levels, table);
-        grouped_pairs_chunked(fill_factored, &f, b.buf, b.len, table, levels, out.buf, pairs.buf);
+        factored_grouped_pairs(&f, b.buf, table, out.buf, pairs.buf);
         Py_END_ALLOW_THREADS
+        factored_free(&f);
     }
     PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ungroup_factored_u8(grouped, row_terms, col_terms, contexts, levels, out): the codes (a - d) mod
+ * levels of a rows x cols matrix, a its factored contexts, from the differences d grouped by
+ * them (cyclic_factored_u8's grouped); out apart from grouped. delta.py's undo_regrouped_delta of
+ * a factored keyframe. Every group's size is the terms' (factored_counts), so any grouped bytes
+ * of the right length give codes; whether they are the stored ones is the rANS stream's check. */
+PyObject *py_ungroup_factored_u8(PyObject *self, PyObject *args) {
+    Py_buffer g, r, c, out;
+    int contexts, levels;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiw*", &g, &r, &c, &contexts, &levels, &out)) return NULL;
+    int ok = factored_fits(&r, &c, contexts) && g.len == (r.len / 2) * (c.len / 2) && out.len == g.len &&
+             levels >= 1 && levels <= 256;
+    factored_t f;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError,
+                        "ungroup_factored: grouped is not rows x cols, out's length differs, terms past +-4096, "
+                        "or contexts or levels outside 1..256");
+    else if (overlaps(&out, &g)) {
+        ok = 0;
+        PyErr_SetString(PyExc_ValueError, "ungroup_factored: out must be apart from grouped");
+    } else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
+        ok = 0;
+        PyErr_NoMemory();
+    } else {
+        uint8_t table[511];
+        Py_BEGIN_ALLOW_THREADS
+        cyclic_table(levels, table);
+        factored_ungroup(&f, g.buf, table, out.buf);
+        Py_END_ALLOW_THREADS
+        factored_free(&f);
+    }
+    PyBuffer_Release(&g); PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&out);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

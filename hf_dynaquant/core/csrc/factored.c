@@ -54,6 +54,17 @@ PyObject *py_factored_sums(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A row of factored contexts: out[j] = clip(r + c[j], 0,
+ * top) for terms within +-2^12 (their sum cannot overflow). */
+INLINE void factored_row(int16_t r, const int16_t *restrict c, Py_ssize_t n, int16_t top, uint8_t *restrict out) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int16_t v = (int16_t)(r + c[j]);
+        v = v < 0 ? 0 : v;
+        v = v > top ? top : v;
+        out[j] = (uint8_t)v;
+    }
+}
+
 /* out[i * cols + j] = clip(r[i] + c[j], 0, top), the terms already within +-2^12. */
 SIMD_CLONES static void contexts(const int16_t *restrict r, Py_ssize_t rows, const int16_t *restrict c, Py_ssize_t cols,
                                  int16_t top, uint8_t *restrict out) {
@@ -78,6 +89,79 @@ PyObject *py_factored_contexts(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The classes of a factored matrix's columns (factored_t, kernels.h): the columns ordered stably
+ * by their term (a counting sort over the bounded terms' 2^13 + 1 values), and the runs of equal
+ * terms in that order. Returns 1, or 0 out of memory (nothing then held). */
+#define TERM_BOUND (1 << 12)
+int factored_init(factored_t *f, const int16_t *r, Py_ssize_t rows, const int16_t *c, Py_ssize_t cols, int contexts) {
+    *f = (factored_t){.r = r, .rows = rows, .c = c, .cols = cols, .top = (int16_t)(contexts - 1)};
+    int32_t *place = calloc(2 * TERM_BOUND + 2, sizeof(int32_t));
+    f->order = malloc((size_t)cols * sizeof(int32_t));
+    f->start = malloc((size_t)(cols + 1) * sizeof(int32_t));
+    f->value = malloc((size_t)cols * sizeof(int16_t));
+    if (place == NULL || f->order == NULL || f->start == NULL || f->value == NULL) {
+        free(place);
+        factored_free(f);
+        return 0;
+    }
+    for (Py_ssize_t j = 0; j < cols; j++) place[c[j] + TERM_BOUND + 1]++;
+    for (int v = 1; v < 2 * TERM_BOUND + 2; v++) place[v] += place[v - 1];
+    for (Py_ssize_t j = 0; j < cols; j++) f->order[place[c[j] + TERM_BOUND]++] = (int32_t)j;
+    free(place);
+    for (Py_ssize_t t = 0; t < cols; t++)
+        if (t == 0 || c[f->order[t]] != c[f->order[t - 1]]) {
+            f->start[f->classes] = (int32_t)t;
+            f->value[f->classes++] = c[f->order[t]];
+        }
+    f->start[f->classes] = (int32_t)cols;
+    return 1;
+}
+
+void factored_free(factored_t *f) {
+    free(f->order); free(f->start); free(f->value);
+    f->order = f->start = NULL, f->value = NULL;
+}
+
+/* How many codes take each context (count: 256, set): each row's classes' sizes added at their
+ * contexts, rows x classes steps rather than a pass over the codes. */
+void factored_counts(const factored_t *f, int64_t count[256]) {
+    memset(count, 0, 256 * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < f->rows; i++)
+        for (Py_ssize_t k = 0; k < f->classes; k++) count[class_context(f, f->r[i], k)] += f->start[k + 1] - f->start[k];
+}
+
+/* Whether the factored terms of a call fit the kernels: int16 row and column terms within
+ * +-2^12, at least one column (fewer than 2^31), contexts 1..256. */
+int factored_fits(const Py_buffer *r, const Py_buffer *c, int contexts) {
+    return r->len % 2 == 0 && c->len % 2 == 0 && c->len > 0 && c->len / 2 < INT32_MAX && contexts >= 1 &&
+           contexts <= 256 && terms_bounded(r->buf, r->len / 2) && terms_bounded(c->buf, c->len / 2);
+}
+
+/* factored_counts(row_terms, col_terms, contexts, count): how many codes of a rows x cols matrix
+ * take each of factored.py's contexts, into count (int64, 256), from the terms alone. */
+PyObject *py_factored_counts(PyObject *self, PyObject *args) {
+    Py_buffer r, c, count;
+    int contexts;
+    if (!PyArg_ParseTuple(args, "y*y*iw*", &r, &c, &contexts, &count)) return NULL;
+    int ok = factored_fits(&r, &c, contexts) && count.len == 256 * (Py_ssize_t)sizeof(int64_t);
+    factored_t f;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError,
+                        "factored_counts: no columns, terms past +-4096, contexts outside 1..256, or count is not 256 int64");
+    else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
+        ok = 0;
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        factored_counts(&f, count.buf);
+        Py_END_ALLOW_THREADS
+        factored_free(&f);
+    }
+    PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&count);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }

@@ -18,8 +18,9 @@
  *                VBMI2 where the CPU has it, chosen at run time), and counts of uint8 symbols and of pairs of them
  *                (histogram.py);
  *   varint.c     unsigned LEB128 varints of uint64 values, and back (varint.py);
- *   factored.c   a matrix of codes' row and column sums, and each code's context from row and
- *                column terms (factored.py);
+ *   factored.c   a matrix of codes' row and column sums, each code's context from row and
+ *                column terms, and the columns' classes of equal terms, by which delta.c groups
+ *                codes on those contexts and counts them (factored.py);
  *   ans.c        rANS coding of uint8 symbols, constriction's streams bit for bit (ans.py; the
  *                encoder's eight lanes in one AVX-512 vector where the CPU has it);
  *   kmeans.c     the Lloyd iterations of weighted 1-D k-means (kmeans.py);
@@ -98,23 +99,44 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args);
 PyObject *py_factored_sums(PyObject *self, PyObject *args);
 PyObject *py_factored_contexts(PyObject *self, PyObject *args);
 PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args);
+PyObject *py_ungroup_factored_u8(PyObject *self, PyObject *args);
+PyObject *py_factored_counts(PyObject *self, PyObject *args);
 
-/* A row of factored contexts (factored.c, delta.c's fused grouping): out[j] = clip(r + c[j], 0,
- * top) for terms within +-2^12 (their sum cannot overflow). */
-INLINE void factored_row(int16_t r, const int16_t *restrict c, Py_ssize_t n, int16_t top, uint8_t *restrict out) {
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int16_t v = (int16_t)(r + c[j]);
-        v = v < 0 ? 0 : v;
-        v = v > top ? top : v;
-        out[j] = (uint8_t)v;
-    }
-}
-
-/* Whether each of n int16 terms lies within +-2^12 (what factored_row assumes). */
+/* Whether each of n int16 terms lies within +-2^12 (what the factored kernels assume: r + c fits an int16). */
 INLINE int terms_bounded(const int16_t *t, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (t[i] < -(1 << 12) || t[i] > (1 << 12)) return 0;
     return 1;
+}
+
+/* A factored matrix's contexts by class (factored.c): rows x cols codes, row i's context at
+ * column j clip(r[i] + c[j], 0, top). Its columns ordered stably by their term, order[0..cols),
+ * fall in classes of equal terms, class k holding order[start[k] .. start[k + 1]) with term
+ * value[k], ascending: a row takes one context over each class, and the contexts grow with k.
+ * So the codes of one context in one row are one class's (unless two classes or more clip to
+ * the same end context), a run of columns known before the codes are read. */
+typedef struct {
+    const int16_t *r, *c;
+    Py_ssize_t rows, cols, classes;
+    int16_t top;
+    int32_t *order, *start;
+    int16_t *value;
+} factored_t;
+int factored_init(factored_t *f, const int16_t *r, Py_ssize_t rows, const int16_t *c, Py_ssize_t cols, int contexts);
+void factored_free(factored_t *f);
+void factored_counts(const factored_t *f, int64_t count[256]);
+int factored_fits(const Py_buffer *r, const Py_buffer *c, int contexts);
+
+/* The context of class k in a row of term r. */
+INLINE int class_context(const factored_t *f, int r, Py_ssize_t k) {
+    const int v = r + f->value[k];
+    return v < 0 ? 0 : v > f->top ? f->top : v;
+}
+
+/* Whether each context of a row of term r holds one class (else two classes or more clip to an
+ * end context, whose codes are then taken in column order). */
+INLINE int row_by_class(const factored_t *f, int r) {
+    return f->classes < 2 || (r + f->value[1] > 0 && r + f->value[f->classes - 2] < f->top);
 }
 PyObject *py_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args);

@@ -63,6 +63,11 @@ static PyMethodDef methods[] = {
     {"cyclic_factored_u8", py_cyclic_factored_u8, METH_VARARGS,
      "cyclic_factored_u8(row_terms, col_terms, contexts, b, levels, out, pairs): cyclic_u8's grouped difference and pairs, "
      "the first codes the factored contexts of row and column terms"},
+    {"ungroup_factored_u8", py_ungroup_factored_u8, METH_VARARGS,
+     "ungroup_factored_u8(grouped, row_terms, col_terms, contexts, levels, out): the codes (a - d) mod levels from "
+     "differences grouped by the factored contexts a"},
+    {"factored_counts", py_factored_counts, METH_VARARGS,
+     "factored_counts(row_terms, col_terms, contexts, count): how many codes take each factored context (int64, 256)"},
     {"factored_contexts", py_factored_contexts, METH_VARARGS,
      "factored_contexts(row_terms, col_terms, contexts, out): clip(r[i] + c[j], 0, contexts - 1) (int16 terms, uint8 out)"},
     {"fidelity_f32", py_fidelity_f32, METH_VARARGS, "fidelity_f32(a, b) -> (a.b, a.a, b.b, (a-b).(a-b)) in float64"},
