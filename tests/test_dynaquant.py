@@ -2232,21 +2232,28 @@ def test_a_restore_hands_freed_memory_back_while_it_converts_the_moments(tmp_pat
     assert len(trims) >= 4 and set(trims) == {0}  # (each weight's m and v: 2 x 64 x 64 values)
 
 
-def test_a_save_hands_freed_memory_back_only_past_its_allowance(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_save_hands_freed_memory_back_only_past_its_allowance(tmp_path, monkeypatch, dtype) -> None:
     """A save's optimizer-state decisions and its write trim only once the resident set has
-    grown past SAVE_ALLOWANCE of the checkpoint since the save began (freed pages kept are
-    reused without a fault); past it, every count that comes due trims, as before."""
+    grown past its allowance since the save began (freed pages kept are reused without a
+    fault): SAVE_ALLOWANCE of a float32 checkpoint, a quarter of a bfloat16 one (its float32
+    temporaries are twice its own share); past it, every count that comes due trims, as before."""
     import itertools
 
     from hf_dynaquant.core import memory
     from hf_dynaquant.training.snapshot import raw_optimizer_bytes, unique_nbytes
 
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 64)).sum().backward()
+    model(torch.randn(4, 64, dtype=dtype)).sum().backward()
     optimizer.step()
     checkpoint = unique_nbytes(model.state_dict().values()) + raw_optimizer_bytes(optimizer.state_dict())
-    allowance = int(memory.SAVE_ALLOWANCE * checkpoint)
+    values = unique_nbytes(model.state_dict().values(), values=True) + raw_optimizer_bytes(
+        optimizer.state_dict(), values=True
+    )
+    allowance = memory.save_allowance(checkpoint, values)
+    share = 1.0 if dtype == torch.float32 else 0.5  # (Adam's float32 step counts are a few bytes more)
+    assert allowance == pytest.approx(memory.SAVE_ALLOWANCE * checkpoint * share, rel=1e-3)
     trims: list[int] = []
     monkeypatch.setattr(memory, "_TRIM", lambda pad: trims.append(pad) or 1)
     monkeypatch.setattr(memory, "TRIM_EVERY", 64 * 64)

@@ -234,6 +234,41 @@ def test_ordered_map_lets_light_items_pass_a_heavy_one_that_waits_and_keeps_the_
         pool.shutdown()
 
 
+def test_ordered_map_prepares_an_item_only_as_it_goes_in() -> None:
+    """With ``prepare``, each item is prepared in the calling thread as it goes in, and ``fn``
+    gets what it made: a heavy item waiting for room beside a heavy one is not prepared until
+    that one is done (a save makes its optimizer tensors so: made while waiting, a pure-bf16
+    embedding's float32 scale was held beside its update)."""
+    import threading
+
+    from hf_dynaquant.core.pool import ForkSafePool, ordered_map
+
+    first_done, prepared = threading.Event(), []
+    caller = threading.current_thread()
+
+    def prepare(item: tuple[int, int]) -> tuple[int, int, str]:
+        assert threading.current_thread() is caller
+        prepared.append((item[0], first_done.is_set()))
+        return (*item, "prepared")
+
+    def work(item: tuple[int, int, str]) -> int:
+        assert item[2] == "prepared"
+        if item[0] == 0:
+            first_done.wait(timeout=0.2)  # (light items pass the waiting heavy one meanwhile)
+            first_done.set()
+        return item[0]
+
+    items = [(0, 7), (1, 7)] + [(i, 1) for i in range(2, 10)]
+    pool = ForkSafePool("test-ordered-prepare", max_workers=2)
+    try:
+        out = list(ordered_map(pool, work, items, weight=lambda it: it[1], budget=8, held=lambda r: 0, prepare=prepare))
+    finally:
+        pool.shutdown()
+    assert out == list(range(10))
+    assert sorted(i for i, _ in prepared) == list(range(10))
+    assert dict(prepared)[1] and not dict(prepared)[0]  # the waiting heavy item: prepared once the first was done
+
+
 def test_ordered_map_takes_items_past_a_waiting_one_only_as_threads_free_up() -> None:
     """In order, the items that go past a waiting one are taken from ``items`` (where a save makes
     its optimizer tensors) one a thread at most, however much of the budget they leave free:

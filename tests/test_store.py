@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_dynaquant import CheckpointStore, EntryNotFoundError
+from hf_dynaquant import CheckpointStore, EntryNotFoundError, UnsupportedTensorError
 from hf_dynaquant.store.manifest import MANIFEST, read_manifest_bytes
 from hf_dynaquant.store.safetensors_io import StreamingWriter
 from hf_dynaquant.store.tree import DeferredTensor, flatten_tree, unflatten_tree
@@ -101,9 +101,10 @@ def test_tree_encoding_holds_no_reference_cycle() -> None:
 
 
 def test_deferred_tree_leaves_are_made_when_encoded_and_never_taken_for_tied(store) -> None:
-    """A tree's :class:`DeferredTensor` leaves are made one by one as the store encodes them
+    """A tree's :class:`DeferredTensor` leaves are made once each as the store encodes them
     (none before the write), and each is stored as itself: fresh tensors of one shape may reuse
-    a freed one's memory, which must not make them aliases of each other."""
+    a freed one's memory, which must not make them aliases of each other. A leaf that makes
+    another dtype or shape than it declared is refused, naming it."""
     values = [torch.full((300, 300), float(i)) for i in range(6)]
     made: list[int] = []
 
@@ -120,6 +121,10 @@ def test_deferred_tree_leaves_are_made_when_encoded_and_never_taken_for_tied(sto
     assert made == []
     store.write(trees={"opt": tree}, ref="d")
     assert made == list(range(6))
+    for declared in (DeferredTensor((300, 300), maker(0), torch.float64), DeferredTensor((90000,), maker(0))):
+        with pytest.raises(UnsupportedTensorError, match="opt//state/0/x: a deferred tensor declared"):
+            store.write(trees={"opt": {"state": {0: {"x": declared}}}}, ref="bad")
+    assert "bad" not in store.refs()
     with store.open("d") as entry:
         back = entry.tree("opt")
         assert not any("alias_of" in rec for rec in entry.manifest["sections"]["opt"].values())

@@ -1,12 +1,11 @@
-# session 48: one thread, the Adam-scale codes of two 124M keyframes (bench_scale model, captured once to /tmp/scale_codes.npz): the factored grouping and its undoing, ns a code; run with PYTHONPATH set to the code to time
-# the scale codes of a 124M keyframe (bench_scale's model after one step), captured, then grouped / ungrouped on one thread
+# session 48: one thread, the Adam-scale codes of a 124M keyframe (bench_scale's model after one step, captured once to /tmp/scale_codes_<DTYPE>.npz): the factored grouping and its undoing, ns a code; run with PYTHONPATH set to the code to time
 import os, sys, time, gc, pickle
 sys.path.insert(0, "/work/main/benchmarks"); sys.path.insert(0, "/work/main/benchmarks/out")
 import numpy as np
-cap = "/tmp/scale_codes.npz"
+DTYPE = os.environ.get("DTYPE", "float32")  # bfloat16: the pure-bf16 model's scales (finer grid, more contexts)
+cap = f"/tmp/scale_codes_{DTYPE}.npz"
 if not os.path.exists(cap):
     from bench_scale import CONFIG, train_step
-    from s46_first_keyframe import first_keyframe
     import hf_dynaquant.codecs.dynaquant as D
     from hf_dynaquant import Compressor
     got = []
@@ -16,9 +15,14 @@ if not os.path.exists(cap):
         if r is not None: got.append((state.codes.copy(), state.shape, state.levels))
         return r
     D._Factored.tried = classmethod(tried)
-    model, opt, d, c = first_keyframe()
-    train_step(model, opt, 100)
-    Compressor(model, os.path.join(d, "k"), CONFIG, optimizer=opt).compress(2)
+    import tempfile, torch
+    from bench_scale import SIZES, fresh
+    from transformers import GPT2Config
+    torch.manual_seed(0)
+    model, opt = fresh(GPT2Config(**SIZES["124M"]), getattr(torch, DTYPE))
+    train_step(model, opt, 0)
+    d = tempfile.mkdtemp(dir="/dev/shm")
+    Compressor(model, os.path.join(d, "k"), CONFIG, optimizer=opt).compress(1)
     np.savez(cap, **{f"c{i}": g[0] for i, g in enumerate(got)}, shapes=np.array([g[1][:2] for g in got]), levels=np.array([g[2] for g in got]))
     print("captured", len(got))
 z = np.load(cap)

@@ -16,7 +16,8 @@ while it converts the optimizer moments, every 2^25 values (``optimizer_state``)
 
 Handing pages back costs the faults that take them again: a save therefore keeps what it frees
 while its resident set has grown by less than half its checkpoint (:data:`SAVE_ALLOWANCE`, see
-:class:`ReleaseFreed`), and trims only past that.
+:class:`ReleaseFreed` and :func:`save_allowance`: less for values narrower than float32), and
+trims only past that.
 
 ``malloc_trim(0)`` returns the free pages of every arena (not only the top of the heap), taking
 each arena's lock briefly in turn; it changes no allocator setting. Where the C library has no
@@ -39,6 +40,7 @@ import torch
 __all__ = [
     "RESERVE",
     "SAVE_ALLOWANCE",
+    "save_allowance",
     "TRIM_EVERY",
     "Computed",
     "ReleaseFreed",
@@ -53,6 +55,19 @@ RESERVE = 0.10  # share of a CUDA device's memory that must stay free besides wh
 
 TRIM_EVERY = 1 << 23  # values processed between two trims
 SAVE_ALLOWANCE = 0.5  # share of its checkpoint's bytes a save may grow the resident set by before trimming
+
+
+def save_allowance(nbytes: int, values: int) -> int:
+    """The allowance (bytes, :class:`ReleaseFreed`) of a save of a checkpoint of ``nbytes`` bytes
+    holding ``values`` values: :data:`SAVE_ALLOWANCE` of its bytes, times its bytes a value
+    against float32's 4 where they are fewer. A save's temporaries are float32 forms and codes
+    whatever the checkpoint's dtype, so a pure-bfloat16 checkpoint's are twice its own share of
+    a float32 one's; with half its bytes kept on top of them, a 124M pure-bf16 keyframe peaked at
+    0.75-0.93x its checkpoint (its embedding's Adam update and scale in float32 in flight), with
+    a quarter at 0.64-0.70x (``benchmarks/RESULTS.md``, session 48)."""
+    if values <= 0:
+        return 0
+    return int(SAVE_ALLOWANCE * nbytes * min(1.0, nbytes / (4 * values)))
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -78,7 +93,7 @@ class ReleaseFreed:
     ``/proc/self/statm``; where it cannot be read, every time, as without one): freed pages kept
     are reused without a page fault, each of which the kernel zeroes first. A
     :class:`~hf_dynaquant.training.compressor.Compressor` makes one for each save before its
-    plan, allowing :data:`SAVE_ALLOWANCE` of the checkpoint, and its optimizer-state decisions
+    plan, allowing :func:`save_allowance` of the checkpoint, and its optimizer-state decisions
     and its write go on with it, so the growth counted is the whole save's. Measured at 124M in
     alternating ``bench_scale.py`` runs (session 42): float32 keyframes 1.25-1.39 s against
     1.51-1.61 s (CPU 1.91-2.10 s against 2.27-2.41 s), peak extra memory 0.36-0.45x the checkpoint

@@ -128,6 +128,7 @@ def ordered_map(
     weight: Callable[[U], int] | None = None,
     budget: int | None = None,
     held: Callable[[T], int] | None = None,
+    prepare: Callable[[U], Any] | None = None,
 ) -> Iterator[T]:
     """``fn(item)`` for each item, in order, computed on ``pool`` with at most ``ahead`` items
     in flight (default: one more than the pool's threads, so none idles while the caller takes
@@ -143,8 +144,11 @@ def ordered_map(
     alone (and is itself let go), so lighter items go on beside a large one instead of the pool
     idling; without it a done item keeps its weight until taken. An item that does not fit
     beside those in flight waits while lighter items after it go past it (still yielded after
-    it, in order). ``items`` is consumed in the calling thread."""
-    results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True, held=held)
+    it, in order). ``items`` is consumed in the calling thread. ``prepare`` (with a budget):
+    ``fn(prepare(item))`` is computed instead, ``prepare`` called in the calling thread as the
+    item goes in, so that what it makes is held only once the item fits beside those in
+    flight (an item that waits for room is held as it was given)."""
+    results = _bounded_map(pool, fn, items, ahead, weight, budget, in_order=True, held=held, prepare=prepare)
     try:
         for _, result in results:
             yield result
@@ -183,6 +187,7 @@ def _bounded_map(
     *,
     in_order: bool,
     held: Callable[[T], int] | None = None,
+    prepare: Callable[[U], Any] | None = None,
 ) -> Iterator[tuple[U | None, T]]:
     """The loop of :func:`ordered_map` (``in_order``) and :func:`completed_map`: submit the
     items while the bounds allow, and take results (the oldest, or any that are done) to make
@@ -192,8 +197,9 @@ def _bounded_map(
     as they leave it its room once the items before it are done (so it is never starved); it
     goes in first as soon as it fits. In order, the items that went past it are yielded after
     it all the same, and at most one a thread is working or queued at once: an item's input may
-    be made as it is taken from ``items`` (a save's optimizer tensors are), and queued by weight
-    the items made ahead could add the budget's last quarter to what runs. A restore's
+    be made as it is taken from ``items``, and queued by weight the items made ahead could add
+    the budget's last quarter to what runs (a save's optimizer tensors are made by ``prepare``
+    instead, as they go in: see :class:`~hf_dynaquant.store.tree.DeferredTensor`). A restore's
     optimizer state takes the large embedding's two moments first, each over half the budget:
     the second waited for the first while the other threads idled (a second of one thread at
     the end of a 124M delta chain); a save's two (Adam's update and scale of the embedding) left
@@ -270,7 +276,7 @@ def _bounded_map(
 
     def submit(entry: list[Any], past: bool = False) -> None:
         nonlocal load, passed
-        entry[3], entry[4] = past, pool.submit(fn, entry[0])
+        entry[3], entry[4] = past, pool.submit(fn, entry[0] if prepare is None else prepare(entry[0]))
         pending[entry[4]] = entry
         load += entry[1]
         passed += entry[1] if past else 0

@@ -677,28 +677,36 @@ class CheckpointStore:
             if isinstance(exc, OSError):
                 raise StoreWriteError(f"store {self.path}", exc) from exc
             raise
-        def jobs() -> Iterator[tuple[str, str, RawTensor, Codec, Any]]:
-            """The tensors to encode, in order (tied weights recorded as aliases on the way)."""
+        def jobs() -> Iterator[tuple[str, str, RawTensor | DeferredTensor, Codec, Any]]:
+            """The tensors to encode, in order (tied weights recorded as aliases on the way); a
+            deferred one as it is, made when the pool takes it (``made``)."""
             for section, group in groups.items():
                 seen = {}
                 for name, tensor in group.items():
                     bar.update()
-                    if isinstance(tensor, DeferredTensor):  # made now; its memory may be an earlier one's
-                        tensor, key = tensor.make(), None
-                    else:
+                    item: RawTensor | DeferredTensor = tensor
+                    if not isinstance(tensor, DeferredTensor):  # (a deferred one's memory may be an earlier one's)
                         key = storage_key(tensor)
-                    if key in seen:
-                        alias_like = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
-                        writer.add_alias(section, name, seen[key], alias_like)
-                        continue
-                    if key is not None:
-                        seen[key] = name
-                    raw = to_raw(tensor, f"{section}/{name}")
+                        if key in seen:
+                            alias_like = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+                            writer.add_alias(section, name, seen[key], alias_like)
+                            continue
+                        if key is not None:
+                            seen[key] = name
+                        item = to_raw(tensor, f"{section}/{name}")
                     if base_reader is not None and base_states is not None and (section, name) in base_states:
                         base_state = base_states.pop((section, name))
                     else:
-                        base_state = _base_state(base_reader, section, name, raw)
-                    yield section, name, raw, codec_for(section, name), base_state
+                        base_state = _base_state(base_reader, section, name, *_dtype_and_shape(item))
+                    yield section, name, item, codec_for(section, name), base_state
+
+        def made(job: tuple[str, str, RawTensor | DeferredTensor, Codec, Any]) -> tuple[str, str, RawTensor, Codec, Any]:
+            """A job whose deferred tensor is made, as the pool takes it (in this thread, which
+            then goes on to the next while the pool encodes)."""
+            section, name, item, codec, base_state = job
+            if not isinstance(item, DeferredTensor):
+                return job
+            return section, name, _made(item, f"{section}/{name}"), codec, base_state
 
         def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> _Encoded:
             section, name, raw, codec, base_state = job
@@ -716,9 +724,9 @@ class CheckpointStore:
             total = sum(len(g) for g in groups.values())
             with tqdm(total=total, desc="compressing", unit="tensor", disable=not progress) as bar:
                 # tensors are encoded a few at a time on the pool; their blobs go to the payload in order
-                weigh = lambda job: _weight(job[2].dtype, job[2].shape)  # noqa: E731
+                weigh = lambda job: _weight(*_dtype_and_shape(job[2]))  # noqa: E731
                 encoded_jobs = ordered_map(
-                    _TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT, held=_held_weight
+                    _TENSOR_POOL, encode, jobs(), weight=weigh, budget=VALUES_IN_FLIGHT, held=_held_weight, prepare=made
                 )
                 freed = freed if freed is not None else ReleaseFreed()
                 for section, name, raw, codec, encoded, digests in encoded_jobs:
@@ -930,11 +938,31 @@ def _numels(group: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return numels() if callable(numels) else {n: t.numel() for n, t in group.items()}
 
 
-def _base_state(base: EntryReader | None, section: str, name: str, raw: RawTensor) -> Any:
+def _base_state(base: EntryReader | None, section: str, name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     """The base entry's state of the same tensor, when it has a compatible one."""
     if base is None:
         return None
     rec = base.manifest["sections"].get(section, {}).get(name)
-    if rec is None or rec["dtype"] != raw.dtype or tuple(rec["shape"]) != raw.shape:
+    if rec is None or rec["dtype"] != dtype or tuple(rec["shape"]) != shape:
         return None
     return base.state(section, name)
+
+
+def _dtype_and_shape(item: RawTensor | DeferredTensor) -> tuple[str, tuple[int, ...]]:
+    """The stored dtype name and shape of a tensor to encode, a deferred one's as declared."""
+    if isinstance(item, DeferredTensor):
+        return dtype_name(item.dtype), tuple(int(s) for s in item.shape)
+    return item.dtype, item.shape
+
+
+def _made(deferred: DeferredTensor, where: str) -> RawTensor:
+    """A deferred tensor made (as the encoding pool takes it), as raw bits; an
+    :class:`~hf_dynaquant.errors.UnsupportedTensorError` where it is not the dtype and shape it
+    declared (its weight and base state were its declared ones)."""
+    tensor = deferred.make()
+    if tensor.dtype != deferred.dtype or tuple(tensor.shape) != tuple(deferred.shape):
+        raise UnsupportedTensorError(
+            f"{where}: a deferred tensor declared {deferred.dtype} of shape {tuple(deferred.shape)}, "
+            f"made {tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+    return to_raw(tensor, where)

@@ -45,7 +45,7 @@ from ..codecs import get_codec
 from ..codecs.dynaquant import DynaQuantCodec, KeptState, QuantState
 from ..core.collectives import is_distributed
 from ..core.dtypes import from_raw, storage_key
-from ..core.memory import SAVE_ALLOWANCE, Computed, ReleaseFreed, has_room, release_freed
+from ..core.memory import Computed, ReleaseFreed, has_room, release_freed, save_allowance
 from ..core.quantizer import (
     QuantConfig,
     QuantPlan,
@@ -738,7 +738,8 @@ class Compressor:
         store = self._writable()
         # one pace of handing freed memory back for the save's decisions and write, counted from here
         optimizer_raw = raw_optimizer_bytes(snap.optimizer)
-        freed = ReleaseFreed(allowance=int(SAVE_ALLOWANCE * (unique_nbytes(snap.state.values()) + optimizer_raw)))
+        values = unique_nbytes(snap.state.values(), values=True) + raw_optimizer_bytes(snap.optimizer, values=True)
+        freed = ReleaseFreed(allowance=save_allowance(unique_nbytes(snap.state.values()) + optimizer_raw, values))
         keyframe, anchor, base = self._next_is_keyframe(), self._next_is_anchor(), self._next_base()
         meta = dict(snap.metadata)
         meta["chain_position"] = 0 if keyframe else self._chain_length  # (continue_chain reads it)

@@ -294,16 +294,18 @@ def map_tree(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree
 
 
-def raw_optimizer_bytes(state: Any) -> int:
-    """Bytes of the tensors in an optimizer state (what an uncompressed save writes)."""
+def raw_optimizer_bytes(state: Any, *, values: bool = False) -> int:
+    """Bytes of the tensors in an optimizer state (what an uncompressed save writes), or with
+    ``values`` how many values they hold."""
     if state is None:
         return 0
     _, tensors = flatten_tree(state)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * (1 if values else t.element_size()) for t in tensors.values())
 
 
-def unique_nbytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of ``tensors``, each storage counted once (tied weights share one)."""
-    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+def unique_nbytes(tensors: Iterable[torch.Tensor], *, values: bool = False) -> int:
+    """Bytes of ``tensors``, each storage counted once (tied weights share one), or with
+    ``values`` how many values they hold."""
+    return sum(t.numel() * (1 if values else t.element_size()) for t in {t.data_ptr(): t for t in tensors}.values())
 
 
