@@ -62,9 +62,9 @@ def save_allowance(nbytes: int, values: int) -> int:
     holding ``values`` values: :data:`SAVE_ALLOWANCE` of its bytes, times its bytes a value
     against float32's 4 where they are fewer. A save's temporaries are float32 forms and codes
     whatever the checkpoint's dtype, so a pure-bfloat16 checkpoint's are twice its own share of
-    a float32 one's; with half its bytes kept on top of them, a 124M pure-bf16 keyframe peaked at
-    0.75-0.93x its checkpoint (its embedding's Adam update and scale in float32 in flight), with
-    a quarter at 0.64-0.70x (``benchmarks/RESULTS.md``, session 48)."""
+    a float32 one's: with half its bytes kept on top of them, a 124M pure-bf16 keyframe peaked at
+    up to 0.93x its checkpoint (its embedding's Adam update and scale in float32 in flight), with
+    a quarter at 0.55-0.79x (``benchmarks/RESULTS.md``, session 48)."""
     if values <= 0:
         return 0
     return int(SAVE_ALLOWANCE * nbytes * min(1.0, nbytes / (4 * values)))

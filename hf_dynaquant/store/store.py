@@ -677,7 +677,8 @@ class CheckpointStore:
             if isinstance(exc, OSError):
                 raise StoreWriteError(f"store {self.path}", exc) from exc
             raise
-        def jobs() -> Iterator[tuple[str, str, RawTensor | DeferredTensor, Codec, Any]]:
+
+        def jobs() -> Iterator[_Job]:
             """The tensors to encode, in order (tied weights recorded as aliases on the way); a
             deferred one as it is, made when the pool takes it (``made``)."""
             for section, group in groups.items():
@@ -700,9 +701,9 @@ class CheckpointStore:
                         base_state = _base_state(base_reader, section, name, *_dtype_and_shape(item))
                     yield section, name, item, codec_for(section, name), base_state
 
-        def made(job: tuple[str, str, RawTensor | DeferredTensor, Codec, Any]) -> tuple[str, str, RawTensor, Codec, Any]:
-            """A job whose deferred tensor is made, as the pool takes it (in this thread, which
-            then goes on to the next while the pool encodes)."""
+        def made(job: _Job) -> tuple[str, str, RawTensor, Codec, Any]:
+            """The job with its deferred tensor made, as the pool takes it (in this thread, which
+            goes on to the next while the pool encodes)."""
             section, name, item, codec, base_state = job
             if not isinstance(item, DeferredTensor):
                 return job
@@ -898,6 +899,8 @@ class _RawSize:
     nbytes: int
 
 
+# one tensor to write: (section, name, its raw bits or the deferred tensor that makes them, codec, base state)
+_Job = tuple[str, str, RawTensor | DeferredTensor, Codec, Any]
 # what the pool makes of one tensor to write: (section, name, its dtype and size, codec, encoded, blob digests)
 _Encoded = tuple[str, str, _RawSize, Codec, Encoded, dict[str, str]]
 

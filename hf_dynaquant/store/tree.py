@@ -42,7 +42,7 @@ class DeferredTensor:
     dtype, and makes it only as the pool takes it. Made as the store's list of tensors reached
     it, a tensor too heavy to go in beside those encoding waited made: a pure-bfloat16 124M
     GPT-2's embedding's scale (a float32 copy of ``v``, 0.21x the checkpoint) beside its update,
-    and its keyframes peaked at 0.75-1.05x the checkpoint."""
+    and its keyframes peaked at 0.74-1.05x the checkpoint."""
 
     shape: tuple[int, ...]
     make: Callable[[], torch.Tensor]

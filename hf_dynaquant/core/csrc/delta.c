@@ -693,85 +693,88 @@ PyObject *py_cyclic_packed_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The factored grouping (delta.py's grouped_delta of a keyframe's factored contexts): the cyclic
- * difference (context - y) mod levels of each code y of a factored matrix (factored_t),
- * regrouped by context as grouped_pairs regroups by a key, and its pairs counted. The groups'
- * sizes come from the terms (factored_counts), and a row's codes go a class at a time: its
- * columns, a run known in advance, gathered from the row and stored one after another at their
- * context's next place, with no context made and no place updated per code (grouped_pairs'
- * counting sort over 53-61 contexts took 1.2-1.4 ns a code on a 124M GPT-2's Adam scales, about
- * half a keyframe's added cost). Rows where two classes or more clip to an end context go column
- * by column, as the counting sort does. */
-static void factored_grouped_pairs(const factored_t *f, const uint8_t *y, const uint8_t table[511], uint8_t *o,
-                                   int64_t *pairs) {
-    int64_t count[256];
-    Py_ssize_t pos[256], begin[256], at = 0;
-    factored_counts(f, count);
-    for (int k = 0; k < 256; k++) { begin[k] = pos[k] = at; at += count[k]; }
-    for (Py_ssize_t i = 0; i < f->rows; i++) {
-        const int r = f->r[i];
-        const uint8_t *row = y + i * f->cols;
-        if (row_by_class(f, r))
-            for (Py_ssize_t k = 0; k < f->classes; k++) {
-                const int c = class_context(f, r, k);
-                const int32_t *cols = f->order + f->start[k];
-                const Py_ssize_t len = f->start[k + 1] - f->start[k];
-                const uint8_t *d = table + c + 255; /* d[-y] = (c - y) mod levels */
-                uint8_t *out = o + pos[c];
-                for (Py_ssize_t j = 0; j < len; j++) out[j] = d[-(int)row[cols[j]]];
-                pos[c] += len;
-            }
-        else
-            for (Py_ssize_t j = 0; j < f->cols; j++) {
-                int c = r + f->c[j];
-                c = c < 0 ? 0 : c > f->top ? f->top : c;
-                o[pos[c]++] = table[c - (int)row[j] + 255];
-            }
-    }
-    memset(pairs, 0, 65536 * sizeof(int64_t));
-    for (int k = 0; k < groups_in(count); k++) count_bytes(o + begin[k], count[k], pairs + ((Py_ssize_t)k << 8));
-}
-
-/* The inverse: each code of a factored matrix (context - d) mod levels from the grouped
- * differences, read a class at a time as factored_grouped_pairs stored them. */
-static void factored_ungroup(const factored_t *f, const uint8_t *v, const uint8_t table[511], uint8_t *o) {
-    int64_t count[256];
+/* The factored grouping (delta.py's grouped_delta of a keyframe's factored contexts), FORWARD:
+ * the cyclic difference (context - y) mod levels of each code y of a factored matrix
+ * (factored_t, src) regrouped by context into dst, as grouped_pairs regroups by a key; or its
+ * inverse: each code (context - d) mod levels into dst from the grouped differences d in src.
+ * The groups' sizes come from the terms (factored_counts, into count), and a row's codes go a
+ * class at a time: its columns, a run known in advance, gathered from the row and stored one
+ * after another at their context's next place (or back), with no context made and no place
+ * updated per code (grouped_pairs' counting sort over 53-61 contexts took 1.2-1.4 ns a code on a
+ * 124M GPT-2's Adam scales, about half a keyframe's added cost; its inverse, after making the
+ * contexts whole, 1.2). Rows where two classes or more clip to an end context go column by
+ * column, as the counting sort does. */
+INLINE void factored_walk(const int FORWARD, const factored_t *f, const uint8_t *src, const uint8_t table[511],
+                          uint8_t *dst, int64_t count[256]) {
     Py_ssize_t pos[256], at = 0;
     factored_counts(f, count);
     for (int k = 0; k < 256; k++) { pos[k] = at; at += count[k]; }
     for (Py_ssize_t i = 0; i < f->rows; i++) {
         const int r = f->r[i];
-        uint8_t *row = o + i * f->cols;
+        const uint8_t *codes_in = src + i * f->cols; /* (the row, when FORWARD) */
+        uint8_t *codes_out = dst + i * f->cols;      /* (the row, when not) */
         if (row_by_class(f, r))
             for (Py_ssize_t k = 0; k < f->classes; k++) {
                 const int c = class_context(f, r, k);
                 const int32_t *cols = f->order + f->start[k];
                 const Py_ssize_t len = f->start[k + 1] - f->start[k];
-                const uint8_t *code = table + c + 255, *in = v + pos[c]; /* code[-d] = (c - d) mod levels */
-                for (Py_ssize_t j = 0; j < len; j++) row[cols[j]] = code[-(int)in[j]];
+                const uint8_t *t = table + c + 255; /* t[-x] = (c - x) mod levels */
+                if (FORWARD) {
+                    uint8_t *g = dst + pos[c];
+                    for (Py_ssize_t j = 0; j < len; j++) g[j] = t[-(int)codes_in[cols[j]]];
+                } else {
+                    const uint8_t *g = src + pos[c];
+                    for (Py_ssize_t j = 0; j < len; j++) codes_out[cols[j]] = t[-(int)g[j]];
+                }
                 pos[c] += len;
             }
         else
             for (Py_ssize_t j = 0; j < f->cols; j++) {
                 int c = r + f->c[j];
                 c = c < 0 ? 0 : c > f->top ? f->top : c;
-                row[j] = table[c - (int)v[pos[c]++] + 255];
+                if (FORWARD)
+                    dst[pos[c]++] = table[c - (int)codes_in[j] + 255];
+                else
+                    codes_out[j] = table[c - (int)src[pos[c]++] + 255];
             }
     }
+}
+
+/* cyclic_factored_u8's work (FORWARD, with pairs: the grouped differences' pairs counted, as
+ * grouped_pairs counts them) or ungroup_factored_u8's, the GIL released: 0 out of memory. */
+static int factored_regroup(const int forward, const Py_buffer *r, const Py_buffer *c, int contexts, int levels,
+                            const uint8_t *src, uint8_t *dst, int64_t *pairs) {
+    factored_t f;
+    if (!factored_init(&f, r->buf, r->len / 2, c->buf, c->len / 2, contexts)) return 0;
+    uint8_t table[511];
+    int64_t count[256];
+    Py_BEGIN_ALLOW_THREADS
+    cyclic_table(levels, table);
+    if (forward) {
+        factored_walk(1, &f, src, table, dst, count);
+        Py_ssize_t at = 0;
+        memset(pairs, 0, 65536 * sizeof(int64_t));
+        for (int k = 0; k < groups_in(count); at += count[k], k++)
+            count_bytes(dst + at, count[k], pairs + ((Py_ssize_t)k << 8));
+    } else {
+        factored_walk(0, &f, src, table, dst, count);
+    }
+    Py_END_ALLOW_THREADS
+    factored_free(&f);
+    return 1;
 }
 
 /* cyclic_factored_u8(row_terms, col_terms, contexts, b, levels, out, pairs): py_cyclic_u8's
  * grouped difference and pairs ((a - b) mod levels, regrouped by a) where a is the factored
  * contexts of a rows x cols matrix (factored.py: clip(r[i] + c[j], 0, contexts - 1), int16 terms
- * within +-2^12), never made (factored_grouped_pairs); b's length is rows x cols. delta.py's
- * grouped_delta of a keyframe's factored contexts. */
+ * within +-2^12), never made (factored_walk); b's length is rows x cols. delta.py's grouped_delta
+ * of a keyframe's factored contexts. */
 PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
     Py_buffer r, c, b, out, pairs;
     int contexts, levels;
     if (!PyArg_ParseTuple(args, "y*y*iy*iw*w*", &r, &c, &contexts, &b, &levels, &out, &pairs)) return NULL;
     int ok = factored_fits(&r, &c, contexts) && b.len == (r.len / 2) * (c.len / 2) && out.len == b.len &&
              levels >= 1 && levels <= 256 && pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t);
-    factored_t f;
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
                         "cyclic_factored: b is not rows x cols, out's length differs, terms past +-4096, contexts "
@@ -779,16 +782,9 @@ PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
     else if (overlaps(&out, &b)) {
         ok = 0;
         PyErr_SetString(PyExc_ValueError, "cyclic_factored: the grouped difference needs an out apart from b");
-    } else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
+    } else if (!factored_regroup(1, &r, &c, contexts, levels, b.buf, out.buf, pairs.buf)) {
         ok = 0;
         PyErr_NoMemory();
-    } else {
-        uint8_t table[511];
-        Py_BEGIN_ALLOW_THREADS
-        cyclic_table(levels, table);
-        factored_grouped_pairs(&f, b.buf, table, out.buf, pairs.buf);
-        Py_END_ALLOW_THREADS
-        factored_free(&f);
     }
     PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
     if (!ok) return NULL;
@@ -806,7 +802,6 @@ PyObject *py_ungroup_factored_u8(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*iiw*", &g, &r, &c, &contexts, &levels, &out)) return NULL;
     int ok = factored_fits(&r, &c, contexts) && g.len == (r.len / 2) * (c.len / 2) && out.len == g.len &&
              levels >= 1 && levels <= 256;
-    factored_t f;
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
                         "ungroup_factored: grouped is not rows x cols, out's length differs, terms past +-4096, "
@@ -814,16 +809,9 @@ PyObject *py_ungroup_factored_u8(PyObject *self, PyObject *args) {
     else if (overlaps(&out, &g)) {
         ok = 0;
         PyErr_SetString(PyExc_ValueError, "ungroup_factored: out must be apart from grouped");
-    } else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
+    } else if (!factored_regroup(0, &r, &c, contexts, levels, g.buf, out.buf, NULL)) {
         ok = 0;
         PyErr_NoMemory();
-    } else {
-        uint8_t table[511];
-        Py_BEGIN_ALLOW_THREADS
-        cyclic_table(levels, table);
-        factored_ungroup(&f, g.buf, table, out.buf);
-        Py_END_ALLOW_THREADS
-        factored_free(&f);
     }
     PyBuffer_Release(&g); PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&out);
     if (!ok) return NULL;

@@ -131,7 +131,8 @@ void factored_free(factored_t *f) {
 void factored_counts(const factored_t *f, int64_t count[256]) {
     memset(count, 0, 256 * sizeof(int64_t));
     for (Py_ssize_t i = 0; i < f->rows; i++)
-        for (Py_ssize_t k = 0; k < f->classes; k++) count[class_context(f, f->r[i], k)] += f->start[k + 1] - f->start[k];
+        for (Py_ssize_t k = 0; k < f->classes; k++)
+            count[class_context(f, f->r[i], k)] += f->start[k + 1] - f->start[k];
 }
 
 /* Whether the factored terms of a call fit the kernels: int16 row and column terms within
@@ -151,7 +152,8 @@ PyObject *py_factored_counts(PyObject *self, PyObject *args) {
     factored_t f;
     if (!ok)
         PyErr_SetString(PyExc_ValueError,
-                        "factored_counts: no columns, terms past +-4096, contexts outside 1..256, or count is not 256 int64");
+                        "factored_counts: no columns, terms past +-4096, contexts outside 1..256, or count is "
+                        "not 256 int64");
     else if (!factored_init(&f, r.buf, r.len / 2, c.buf, c.len / 2, contexts)) {
         ok = 0;
         PyErr_NoMemory();
