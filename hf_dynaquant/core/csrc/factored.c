@@ -54,8 +54,8 @@ PyObject *py_factored_sums(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* A row of factored contexts: out[j] = clip(r + c[j], 0,
- * top) for terms within +-2^12 (their sum cannot overflow). */
+/* A row of factored contexts: out[j] = clip(r + c[j], 0, top) for terms within +-2^12 (their
+ * sum cannot overflow). */
 INLINE void factored_row(int16_t r, const int16_t *restrict c, Py_ssize_t n, int16_t top, uint8_t *restrict out) {
     for (Py_ssize_t j = 0; j < n; j++) {
         int16_t v = (int16_t)(r + c[j]);
