@@ -2241,16 +2241,17 @@ def test_a_save_hands_freed_memory_back_only_past_its_allowance(tmp_path, monkey
     import itertools
 
     from hf_dynaquant.core import memory
-    from hf_dynaquant.training.snapshot import raw_optimizer_bytes, unique_nbytes
+    from hf_dynaquant.training.snapshot import raw_optimizer_size, unique_size
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64, dtype=dtype)).sum().backward()
     optimizer.step()
-    checkpoint = unique_nbytes(model.state_dict().values()) + raw_optimizer_bytes(optimizer.state_dict())
-    values = unique_nbytes(model.state_dict().values(), values=True) + raw_optimizer_bytes(
-        optimizer.state_dict(), values=True
+    (state_raw, state_values), (optimizer_raw, optimizer_values) = (
+        unique_size(model.state_dict().values()),
+        raw_optimizer_size(optimizer.state_dict()),
     )
+    checkpoint, values = state_raw + optimizer_raw, state_values + optimizer_values
     allowance = memory.save_allowance(checkpoint, values)
     share = 1.0 if dtype == torch.float32 else 0.5  # (Adam's float32 step counts are a few bytes more)
     assert allowance == pytest.approx(memory.SAVE_ALLOWANCE * checkpoint * share, rel=1e-3)

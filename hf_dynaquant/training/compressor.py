@@ -86,7 +86,9 @@ from .snapshot import (
     device_copies,
     map_tree,
     raw_optimizer_bytes,
+    raw_optimizer_size,
     unique_nbytes,
+    unique_size,
 )
 
 __all__ = [
@@ -737,9 +739,9 @@ class Compressor:
         snap.settle()
         store = self._writable()
         # one pace of handing freed memory back for the save's decisions and write, counted from here
-        optimizer_raw = raw_optimizer_bytes(snap.optimizer)
-        values = unique_nbytes(snap.state.values(), values=True) + raw_optimizer_bytes(snap.optimizer, values=True)
-        freed = ReleaseFreed(allowance=save_allowance(unique_nbytes(snap.state.values()) + optimizer_raw, values))
+        state_raw, state_values = unique_size(snap.state.values())
+        optimizer_raw, optimizer_values = raw_optimizer_size(snap.optimizer)
+        freed = ReleaseFreed(allowance=save_allowance(state_raw + optimizer_raw, state_values + optimizer_values))
         keyframe, anchor, base = self._next_is_keyframe(), self._next_is_anchor(), self._next_base()
         meta = dict(snap.metadata)
         meta["chain_position"] = 0 if keyframe else self._chain_length  # (continue_chain reads it)

@@ -52,7 +52,9 @@ __all__ = [
     "device_copies",
     "map_tree",
     "raw_optimizer_bytes",
+    "raw_optimizer_size",
     "unique_nbytes",
+    "unique_size",
 ]
 
 logger = logging.getLogger("hf_dynaquant")
@@ -294,18 +296,34 @@ def map_tree(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tree
 
 
-def raw_optimizer_bytes(state: Any, *, values: bool = False) -> int:
-    """Bytes of the tensors in an optimizer state (what an uncompressed save writes), or with
-    ``values`` how many values they hold."""
+def raw_optimizer_size(state: Any) -> tuple[int, int]:
+    """``(bytes, values)`` of the tensors in an optimizer state (what an uncompressed save writes)."""
     if state is None:
-        return 0
+        return 0, 0
     _, tensors = flatten_tree(state)
-    return sum(t.numel() * (1 if values else t.element_size()) for t in tensors.values())
+    return _size(tensors.values())
 
 
-def unique_nbytes(tensors: Iterable[torch.Tensor], *, values: bool = False) -> int:
-    """Bytes of ``tensors``, each storage counted once (tied weights share one), or with
-    ``values`` how many values they hold."""
-    return sum(t.numel() * (1 if values else t.element_size()) for t in {t.data_ptr(): t for t in tensors}.values())
+def raw_optimizer_bytes(state: Any) -> int:
+    """Bytes of the tensors in an optimizer state (what an uncompressed save writes)."""
+    return raw_optimizer_size(state)[0]
+
+
+def unique_size(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """``(bytes, values)`` of ``tensors``, each storage counted once (tied weights share one)."""
+    return _size({t.data_ptr(): t for t in tensors}.values())
+
+
+def unique_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors``, each storage counted once (tied weights share one)."""
+    return unique_size(tensors)[0]
+
+
+def _size(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """``(bytes, values)`` of ``tensors``, every one counted."""
+    nbytes = values = 0
+    for t in tensors:
+        nbytes, values = nbytes + t.numel() * t.element_size(), values + t.numel()
+    return nbytes, values
 
 
