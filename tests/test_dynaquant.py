@@ -1005,6 +1005,84 @@ def test_adam_update_and_scale_in_parts_are_the_same_bits(monkeypatch, dtype) ->
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_adam_update_made_in_parts_is_the_update(dtypes) -> None:
+    """``adam_update_parts`` fills any parts, in any order, with the bits ``adam_update`` makes
+    whole, special values included; it declines moments the kernel cannot read as they are."""
+    from hf_dynaquant.core import moments as moments_mod
+
+    m, v = _special_moments(torch.float32)
+    m, v = m.to(dtypes[0]), v.to(dtypes[1])
+    whole = moments_mod.adam_update(m, v, 1e-8).view(torch.int32).numpy()
+    fill = moments_mod.adam_update_parts(m.view(317, 313), v.view(317, 313), 1e-8)
+    assert fill is not None
+    out = np.full(m.numel(), np.nan, dtype=np.float32)
+    bounds = [0, 1, 999, 1000, 50_000, m.numel()]
+    for a, b in reversed(list(zip(bounds, bounds[1:]))):
+        fill(a, b, out[a:b])
+    assert np.array_equal(out.view(np.int32), whole)
+    assert moments_mod.adam_update_parts(m.view(317, 313).t(), v.view(317, 313).t(), 1e-8) is None  # not contiguous
+    assert moments_mod.adam_update_parts(m.double(), v.double(), 1e-8) is None
+    assert moments_mod.adam_update_parts(m, v[:-1], 1e-8) is None
+
+
+def test_bf16_values_widened_in_parts_are_their_float32() -> None:
+    """``bf16_parts`` widens any part of a contiguous bfloat16 CPU tensor to its exact float32
+    (special values included), and declines any other tensor."""
+    from hf_dynaquant.core.dtypes import bf16_parts
+
+    m, v = _special_moments(torch.bfloat16)
+    fill = bf16_parts(m.view(317, 313))
+    assert fill is not None
+    out = np.empty(m.numel(), dtype=np.float32)
+    for a, b in ((5000, m.numel()), (0, 7), (7, 5000)):
+        fill(a, b, out[a:b])
+    assert np.array_equal(out.view(np.int32), m.float().view(torch.int32).numpy())
+    for other in (m.float(), m.view(317, 313).t(), v.half()):
+        assert bf16_parts(other) is None
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("kind", ["plain", "protect", "sensitivity", "dither"])
+def test_values_made_in_parts_are_quantized_as_the_whole(monkeypatch, kernels, kind) -> None:
+    """``quantize`` of values made a part at a time (``ValuesInParts``) gives the codes and
+    protected values of the whole tensor: a part at a time where the plan partitions the values
+    alone (pruned, protected by magnitude or not, over many parts), made whole first where it
+    reads more (a sensitivity, stochastic rounding), which is never filled a part at a time."""
+    from hf_dynaquant.core.dtypes import ValuesInParts
+
+    if not kernels:
+        monkeypatch.setattr(quantizer_mod, "native", None)
+    monkeypatch.setattr(quantizer_mod, "PART_VALUES", 1000)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(101, 99, generator=g) * 0.05
+    config = QuantConfig(
+        bins=6,
+        prune=0.2,
+        protect=0.0 if kind == "plain" else 0.01,
+        min_numel=1,
+        rounding="stochastic" if kind == "dither" else "nearest",
+    )
+    sensitivity = {"w": (w * torch.randn(101, 99, generator=g)).abs()} if kind == "sensitivity" else None
+    plan = plan_quantization({"w": w}, config, sensitivity=sensitivity).tensors["w"]
+    assert plan.reads_parts() == (kind in ("plain", "protect"))
+    flat = w.reshape(-1).numpy()
+    parts: list[tuple[int, int]] = []
+
+    def fill(start: int, stop: int, out: np.ndarray) -> None:
+        parts.append((start, stop))
+        out[...] = flat[start:stop]
+
+    codes, protected = quantize(ValuesInParts((101, 99), fill), plan)
+    expected_codes, expected_protected = quantize(w, plan)
+    assert np.array_equal(codes, expected_codes) and np.array_equal(protected, expected_protected)
+    assert (protected.size > 0) == (kind != "plain")
+    if plan.reads_parts():
+        assert parts == [(a, min(a + 1000, w.numel())) for a in range(0, w.numel(), 1000)]
+    else:
+        assert parts == [(0, w.numel())]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step", [1.0, 0.25, 3.0])
 def test_adam_scale_stats_are_the_scales_stats(dtype, step) -> None:
@@ -2298,6 +2376,13 @@ def test_optimizer_moments_are_decided_a_group_at_a_time_and_made_when_stored(tm
     m, v = state["state"][0]["exp_avg"], state["state"][0]["exp_avg_sq"]
     assert update.shape == tuple(m.shape) and update.numel() == m.numel()
     assert torch.equal(update.make(), adam_update(m, v, 1e-8).reshape(m.shape))
+    # both are also made a part at a time, as the codec quantizes them (a float32 v is read as it is)
+    for leaf in (update, scale):
+        assert leaf.fill is not None
+        parts = np.empty(m.numel(), dtype=np.float32)
+        leaf.fill(0, m.numel(), parts)
+        assert np.array_equal(parts, leaf.make().reshape(-1).numpy())
+    assert optimizer_state._Moment(optimizer_state.ADAM, {"exp_avg": m.float(), "exp_avg_sq": v.float()}, 1e-8).scale_parts() is None
     # the scale's leaf is made as v in float32, which its plan partitions into the scale's codes
     assert torch.equal(scale.make(), v.float())
     scale_plan = apart.plans["/state/0/dq_scale"]

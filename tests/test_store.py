@@ -133,6 +133,41 @@ def test_deferred_tree_leaves_are_made_when_encoded_and_never_taken_for_tied(sto
     assert back["lr"] == 0.1
 
 
+def test_deferred_leaves_made_in_parts_are_filled_for_a_codec_that_reads_parts(store) -> None:
+    """A :class:`DeferredTensor` with ``fill`` is never made whole for a codec that reads parts
+    (DynaQuant's: the same record and codes as the whole tensor coded so), and is made with
+    ``make`` for one that does not (lossless); ``fill`` is float32 only."""
+    from hf_dynaquant.codecs.dynaquant import DynaQuantCodec
+    from hf_dynaquant.core.quantizer import QuantConfig, plan_quantization
+
+    values = torch.randn(300, 300, generator=torch.Generator().manual_seed(3))
+    plan = plan_quantization({"x": values}, QuantConfig(bins=6, prune=0.1, protect=0.01, min_numel=1)).tensors["x"]
+    calls: list[str] = []
+
+    def make() -> torch.Tensor:
+        calls.append("make")
+        return values.clone()
+
+    def fill(start: int, stop: int, out: np.ndarray) -> None:
+        calls.append("fill")
+        out[...] = values.reshape(-1)[start:stop].numpy()
+
+    deferred = DeferredTensor((300, 300), make, fill=fill)
+    store.write(trees={"opt": {"x": deferred}}, codecs=lambda section, name: DynaQuantCodec(plan), ref="parts")
+    assert calls and set(calls) == {"fill"}
+    store.write(trees={"opt": {"x": values}}, codecs=lambda section, name: DynaQuantCodec(plan), ref="whole")
+    with store.open("parts") as parts, store.open("whole") as whole:
+        assert parts.manifest["sections"]["opt"] == whole.manifest["sections"]["opt"]
+        assert torch.equal(parts.tree("opt")["x"], whole.tree("opt")["x"])
+    calls.clear()
+    store.write(trees={"opt": {"x": deferred}}, ref="lossless")
+    assert calls == ["make"]
+    with store.open("lossless") as entry:
+        assert torch.equal(entry.tree("opt")["x"], values)
+    with pytest.raises(ValueError, match="made in parts is float32"):
+        DeferredTensor((300, 300), make, torch.bfloat16, fill=fill)
+
+
 def test_unpicklable_tree_values_refused(store) -> None:
     from hf_dynaquant import UnsupportedTensorError
 

@@ -66,12 +66,16 @@ class Codec(ABC):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     stable_state: ClassVar[bool] = False  # True if the store may keep what kept() makes of Encoded.state
+    # True if encode() also takes a ValuesInParts (a deferred tensor made a part at a time); the
+    # store makes it whole for a codec that does not
+    reads_parts: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
-        """Encode ``tensor``; ``base`` is this codec's decoded state of the same tensor in the
-        base entry, or what :meth:`kept` made of its encoded state (or None). Set ``uses_base``
-        only if decoding will need it."""
+        """Encode ``tensor`` (or, where :attr:`reads_parts`, a
+        :class:`~hf_dynaquant.core.dtypes.ValuesInParts`); ``base`` is this codec's decoded
+        state of the same tensor in the base entry, or what :meth:`kept` made of its encoded
+        state (or None). Set ``uses_base`` only if decoding will need it."""
 
     def kept(self, state: Any) -> Any:
         """What the store keeps of an encoded ``state`` (of a :attr:`stable_state` codec) for a

@@ -61,7 +61,7 @@ from ..core.delta import (
     varint_decode,
     varint_encode,
 )
-from ..core.dtypes import RawTensor, from_raw, to_raw, torch_dtype
+from ..core.dtypes import RawTensor, ValuesInParts, from_raw, to_raw, torch_dtype
 from ..core.entropy import (
     ans_bytes,
     codes_size_floor,
@@ -278,6 +278,7 @@ class DynaQuantCodec(Codec):
     # contexts from row and column terms ("ans-factored"), which earlier records never use
     version = 8
     stable_state = True  # codes, centres and protected values are new arrays
+    reads_parts = True  # values made a part at a time are partitioned so (quantize)
 
     def __init__(self, plan: TensorPlan | None = None, delta_coding: str = DEFAULT_DELTA_CODING) -> None:
         if delta_coding not in DELTA_CODINGS:
@@ -298,14 +299,14 @@ class DynaQuantCodec(Codec):
         )
         return 1 + (plan.rare_rows is not None) + (LosslessCodec().max_blobs(numel) if protects else 0)
 
-    def encode(self, tensor: RawTensor, base: Any = None) -> Encoded:
+    def encode(self, tensor: RawTensor | ValuesInParts, base: Any = None) -> Encoded:
         if self.plan is None:
             raise CodecError(
                 "the dynaquant codec quantizes with a plan made for the whole checkpoint; use "
                 "hf_dynaquant.Compressor or compress_state_dict rather than the bare codec"
             )
         plan, reference = self.plan.with_reference()
-        codes, protected = quantize(from_raw(tensor), plan)
+        codes, protected = quantize(tensor if isinstance(tensor, ValuesInParts) else from_raw(tensor), plan)
         state = QuantState(
             codes,
             FIRST_CENTRE + len(plan.centres),

@@ -67,6 +67,7 @@ __all__ = [
     "MAX_SCALE_LEVELS",
     "scale_floor",
     "adam_update",
+    "adam_update_parts",
     "adam_scale",
     "adam_scale_stats",
     "update_scale_to_adam",
@@ -114,6 +115,30 @@ def adam_update(m: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     m_bf16, v_bf16, floor = m.dtype == torch.bfloat16, v.dtype == torch.bfloat16, scale_floor(eps)
     _over_parts(u.size, lambda a, b: native.adam_update(m_bits[a:b], m_bf16, v_bits[a:b], v_bf16, floor, u[a:b]))
     return out
+
+
+def adam_update_parts(m: torch.Tensor, v: torch.Tensor, eps: float) -> Callable[[int, int, np.ndarray], None] | None:
+    """``fill(start, stop, out)``: :func:`adam_update`'s flat values ``start:stop`` (the same
+    values, by the same kernel) written into float32 ``out``, so that the update is made a part
+    at a time as it is quantized (:class:`~hf_dynaquant.core.dtypes.ValuesInParts`) and never
+    whole; None where the kernel does not read the moments as they are (not contiguous on the
+    CPU, another dtype, shapes that differ): :func:`adam_update` then makes it whole."""
+    usable = (
+        native is not None
+        and m.dtype in _NATIVE_MOMENTS
+        and v.dtype in _NATIVE_MOMENTS
+        and m.shape == v.shape
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (m, v))
+    )
+    if not usable:
+        return None
+    m_bits, v_bits = _moment_bits(m.detach()).reshape(-1), _moment_bits(v.detach()).reshape(-1)
+    m_bf16, v_bf16, floor = m.dtype == torch.bfloat16, v.dtype == torch.bfloat16, scale_floor(eps)
+
+    def fill(start: int, stop: int, out: np.ndarray) -> None:
+        native.adam_update(m_bits[start:stop], m_bf16, v_bits[start:stop], v_bf16, floor, out)
+
+    return fill
 
 
 def _moment_bits(t: torch.Tensor) -> np.ndarray:

@@ -78,7 +78,7 @@ import torch
 from ..errors import NonFiniteTensorError, NonFiniteTensorWarning
 from ..renames import renamed_attribute, renamed_keywords
 from . import trellis
-from .dtypes import all_finite, bf16_bits_to_f32, check_storable, storage_key
+from .dtypes import ValuesInParts, all_finite, bf16_bits_to_f32, check_storable, from_raw, storage_key
 from .feedback import columnwise, feedback_round, inverse_factor
 from .kernels import native
 from .kmeans import KMEANS_ALPHA, approximate_kmeans
@@ -117,6 +117,10 @@ __all__ = [
 ]
 
 PRUNED, PROTECTED, FIRST_CENTRE = 0, 1, 2
+# values made and partitioned at a time by quantize (ValuesInParts): 512 KB of float32, within a
+# core's L2 cache beside their codes (a part of 2^16 to 2^20 values took 0.57-0.59 ns a value
+# made and partitioned on one thread, 2^14 0.67)
+PART_VALUES = 1 << 17
 EMBEDDING = "Embedding"
 PRUNE_BY = ("magnitude", "sensitivity")  # the pruning criteria
 ROUNDINGS = ("nearest", "stochastic")
@@ -344,6 +348,20 @@ class TensorPlan:
         stochastic rounding (no error feedback, trellis grid or rare rows)."""
         return self.reference is None and self.partitions_on_device() and self.rare_rows is None
 
+    def reads_parts(self) -> bool:
+        """Whether :func:`quantize` codes values made a part at a time
+        (:class:`~hf_dynaquant.core.dtypes.ValuesInParts`) a part at a time: the plan codes the
+        values themselves, each by the partition alone (no reference, sensitivity, dither,
+        error feedback, trellis grid or rare rows), as Adam's update is coded."""
+        return (
+            self.reference is None
+            and self.sensitivity is None
+            and self.dither_seed is None
+            and self.feedback is None
+            and self.rare_rows is None
+            and self.trellis_steps is None
+        )
+
     def partitions_on_device(self) -> bool:
         """Whether :meth:`device_codes` takes this plan (error feedback, trellis grids and rare
         rows: host only)."""
@@ -467,12 +485,15 @@ class TensorPlan:
         _, tau_sens, tau_prune, _ = self.rules(np.zeros(0, np.float32), has_sens)
         return self.protect_magnitude == math.inf and (not has_sens or tau_sens == math.inf) and tau_prune < 0
 
-    def _partition(self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray) -> tuple[np.ndarray, int]:
+    def _partition(
+        self, w: np.ndarray, sens: np.ndarray | None, centres: np.ndarray, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, int]:
         """``(codes, protected count)``: protected, pruned, else the nearest centre. ``w``: flat
-        float32 values, or bfloat16 ones as their bits (uint16), read as they are."""
+        float32 values, or bfloat16 ones as their bits (uint16), read as they are; the codes
+        go into ``out`` where given (uint8, one per value)."""
         mids, tau_sens, tau_prune, by_sens = self.rules(centres, sens is not None)
         if native is not None:
-            codes = np.empty(w.size, dtype=np.uint8)
+            codes = np.empty(w.size, dtype=np.uint8) if out is None else out
             nprot = native.partition(
                 w,
                 w.dtype == np.uint16,
@@ -499,6 +520,9 @@ class TensorPlan:
         codes = (np.searchsorted(mids, w, side="left") + FIRST_CENTRE).astype(np.uint8)
         codes[pruned] = PRUNED
         codes[protected] = PROTECTED
+        if out is not None:
+            out[...] = codes
+            codes = out
         return codes, int(protected.sum())
 
 
@@ -910,12 +934,17 @@ def _residual(w: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
     return (flat - ref.detach().reshape(-1).to(flat.device, torch.float32)).view(w.shape)
 
 
-def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: torch.Tensor | ValuesInParts, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
     """``(codes uint8, protected values as bf16 bits uint16)`` of a tensor under its plan (of its
     residual when the plan has a reference). A bfloat16 tensor that the partition and the
     stochastic rounding code (no reference, error feedback, trellis or rare rows) is read as it
     is: no float32 copy (2 bytes a value of new memory), the same codes, and its protected values
-    are its own bits."""
+    are its own bits. Values made a part at a time are coded a part at a time where the plan
+    :meth:`~TensorPlan.reads_parts` (the same codes), else made whole first."""
+    if isinstance(w, ValuesInParts):
+        if plan.reads_parts():
+            return _quantize_parts(w, plan)
+        w = from_raw(w.made())
     bits = _bf16_bits(w) if plan.reads_bf16() else None
     if bits is not None:
         codes, protected = plan.codes(bits)
@@ -935,6 +964,28 @@ def quantize(w: torch.Tensor, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]
     else:
         values = flat[codes == PROTECTED]
     return codes, torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _quantize_parts(values: ValuesInParts, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quantize` of values made :data:`PART_VALUES` at a time into one buffer, each part
+    partitioned as it is made (the plan :meth:`~TensorPlan.reads_parts`): the values are never
+    held whole. On one thread, Adam's update of a 124M GPT-2's embedding made and partitioned
+    so took 0.6 ns a value, against 0.9 made whole first (``benchmarks/RESULTS.md``, session 49)."""
+    n = values.numel
+    codes = np.empty(n, dtype=np.uint8)
+    part = np.empty(min(n, PART_VALUES), dtype=np.float32)
+    protected = []
+    for start in range(0, n, PART_VALUES):
+        stop = min(n, start + PART_VALUES)
+        w = part[: stop - start]
+        values.fill(start, stop, w)
+        _, count = plan._partition(w, None, plan.centres, codes[start:stop])
+        if count:
+            protected.append(_selected(codes[start:stop], count, w))
+    if not protected:
+        return codes, np.zeros(0, dtype=np.uint16)
+    kept = torch.from_numpy(np.concatenate(protected)).to(torch.bfloat16)
+    return codes, kept.view(torch.int16).numpy().view(np.uint16)
 
 
 def _bf16_bits(w: torch.Tensor) -> np.ndarray | None:

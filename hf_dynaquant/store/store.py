@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .._version import __version__
 from ..codecs.base import Codec, Encoded, get_codec
-from ..core.dtypes import RawTensor, dtype_name, from_raw, itemsize, storage_key, to_raw
+from ..core.dtypes import RawTensor, ValuesInParts, dtype_name, from_raw, itemsize, storage_key, to_raw
 from ..core.entropy import decode_stream, encode_stream
 from ..core.memory import ReleaseFreed
 from ..core.pool import VALUES_IN_FLIGHT, ForkSafePool, completed_map, ordered_map, tensor_weight
@@ -701,15 +701,18 @@ class CheckpointStore:
                         base_state = _base_state(base_reader, section, name, *_dtype_and_shape(item))
                     yield section, name, item, codec_for(section, name), base_state
 
-        def made(job: _Job) -> tuple[str, str, RawTensor, Codec, Any]:
+        def made(job: _Job) -> tuple[str, str, RawTensor | ValuesInParts, Codec, Any]:
             """The job with its deferred tensor made, as the pool takes it (in this thread, which
-            goes on to the next while the pool encodes)."""
+            goes on to the next while the pool encodes); one made in parts, for a codec that
+            reads them, is made by the codec on the pool, a part at a time."""
             section, name, item, codec, base_state = job
             if not isinstance(item, DeferredTensor):
                 return job
+            if item.fill is not None and codec.reads_parts:
+                return section, name, ValuesInParts(tuple(item.shape), item.fill), codec, base_state
             return section, name, _made(item, f"{section}/{name}"), codec, base_state
 
-        def encode(job: tuple[str, str, RawTensor, Codec, Any]) -> _Encoded:
+        def encode(job: tuple[str, str, RawTensor | ValuesInParts, Codec, Any]) -> _Encoded:
             section, name, raw, codec, base_state = job
             encoded = codec.encode(raw, base_state)
             if keep_states is None or not codec.stable_state:

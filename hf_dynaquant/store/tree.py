@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import UnsupportedTensorError
@@ -47,6 +48,15 @@ class DeferredTensor:
     shape: tuple[int, ...]
     make: Callable[[], torch.Tensor]
     dtype: torch.dtype = torch.float32
+    # float32 only: the same values made a part at a time, ``fill(start, stop, out)`` writing the
+    # flat values ``start:stop`` into ``out``; a codec that reads parts (DynaQuant's partition,
+    # :class:`~hf_dynaquant.core.dtypes.ValuesInParts`) is given them so, and the tensor is never
+    # made whole. None: ``make`` alone
+    fill: Callable[[int, int, np.ndarray], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.fill is not None and self.dtype != torch.float32:
+            raise ValueError(f"a deferred tensor made in parts is float32, not {self.dtype}")
 
     def numel(self) -> int:
         return math.prod(self.shape)

@@ -37,12 +37,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..core.dtypes import all_finite
+from ..core.dtypes import all_finite, bf16_parts
 from ..core.memory import ReleaseFreed
 from ..core.moments import (
     adam_scale,
     adam_scale_stats,
     adam_update,
+    adam_update_parts,
     codes_to_adam,
     fidelity_from_sums,
     grid_step,
@@ -265,6 +266,13 @@ class _Moment:
             return adam_update(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps).reshape(-1)
         return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
 
+    def target_parts(self) -> Callable[[int, int, np.ndarray], None] | None:
+        """:meth:`target` made a part at a time (:func:`~hf_dynaquant.core.moments.adam_update_parts`),
+        Adam's only; None where it is made whole."""
+        if self.kind != ADAM:
+            return None
+        return adam_update_parts(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps)
+
     def numel(self) -> int:
         """How many values this process holds of the parameter's state."""
         return self.entry["exp_avg" if self.kind == ADAM else "momentum_buffer"].numel()
@@ -305,6 +313,11 @@ class _Moment:
         a save takes no logarithm and makes no float32 scale."""
         return self.entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
 
+    def scale_parts(self) -> Callable[[int, int, np.ndarray], None] | None:
+        """:meth:`scale_source` a part at a time where ``v`` is bfloat16
+        (:func:`~hf_dynaquant.core.dtypes.bf16_parts`); None where it is read as it is."""
+        return bf16_parts(self.entry["exp_avg_sq"])
+
     def scale_top(self) -> tuple[bool, float]:
         """Whether Adam's scale ``log(sqrt(v) + eps)`` is finite everywhere (no NaN or +inf in
         ``v``), and its maximum (``-inf`` for no values): the scale of ``v``'s maximum, as the
@@ -334,9 +347,14 @@ class _Choice:
     scale_gain: float = 1.0  # Adam's (:func:`~hf_dynaquant.core.moments.scale_gain`)
 
 
-def _deferred(make: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> DeferredTensor:
-    """A tree leaf of ``shape`` that the store makes with ``make()`` (flat) when it encodes it."""
-    return DeferredTensor(shape, lambda: make().reshape(shape))
+def _deferred(
+    make: Callable[[], torch.Tensor],
+    shape: tuple[int, ...],
+    fill: Callable[[int, int, np.ndarray], None] | None = None,
+) -> DeferredTensor:
+    """A tree leaf of ``shape`` that the store makes with ``make()`` (flat) when it encodes it,
+    or a part at a time with ``fill`` (float32) where its codec reads parts."""
+    return DeferredTensor(shape, lambda: make().reshape(shape), fill=fill)
 
 
 def _decide(
@@ -519,7 +537,8 @@ def encode_optimizer_state(
         original = moment.entry
         if moment.kind == ADAM:
             shape = tuple(original["exp_avg"].shape)
-            u, s = _deferred(moment.target, shape), _deferred(moment.scale_source, shape)
+            u = _deferred(moment.target, shape, moment.target_parts())
+            s = _deferred(moment.scale_source, shape, moment.scale_parts())
             new_state[pid] = {
                 "step": original["step"],
                 "dq_moments": ADAM,
