@@ -168,6 +168,44 @@ def test_kernel_and_torch_paths_agree(alpha: float) -> None:
     assert empty.count == 0 and empty.to_dict() == LogSketch(alpha).to_dict()
 
 
+@pytest.mark.parametrize("alpha", [0.01, 0.001, 0.0037])
+def test_sketch_table_counts_every_buckets_ends_as_the_exact_rule(monkeypatch, alpha: float) -> None:
+    """Every fine bucket's first and last value (and the values beside each split), counted
+    through the table, land where the exact rule puts them: a bucket the table gives one slot
+    without reading its first value (its last's slot is the bucket before's) holds it
+    throughout. Threads asking for a table at once wait for one to be made."""
+    import threading
+
+    from hf_dynaquant.core.kernels import native
+
+    monkeypatch.setattr(sketch_mod, "_TABLES", {})
+    made = []
+    real = sketch_mod._new_slot_table
+    monkeypatch.setattr(sketch_mod, "_new_slot_table", lambda a: made.append(a) or real(a))
+    tables = []
+    threads = [threading.Thread(target=lambda: tables.append(sketch_mod._slot_table(alpha))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert made == [alpha] and all(t is tables[0] for t in tables)
+    table, kmin, nkeys, tiny = tables[0]
+    buckets = np.arange(1 << 20, dtype=np.uint32)
+    buckets = buckets[(buckets << 11 | 0x7FF) < 0x7F800000]  # (finite magnitudes)
+    low = table.astype(np.int64) & 0xFFF
+    split = np.flatnonzero((table >= 0) & (low > 2048)).astype(np.uint32)
+    at = (4096 - low[split]).astype(np.uint32)
+    values = np.concatenate([buckets << 11, buckets << 11 | 0x7FF, split << 11 | (at - 1), split << 11 | at])
+    values = values.view(np.float32)
+    inv = 1.0 / np.log((1 + alpha) / (1 - alpha))
+    exact = np.full(1 << 20, np.iinfo(np.int32).min, dtype=np.int32)
+    counts = {}
+    for name, lut in (("table", table), ("exact", exact)):
+        counts[name] = np.zeros(2 * nkeys + 2, np.int64)
+        native.sketch_f32(values, lut, inv, tiny, kmin, counts[name], b"", 0)
+    assert np.array_equal(counts["table"], counts["exact"])
+
+
 @pytest.mark.parametrize("alpha", [0.01, 0.001])
 def test_sketch_table_places_each_boundary_where_the_exact_rule_does(alpha: float) -> None:
     """Every fine bucket the table splits: the values on either side of its boundary counted

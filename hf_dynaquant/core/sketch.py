@@ -35,9 +35,9 @@ held-out cosine); see ``benchmarks/RESULTS.md``, issue 16.
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,12 +97,32 @@ def sample(values: torch.Tensor, total: int, offset: int = 0, *, given: int | No
     return (torch.cat(parts) if parts else x[:0]), SAMPLE_WEIGHT
 
 
-@functools.lru_cache(maxsize=8)
+_TABLES: dict[float, tuple[np.ndarray, int, int, int]] = {}  # _slot_table's, by alpha
+_TABLES_LOCK = threading.Lock()
+_MAX_TABLES = 8  # tables kept (4 MB each); a sketch's alpha is a configuration's, so few are used
+
+
 def _slot_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
     """``(table, kmin, nkeys, tiny_bits)`` for the kernel: for every fine bucket (top 20 bits of a
     float32 magnitude), its count slot ``key - kmin`` (clamped to ``0..nkeys-1``; ``2 * nkeys``,
     the zeros' slot, below ``_MIN_INDEXABLE``) and where in the bucket the next key begins, or
-    the exact path's mark (made by the kernels' ``sketch_table``, by the kernel's own rule)."""
+    the exact path's mark (made by the kernels' ``sketch_table``, by the kernel's own rule).
+    Made once for each alpha, under a lock: the threads of a process's first save sketch at once,
+    and with ``functools.lru_cache`` each made its own (four tables for two alphas, 30 ms each
+    side, session 49)."""
+    table = _TABLES.get(alpha)
+    if table is None:
+        with _TABLES_LOCK:
+            table = _TABLES.get(alpha)
+            if table is None:
+                if len(_TABLES) >= _MAX_TABLES:
+                    _TABLES.pop(next(iter(_TABLES)))
+                table = _TABLES[alpha] = _new_slot_table(alpha)
+    return table
+
+
+def _new_slot_table(alpha: float) -> tuple[np.ndarray, int, int, int]:
+    """:func:`_slot_table`'s table for ``alpha``, made now."""
     inv = 1.0 / math.log((1 + alpha) / (1 - alpha))
     kmin = math.ceil(math.log(_MIN_INDEXABLE) * inv)
     kmax = math.ceil(math.log(float(np.finfo(np.float32).max)) * inv)
