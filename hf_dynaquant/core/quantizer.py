@@ -963,7 +963,7 @@ def quantize(w: torch.Tensor | ValuesInParts, plan: TensorPlan) -> tuple[np.ndar
         values = _selected(codes, protected, np.ascontiguousarray(flat))
     else:
         values = flat[codes == PROTECTED]
-    return codes, torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return codes, _bf16_bits_of(values)
 
 
 def _quantize_parts(values: ValuesInParts, plan: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -984,8 +984,12 @@ def _quantize_parts(values: ValuesInParts, plan: TensorPlan) -> tuple[np.ndarray
             protected.append(_selected(codes[start:stop], count, w))
     if not protected:
         return codes, np.zeros(0, dtype=np.uint16)
-    kept = torch.from_numpy(np.concatenate(protected)).to(torch.bfloat16)
-    return codes, kept.view(torch.int16).numpy().view(np.uint16)
+    return codes, _bf16_bits_of(np.concatenate(protected))
+
+
+def _bf16_bits_of(values: np.ndarray) -> np.ndarray:
+    """Float32 protected values rounded to bfloat16, as the bits (uint16) they are stored as."""
+    return torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def _bf16_bits(w: torch.Tensor) -> np.ndarray | None:
