@@ -1974,6 +1974,37 @@ def test_optimizer_state_decodes_from_a_stream_in_any_order(tmp_path) -> None:
     assert set(reference["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_bf16_sgd_momentum_is_made_in_parts_and_stored_as_made_whole(tmp_path, monkeypatch) -> None:
+    """A bfloat16 SGD momentum's float32 form is filled a part at a time (a float32 one is read
+    as it is): the stored entry is the one written with it made whole."""
+    from hf_dynaquant.store.tree import DeferredTensor
+    from hf_dynaquant.training import optimizer_state
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    encoded = optimizer_state.encode_optimizer_state(opt.state_dict())
+    assert encoded is not None
+    leaf = encoded.tree["state"][0]["dq_momentum"]
+    assert isinstance(leaf, DeferredTensor) and leaf.fill is not None
+    parts = np.empty(leaf.numel(), dtype=np.float32)
+    leaf.fill(0, leaf.numel(), parts)
+    assert np.array_equal(parts, leaf.make().reshape(-1).numpy())
+    wide = {"state": {0: {"momentum_buffer": opt.state_dict()["state"][0]["momentum_buffer"].float()}}}
+    wide["param_groups"] = opt.state_dict()["param_groups"]
+    assert optimizer_state._Moment(optimizer_state.SGD, wide["state"][0], None).target_parts() is None
+    ids = []
+    for name in ("parts", "whole"):
+        if name == "whole":
+            monkeypatch.setattr(optimizer_state, "bf16_parts", lambda t: None)
+        ids.append(Compressor(model, tmp_path / name, QuantConfig(min_numel=256), optimizer=opt).compress(1))
+    assert ids[0] == ids[1]
+
+
 def test_restored_momentum_keeps_the_original_norm_and_step_size(tmp_path) -> None:
     """The quantizer's centres (about the means of their bins) change a momentum's length (Adam's
     update, SGD's buffer); the stored norm gain gives the restored one the original's L2 norm,

@@ -267,10 +267,12 @@ class _Moment:
         return self.entry["momentum_buffer"].detach().to("cpu", torch.float32).reshape(-1)
 
     def target_parts(self) -> Callable[[int, int, np.ndarray], None] | None:
-        """:meth:`target` made a part at a time (:func:`~hf_dynaquant.core.moments.adam_update_parts`),
-        Adam's only; None where it is made whole."""
+        """:meth:`target` made a part at a time: Adam's update
+        (:func:`~hf_dynaquant.core.moments.adam_update_parts`), a bfloat16 momentum widened
+        (:func:`~hf_dynaquant.core.dtypes.bf16_parts`); None where it is made whole (or, a
+        float32 momentum, read as it is)."""
         if self.kind != ADAM:
-            return None
+            return bf16_parts(self.entry["momentum_buffer"])
         return adam_update_parts(self.entry["exp_avg"], self.entry["exp_avg_sq"], self.eps)
 
     def numel(self) -> int:
@@ -552,7 +554,7 @@ def encode_optimizer_state(
             plan_by_leaf[id(s)] = scale_plan(tops[pid], moment.eps, moment.scale_step(settings))
         else:
             shape = tuple(original["momentum_buffer"].shape)
-            buf = _deferred(moment.target, shape)
+            buf = _deferred(moment.target, shape, moment.target_parts())
             new_state[pid] = {
                 "dq_moments": SGD,
                 "dq_dtype": str(original["momentum_buffer"].dtype),
