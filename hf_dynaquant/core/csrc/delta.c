@@ -740,22 +740,42 @@ INLINE void factored_walk(const int FORWARD, const factored_t *f, const uint8_t 
     }
 }
 
-/* cyclic_factored_u8's work (FORWARD, with pairs: the grouped differences' pairs counted, as
- * grouped_pairs counts them) or ungroup_factored_u8's, the GIL released: 0 out of memory. */
-static int factored_regroup(const int forward, const Py_buffer *r, const Py_buffer *c, int contexts, int levels,
-                            const uint8_t *src, uint8_t *dst, int64_t *pairs) {
+/* cyclic_factored_u8's work (forward, with pairs: the grouped differences' pairs counted, as
+ * grouped_pairs counts them) or ungroup_factored_u8's, the GIL released, its arguments checked
+ * first (`in` the codes b, or the grouped differences; `what` names it): 1, or 0 with the
+ * error set (a ValueError naming `name`, or out of memory). */
+static int factored_regroup(const char *name, const char *what, const int forward, const Py_buffer *r,
+                            const Py_buffer *c, int contexts, int levels, const Py_buffer *in, const Py_buffer *out,
+                            const Py_buffer *pairs) {
+    if (!factored_fits(r, c, contexts) || in->len != (r->len / 2) * (c->len / 2) || out->len != in->len ||
+        levels < 1 || levels > 256 || (forward && pairs->len != 65536 * (Py_ssize_t)sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s is not rows x cols, out's length differs, terms past +-4096, contexts or levels outside "
+                     "1..256%s",
+                     name, what, forward ? ", or pairs is not 65536 int64" : "");
+        return 0;
+    }
+    if (overlaps(out, in)) {
+        PyErr_Format(PyExc_ValueError, "%s: out must be apart from %s", name, what);
+        return 0;
+    }
     factored_t f;
-    if (!factored_init(&f, r->buf, r->len / 2, c->buf, c->len / 2, contexts)) return 0;
-    uint8_t table[511];
+    if (!factored_init(&f, r->buf, r->len / 2, c->buf, c->len / 2, contexts)) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    const uint8_t *src = in->buf;
+    uint8_t *dst = out->buf, table[511];
     int64_t count[256];
     Py_BEGIN_ALLOW_THREADS
     cyclic_table(levels, table);
     if (forward) {
+        int64_t *counts = pairs->buf;
         factored_walk(1, &f, src, table, dst, count);
         Py_ssize_t at = 0;
-        memset(pairs, 0, 65536 * sizeof(int64_t));
+        memset(counts, 0, 65536 * sizeof(int64_t));
         for (int k = 0; k < groups_in(count); at += count[k], k++)
-            count_bytes(dst + at, count[k], pairs + ((Py_ssize_t)k << 8));
+            count_bytes(dst + at, count[k], counts + ((Py_ssize_t)k << 8));
     } else {
         factored_walk(0, &f, src, table, dst, count);
     }
@@ -773,19 +793,7 @@ PyObject *py_cyclic_factored_u8(PyObject *self, PyObject *args) {
     Py_buffer r, c, b, out, pairs;
     int contexts, levels;
     if (!PyArg_ParseTuple(args, "y*y*iy*iw*w*", &r, &c, &contexts, &b, &levels, &out, &pairs)) return NULL;
-    int ok = factored_fits(&r, &c, contexts) && b.len == (r.len / 2) * (c.len / 2) && out.len == b.len &&
-             levels >= 1 && levels <= 256 && pairs.len == 65536 * (Py_ssize_t)sizeof(int64_t);
-    if (!ok)
-        PyErr_SetString(PyExc_ValueError,
-                        "cyclic_factored: b is not rows x cols, out's length differs, terms past +-4096, contexts "
-                        "or levels outside 1..256, or pairs is not 65536 int64");
-    else if (overlaps(&out, &b)) {
-        ok = 0;
-        PyErr_SetString(PyExc_ValueError, "cyclic_factored: the grouped difference needs an out apart from b");
-    } else if (!factored_regroup(1, &r, &c, contexts, levels, b.buf, out.buf, pairs.buf)) {
-        ok = 0;
-        PyErr_NoMemory();
-    }
+    const int ok = factored_regroup("cyclic_factored", "b", 1, &r, &c, contexts, levels, &b, &out, &pairs);
     PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&b); PyBuffer_Release(&out); PyBuffer_Release(&pairs);
     if (!ok) return NULL;
     Py_RETURN_NONE;
@@ -800,19 +808,7 @@ PyObject *py_ungroup_factored_u8(PyObject *self, PyObject *args) {
     Py_buffer g, r, c, out;
     int contexts, levels;
     if (!PyArg_ParseTuple(args, "y*y*y*iiw*", &g, &r, &c, &contexts, &levels, &out)) return NULL;
-    int ok = factored_fits(&r, &c, contexts) && g.len == (r.len / 2) * (c.len / 2) && out.len == g.len &&
-             levels >= 1 && levels <= 256;
-    if (!ok)
-        PyErr_SetString(PyExc_ValueError,
-                        "ungroup_factored: grouped is not rows x cols, out's length differs, terms past +-4096, "
-                        "or contexts or levels outside 1..256");
-    else if (overlaps(&out, &g)) {
-        ok = 0;
-        PyErr_SetString(PyExc_ValueError, "ungroup_factored: out must be apart from grouped");
-    } else if (!factored_regroup(0, &r, &c, contexts, levels, g.buf, out.buf, NULL)) {
-        ok = 0;
-        PyErr_NoMemory();
-    }
+    const int ok = factored_regroup("ungroup_factored", "grouped", 0, &r, &c, contexts, levels, &g, &out, NULL);
     PyBuffer_Release(&g); PyBuffer_Release(&r); PyBuffer_Release(&c); PyBuffer_Release(&out);
     if (!ok) return NULL;
     Py_RETURN_NONE;
