@@ -245,9 +245,9 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
 
 @pytest.fixture(params=["vector", "scalar"])
 def simd_path(request):
-    """Each kernel with a hand-written AVX-512 path (the grouping, the partition, the rANS
-    encoder) both ways: that path (where the CPU has it) and its plain loops (the only path on
-    other CPUs)."""
+    """Each kernel with a hand-written vector path (the grouping, the partition, the rANS
+    encoder: AVX-512; the byte counts: AVX-512 BW or AVX2) both ways: that path (where the CPU
+    has it) and its plain loops or baseline build (the only path on other CPUs)."""
     from hf_dynaquant.core.kernels import native
 
     assert native is not None, "the compiled kernels were not built"
@@ -735,11 +735,12 @@ def test_byte_counts_is_bincount(size, top) -> None:
         assert np.array_equal(byte_counts(symbols, minlength), np.bincount(symbols, minlength=minlength))
 
 
-def test_byte_counts_of_few_values_and_many() -> None:
+def test_byte_counts_of_few_values_and_many(simd_path) -> None:
     """The kernel counts a span of 2^20 bytes value by value where all are below 36 (a byte
-    counter per lane, summed every 255 blocks of 64) and byte by byte otherwise: spans of each
-    kind side by side, values at the edge (35, 36), a run longer than a counter counts, and
-    lengths that end inside a block."""
+    counter per lane, summed every 255 vectors) and byte by byte otherwise: spans of each kind
+    side by side, values at the edge (35, 36), a run longer than a counter counts, and lengths
+    that end inside a vector, at each width the CPU has (64 bytes with AVX-512 BW, 32 with AVX2;
+    16, the baseline's, with the vector paths turned off)."""
     from hf_dynaquant.core.histogram import byte_counts
 
     rng = np.random.default_rng(7)
@@ -754,6 +755,8 @@ def test_byte_counts_of_few_values_and_many() -> None:
         rng.integers(0, 37, span + 1).astype(np.uint8),
         rng.integers(33, 36, 64 * 255 + 63).astype(np.uint8),
         rng.integers(0, 34, 64 * 255 * 3 + 5).astype(np.uint8),  # an embedding's levels: not a multiple of four
+        np.full(32 * 255 * 2 + 31, 2, np.uint8),
+        rng.integers(0, 5, 16 * 255 + 15).astype(np.uint8),
     ]
     for symbols in cases:
         assert np.array_equal(byte_counts(symbols), np.bincount(symbols)), symbols[:4]

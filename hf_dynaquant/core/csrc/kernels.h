@@ -148,12 +148,15 @@ PyObject *py_uleb128_encode_u64(PyObject *self, PyObject *args);
 PyObject *py_uleb128_decode_u64(PyObject *self, PyObject *args);
 PyObject *py_allow_simd(PyObject *self, PyObject *args);
 PyObject *py_simd_paths(PyObject *self, PyObject *args);
-/* The hand-written AVX-512 paths this CPU has and kernels may take (py_allow_simd: tests turn
+/* The hand-written vector paths this CPU has and kernels may take (py_allow_simd: tests turn
  * them off): DQ_AVX512F (the partition), DQ_AVX512_VBMI2 (the grouping), DQ_AVX512DQ (the rANS
- * encoder's 8 lanes); asked of the CPU once. */
+ * encoder's 8 lanes), DQ_AVX512BW and DQ_AVX2 (the widths count_small is built for); asked of
+ * the CPU once. */
 #define DQ_AVX512F 1
 #define DQ_AVX512_VBMI2 2
 #define DQ_AVX512DQ 4
+#define DQ_AVX512BW 8
+#define DQ_AVX2 16
 int dq_simd_paths(void);
 PyObject *py_ungroup_cyclic_u8(PyObject *self, PyObject *args);
 PyObject *py_ans_encode(PyObject *self, PyObject *args);
