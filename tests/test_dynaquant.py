@@ -1354,7 +1354,8 @@ def test_partition_kernel_follows_its_rules_at_every_edge(simd_path, nmids: int)
     """The compiled partition (float32 comparisons against the double thresholds' float32
     neighbours, midpoints counted without branches up to 31 of them, past that counted on from
     a look-up by the value's top 16 bits; with AVX-512, up to 63 searched by halves in vector
-    registers) against the rules in float64: values on and beside
+    registers, with AVX2 alone in two levels: a group of midpoints, then its members) against
+    the rules in float64: values on and beside
     each threshold, thresholds between two float32s, zeros of both signs, NaN and infinities,
     with and without a sensitivity, pruning by either criterion or not at all; midpoints of
     both signs, and (past 31) two at zero of opposite signs and some in one look-up bucket."""

@@ -150,8 +150,8 @@ PyObject *py_allow_simd(PyObject *self, PyObject *args);
 PyObject *py_simd_paths(PyObject *self, PyObject *args);
 /* The hand-written vector paths this CPU has and kernels may take (py_allow_simd: tests turn
  * them off): DQ_AVX512F (the partition), DQ_AVX512_VBMI2 (the grouping), DQ_AVX512DQ (the rANS
- * encoder's 8 lanes), DQ_AVX512BW and DQ_AVX2 (the widths count_small is built for); asked of
- * the CPU once. */
+ * encoder's 8 lanes), DQ_AVX512BW (count_small's widest build) and DQ_AVX2 (the partition without
+ * AVX-512, count_small's 32-byte build); asked of the CPU once. */
 #define DQ_AVX512F 1
 #define DQ_AVX512_VBMI2 2
 #define DQ_AVX512DQ 4

@@ -18,7 +18,7 @@
  * value's top 16 bits (below), 4-6x faster than a search by halves value by value. Where the CPU
  * has AVX-512, up to SIMD_MIDS midpoints are searched by halves in vector registers instead
  * (partition_avx512): 0.25-0.4 ns a value against 1.0-2.7 for 7-31 midpoints, 0.6-0.8 against
- * 5.5 for 40. */
+ * 5.5 for 40; where it has AVX2 and not AVX-512, in two levels (partition_avx2). */
 #define SMALL_MIDS 31
 #define SIMD_MIDS 63 /* midpoints the AVX-512 path searches (64 entries with the padding) */
 
@@ -142,6 +142,88 @@ PARTITION_AVX512(3)
 PARTITION_AVX512(4)
 PARTITION_AVX512(5)
 PARTITION_AVX512(6)
+
+/* The partition with AVX2 where the CPU has it (and not AVX-512), 32 values at a time in four
+ * vectors of 8: the midpoints (padded with +inf) are taken as G groups of S, the last of each
+ * group a coarse midpoint. A value's group g is the count of coarse midpoints below it (G - 1
+ * compares, the midpoints being sorted), and its count 4g plus that of its group's other S - 1
+ * midpoints below it, each a permute of a table (a midpoint of each group, 8 entries) by g and
+ * a compare: for 31 midpoints 7 + 3 compares where counting them all takes 31 (G = 1 counts
+ * them all, the tables then one midpoint each). NaN is below none, so its count is 0, as in the
+ * loops above. On a Zen 1 EPYC (no AVX-512): 0.46, 0.66, 1.0, 1.3 and 2.1 ns a value for 3, 7,
+ * 15, 31 and 63 midpoints, against 1.3, 2.0, 3.4, 6.4 for the loops the compiler vectorises and
+ * 5.0 for the look-up by top bits. */
+#define AVX2_ATTR __attribute__((target("avx2,popcnt")))
+
+INLINE AVX2_ATTR Py_ssize_t partition_avx2(const int HAS_SENS, const int BY_SENS, const int WB, const int S,
+                                           const int G, const void *restrict w, const float *restrict sens,
+                                           Py_ssize_t n, float tm, float ts, float tp, int prune,
+                                           const float *restrict padded, uint8_t *restrict codes, Py_ssize_t *done) {
+    __m256 coarse[8], table[7];
+    for (int j = 0; j + 1 < G; j++) coarse[j] = _mm256_set1_ps(padded[S * j + S - 1]);
+    for (int f = 0; f + 1 < S; f++) {
+        float t[8];
+        for (int g = 0; g < 8; g++) t[g] = g < G ? padded[S * g + f] : INFINITY;
+        table[f] = G == 1 ? _mm256_set1_ps(t[0]) : _mm256_loadu_ps(t);
+    }
+    const __m256 vtm = _mm256_set1_ps(tm), vts = _mm256_set1_ps(ts), vtp = _mm256_set1_ps(tp), zero = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    Py_ssize_t nprot = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i c4[4];
+        for (int q = 0; q < 4; q++) {
+            const Py_ssize_t at = i + 8 * q;
+            const __m256 x = WB ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + at))), 16))
+                                : _mm256_loadu_ps((const float *)w + at);
+            const __m256 a = _mm256_and_ps(x, magnitude);
+            __m256 protect = _mm256_cmp_ps(a, vtm, _CMP_GT_OQ), m = a;
+            if (HAS_SENS) {
+                const __m256 s = _mm256_loadu_ps(sens + at);
+                protect = _mm256_or_ps(protect, _mm256_cmp_ps(s, vts, _CMP_GT_OQ));
+                if (BY_SENS) m = s;
+            }
+            __m256i g = _mm256_setzero_si256(); /* (compares give -1 where true) */
+            for (int j = 0; j + 1 < G; j++) g = _mm256_sub_epi32(g, _mm256_castps_si256(_mm256_cmp_ps(coarse[j], x, _CMP_LT_OQ)));
+            __m256i c = _mm256_add_epi32(_mm256_mullo_epi32(g, _mm256_set1_epi32(S)), two);
+            for (int f = 0; f + 1 < S; f++) {
+                const __m256 probe = G == 1 ? table[f] : _mm256_permutevar8x32_ps(table[f], g);
+                c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(probe, x, _CMP_LT_OQ)));
+            }
+            if (prune) {
+                const __m256 pruned = _mm256_or_ps(_mm256_cmp_ps(m, vtp, _CMP_LT_OQ), _mm256_cmp_ps(m, zero, _CMP_EQ_OQ));
+                c = _mm256_andnot_si256(_mm256_castps_si256(pruned), c); /* 0 where pruned */
+            }
+            c4[q] = _mm256_blendv_epi8(c, one, _mm256_castps_si256(protect));
+            nprot += _mm_popcnt_u32((unsigned)_mm256_movemask_ps(protect));
+        }
+        const __m256i lo = _mm256_packs_epi32(c4[0], c4[1]), hi = _mm256_packs_epi32(c4[2], c4[3]);
+        _mm256_storeu_si256((__m256i *)(codes + i), _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi), order));
+    }
+    *done = i;
+    return nprot;
+}
+
+#define PARTITION_AVX2(S, G)                                                                                     \
+    AVX2_ATTR static Py_ssize_t partition_avx2_##S##_##G(int has_sens, int by_sens, int wb, const void *w,        \
+                                                         const float *sens, Py_ssize_t n, float tm, float ts,     \
+                                                         float tp, int prune, const float *padded, uint8_t *codes, \
+                                                         Py_ssize_t *done) {                                      \
+        if (wb) {                                                                                                 \
+            if (!has_sens) return partition_avx2(0, 0, 1, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done); \
+            if (!by_sens) return partition_avx2(1, 0, 1, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done);  \
+            return partition_avx2(1, 1, 1, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done);                \
+        }                                                                                                         \
+        if (!has_sens) return partition_avx2(0, 0, 0, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done);     \
+        if (!by_sens) return partition_avx2(1, 0, 0, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done);      \
+        return partition_avx2(1, 1, 0, S, G, w, sens, n, tm, ts, tp, prune, padded, codes, done);                    \
+    }
+PARTITION_AVX2(4, 1) /* 3 midpoints, all counted */
+PARTITION_AVX2(8, 1) /* 7 */
+PARTITION_AVX2(4, 4) /* 15 */
+PARTITION_AVX2(4, 8) /* 31 */
+PARTITION_AVX2(8, 8) /* 63 */
 #endif
 
 /* The partition of n weights w (float32, or bfloat16 bits with wb), with their sensitivities
@@ -155,14 +237,22 @@ static Py_ssize_t partition(const void *w, int wb, const float *sens, Py_ssize_t
     for (Py_ssize_t k = 0; k <= SIMD_MIDS; k++) padded[k] = k < nmids ? mids[k] : INFINITY;
     Py_ssize_t done = 0, nprot = 0;
 #ifdef PARTITION_SIMD
-    if (nmids <= SIMD_MIDS && (dq_simd_paths() & DQ_AVX512F)) {
-        Py_ssize_t (*simd)(int, int, int, const void *, const float *, Py_ssize_t, float, float, float, int,
-                           const float *, uint8_t *, Py_ssize_t *) =
-            nmids <= 3    ? partition_avx512_2
-            : nmids <= 7  ? partition_avx512_3
-            : nmids <= 15 ? partition_avx512_4
-            : nmids <= 31 ? partition_avx512_5
-                          : partition_avx512_6;
+    Py_ssize_t (*simd)(int, int, int, const void *, const float *, Py_ssize_t, float, float, float, int, const float *,
+                       uint8_t *, Py_ssize_t *) = NULL;
+    const int paths = nmids <= SIMD_MIDS ? dq_simd_paths() : 0;
+    if (paths & DQ_AVX512F)
+        simd = nmids <= 3    ? partition_avx512_2
+               : nmids <= 7  ? partition_avx512_3
+               : nmids <= 15 ? partition_avx512_4
+               : nmids <= 31 ? partition_avx512_5
+                             : partition_avx512_6;
+    else if (paths & DQ_AVX2)
+        simd = nmids <= 3    ? partition_avx2_4_1
+               : nmids <= 7  ? partition_avx2_8_1
+               : nmids <= 15 ? partition_avx2_4_4
+               : nmids <= 31 ? partition_avx2_4_8
+                             : partition_avx2_8_8;
+    if (simd != NULL) {
         nprot = simd(has_sens, by_sens, wb, w, sens, n, tm, ts, tp, prune, padded, codes, &done);
         if (done == n) return nprot;
         w = (const char *)w + done * size, sens = has_sens ? sens + done : NULL, n -= done, codes += done;
