@@ -246,8 +246,9 @@ def test_delta_kernels_match_numpy_reference(monkeypatch) -> None:
 @pytest.fixture(params=["vector", "scalar"])
 def simd_path(request):
     """Each kernel with a hand-written vector path (the grouping, the partition, the rANS
-    encoder: AVX-512; the byte counts: AVX-512 BW or AVX2) both ways: that path (where the CPU
-    has it) and its plain loops or baseline build (the only path on other CPUs)."""
+    encoder: AVX-512; the partition, a delta's sparse grouping, four-bit unpacking: AVX2; the
+    byte counts: AVX-512 BW or AVX2) both ways: that path (where the CPU has it) and its plain
+    loops or baseline build (the only path on other CPUs)."""
     from hf_dynaquant.core.kernels import native
 
     assert native is not None, "the compiled kernels were not built"
@@ -260,24 +261,29 @@ def simd_path(request):
 def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, keys) -> None:
     """Codes of a checkpoint have few levels: the kernels group them 64 at a time where the CPU
     allows (AVX-512 VBMI2, at most 48 groups; past 12, in two passes, by key / 8 and then by key,
-    over chunks of 2048), else four at a time; either way the bytes are the numpy references', at
-    every length around the blocks and the chunks, at 256 levels, and with codes past the levels
-    (a corrupt stream) too."""
+    over chunks of 2048), or, with AVX2 alone and at most 16 groups, a delta's changed values 32
+    at a time (blocks of many changes four at a time), else four at a time; either way the bytes
+    are the numpy references', at every length around the blocks and the chunks, with few codes
+    changed and many, at 256 levels, and with codes past the levels (a corrupt stream) too."""
     from hf_dynaquant.core import delta as delta_mod
 
     native = delta_mod.native
     rng = np.random.default_rng(keys)
     levels = max(keys, 2)
-    for n in (63, 64, 65, 127, 128, 129, 100_003):
+    for n in (31, 32, 33, 63, 64, 65, 127, 128, 129, 100_003):
         prev = rng.integers(0, keys, n).astype(np.uint8)
         cur = rng.integers(0, levels, n).astype(np.uint8)
         wild = rng.integers(0, 256, n).astype(np.uint8)  # past the levels
+        few = np.where(rng.random(n) < 0.03, cur, prev)  # (a block's changes: none, one, several)
+        some = np.where(rng.random(n) < 0.25, wild, prev)  # (blocks past the sparse path's eight, and under)
         compiled = {}
         for impl in (native, None):
             monkeypatch.setattr(delta_mod, "native", impl)
             given_up = prev.copy()
             compiled[impl is None] = [
                 *delta_mod.grouped_delta(prev, cur, levels),
+                *delta_mod.grouped_delta(prev, few, levels),
+                *delta_mod.grouped_delta(prev, some, levels),
                 *delta_mod.grouped_delta(prev, wild, levels),
                 *delta_mod.grouped_delta(prev, wild, 256),
                 undo_regrouped_delta(wild, prev, 256),
@@ -288,6 +294,9 @@ def test_grouping_of_few_keys_matches_numpy_reference(monkeypatch, simd_path, ke
             ]
         for got, expected in zip(compiled[False], compiled[True]):
             assert np.array_equal(got, expected), n
+        stale = np.full(n, 0xA5, dtype=np.uint8)  # (an out that held something: unchanged values are written too)
+        native.cyclic_u8(prev, few, levels, stale, np.empty(65536, dtype=np.int64))
+        assert np.array_equal(stale, compiled[True][2]), n
 
 
 def _before_a_guard_page(values: np.ndarray) -> np.ndarray:
@@ -396,7 +405,8 @@ def test_grouped_delta_of_packed_previous_codes(monkeypatch, simd_path, bits) ->
             levels = min(256, base + (1 << bits) + 1)
             packed = PackedCodes(pack_bits(prev, bits, base), bits, base, n)
             within, wild = rng.integers(0, levels, n).astype(np.uint8), rng.integers(0, 256, n).astype(np.uint8)
-            for cur, at in ((within, levels), (wild, 7)):
+            few = np.where(rng.random(n) < 0.05, within, prev)  # (a delta's: most codes as they were)
+            for cur, at in ((within, levels), (wild, 7), (few, levels)):
                 if sys.platform == "linux":  # (a read past the packed codes' end faults)
                     packed = packed._replace(data=_before_a_guard_page(packed.data))
                 expected = delta_mod.grouped_delta(prev, cur, at)

@@ -351,17 +351,11 @@ VBMI2 static Py_ssize_t ungroup_simd_two_pass(const uint8_t *k, const uint8_t *v
 }
 #endif
 
-/* The forward grouping: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels (looked up
- * in table); 64 at a time where the vector path applies (the CPU has it, at most
- * GROUP_SIMD_KEYS groups), the rest four at a time. start: group_starts of k, advanced. */
-INLINE void group_forward(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
-                          Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+/* The forward grouping's plain loop: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels
+ * (looked up in table), four at a time, then one. */
+INLINE void group_loop(const uint8_t *k, const uint8_t *v, const uint8_t *y, const uint8_t table[511], Py_ssize_t n,
+                       uint8_t *o, Py_ssize_t start[256]) {
     Py_ssize_t i = 0, c[4];
-#ifdef GROUP_SIMD
-    if (keys <= GROUP_SIMD_KEYS && group_simd_available())
-        i = keys > GROUP_TWO_PASS_KEYS ? group_simd_two_pass(k, v, y, levels, table, n, keys, o, start)
-                                       : group_simd(k, v, y, levels, table, n, keys, o, start);
-#endif
     for (; i + 4 <= n; i += 4) { /* loads first */
         uint8_t d[4];
         for (int j = 0; j < 4; j++) d[j] = y == NULL ? v[i + j] : table[k[i + j] - y[i + j] + 255];
@@ -369,6 +363,73 @@ INLINE void group_forward(const uint8_t *k, const uint8_t *v, const uint8_t *y, 
         for (int j = 0; j < 4; j++) o[c[j]] = d[j];
     }
     for (; i < n; i++) o[start[k[i]]++] = y == NULL ? v[i] : table[k[i] - y[i] + 255];
+}
+
+#ifdef GROUP_SIMD
+/* The cyclic forward grouping where the CPU has AVX2 and not the VBMI2 path, for at most
+ * SPARSE_KEYS groups, into an o its caller zeroed (group_sparse says when): most of a delta's
+ * codes did not change, and their difference, 0, is in place already. Of each 32 values only the
+ * changed ones are written, each at its group's place plus the count of its key's lanes before
+ * it; then each group's place moves past the block's lanes of its key (a compare and a count a
+ * group). A block of more than SPARSE_DENSE changes takes the plain loop. On a Zen 1 EPYC, 32 Mi
+ * values of 3, 15 and 34 levels with 1 in 10 changed: 1.0, 1.5 and 2.2 ns a value against the
+ * loop's 2.4; 1 in 3: 2.2, 2.5 and 2.7. Returns the values done (blocks of 32). */
+#define SPARSE_KEYS 16
+#define SPARSE_DENSE 8
+#define AVX2_GROUP __attribute__((target("avx2,popcnt,bmi,bmi2")))
+
+AVX2_GROUP static Py_ssize_t group_sparse_avx2(const uint8_t *k, const uint8_t *y, const uint8_t table[511],
+                                               Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256]) {
+    __m256i key[SPARSE_KEYS];
+    uint32_t lanes[SPARSE_KEYS];
+    for (int g = 0; g < keys; g++) key[g] = _mm256_set1_epi8((char)g);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(k + i));
+        const __m256i same = _mm256_cmpeq_epi8(a, _mm256_loadu_si256((const __m256i *)(y + i)));
+        uint32_t changed = ~(uint32_t)_mm256_movemask_epi8(same);
+        if (_mm_popcnt_u32(changed) > SPARSE_DENSE) {
+            group_loop(k + i, NULL, y + i, table, 32, o, start);
+            continue;
+        }
+        for (int g = 0; g < keys; g++) lanes[g] = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(a, key[g]));
+        for (; changed != 0; changed &= changed - 1) {
+            const unsigned lane = (unsigned)__builtin_ctz(changed);
+            const uint8_t g = k[i + lane];
+            o[start[g] + _mm_popcnt_u32(_bzhi_u32(lanes[g], lane))] = table[g - y[i + lane] + 255];
+        }
+        for (int g = 0; g < keys; g++) start[g] += _mm_popcnt_u32(lanes[g]);
+    }
+    return i;
+}
+#endif
+
+/* Whether group_forward takes the sparse path for the cyclic difference of these many groups, for
+ * which its caller zeroes o first. */
+static int group_sparse(int keys) {
+#ifdef GROUP_SIMD
+    const int paths = dq_simd_paths();
+    return keys <= SPARSE_KEYS && (paths & DQ_AVX2) && !(keys <= GROUP_SIMD_KEYS && (paths & DQ_AVX512_VBMI2));
+#else
+    return 0;
+#endif
+}
+
+/* The forward grouping: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels (looked up
+ * in table); 64 at a time where the vector path applies (the CPU has it, at most
+ * GROUP_SIMD_KEYS groups), else, with y and an o zeroed as group_sparse asks, the changed
+ * values 32 at a time; the rest four at a time. start: group_starts of k, advanced. */
+INLINE void group_forward(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
+                          Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256], int zeroed) {
+    Py_ssize_t i = 0;
+#ifdef GROUP_SIMD
+    if (keys <= GROUP_SIMD_KEYS && group_simd_available())
+        i = keys > GROUP_TWO_PASS_KEYS ? group_simd_two_pass(k, v, y, levels, table, n, keys, o, start)
+                                       : group_simd(k, v, y, levels, table, n, keys, o, start);
+    else if (zeroed && y != NULL)
+        i = group_sparse_avx2(k, y, table, n, keys, o, start);
+#endif
+    group_loop(k + i, v == NULL ? NULL : v + i, y == NULL ? NULL : y + i, table, n - i, o, start);
 }
 
 /* The vectorised inverse grouping where it applies (as group_forward's); the values it did (a
@@ -442,7 +503,7 @@ PyObject *py_regroup_u8(PyObject *self, PyObject *args) {
             }
             for (; i < n; i++) o[i] = v[start[k[i]]++];
         } else
-            group_forward(k, v, NULL, 0, NULL, n, groups, o, start);
+            group_forward(k, v, NULL, 0, NULL, n, groups, o, start, 0);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&values); PyBuffer_Release(&keys); PyBuffer_Release(&out);
@@ -570,9 +631,10 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
 static void grouped_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
                           uint8_t *o, int64_t *pairs) {
     Py_ssize_t start[256], begin[256];
-    const int keys = group_starts(x, n, start);
+    const int keys = group_starts(x, n, start), zeroed = group_sparse(keys);
     memcpy(begin, start, sizeof(begin));
-    group_forward(x, NULL, y, levels, table, n, keys, o, start);
+    if (zeroed) memset(o, 0, n);
+    group_forward(x, NULL, y, levels, table, n, keys, o, start, zeroed);
     memset(pairs, 0, 65536 * sizeof(int64_t));
     for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
 }
@@ -635,16 +697,30 @@ VBMI2 static void unpack4_simd(const uint8_t *in, Py_ssize_t n, uint8_t base, ui
         _mm512_storeu_si512(v + i, _mm512_add_epi8(codes, add));
     }
 }
+
+/* The same with AVX2, 32 at a time (n a multiple of 32). */
+AVX2_GROUP static void unpack4_avx2(const uint8_t *in, Py_ssize_t n, uint8_t base, uint8_t *v) {
+    const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x0F00), add = _mm256_set1_epi8((char)base);
+    for (Py_ssize_t i = 0; i < n; i += 32) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(in + i / 2)));
+        const __m256i codes = _mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(_mm256_slli_epi16(w, 4), high));
+        _mm256_storeu_si256((__m256i *)(v + i), _mm256_add_epi8(codes, add));
+    }
+}
 #endif
 
 /* A chunk of packed codes (from a whole byte) unpacked: four bits a code 64 at a time where the
- * CPU allows, else (and the rest) by bitplanes.c's tables. */
+ * CPU allows (32 with AVX2 alone: 0.06 ns a code on a Zen 1 EPYC against the table's 0.32), else
+ * (and the rest) by bitplanes.c's tables. */
 static void unpack_chunk(const uint8_t *in, Py_ssize_t n, int bits, uint8_t base, uint8_t *v) {
     Py_ssize_t done = 0;
 #ifdef GROUP_SIMD
     if (bits == 4 && group_simd_available()) {
         done = n / 64 * 64;
         unpack4_simd(in, done, base, v);
+    } else if (bits == 4 && (dq_simd_paths() & DQ_AVX2)) {
+        done = n / 32 * 32;
+        unpack4_avx2(in, done, base, v);
     }
 #endif
     if (done < n) dq_unpack_bits(in + done / 8 * bits, n - done, bits, base, v + done);
@@ -678,12 +754,13 @@ static void grouped_pairs_chunked(const first_codes_t *f, const uint8_t *y, Py_s
         for (int k = 0; k < 256; k++) count[k] += part[k];
     }
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
-    const int keys = groups_in(count);
+    const int keys = groups_in(count), zeroed = group_sparse(keys);
     memcpy(begin, start, sizeof(begin));
+    if (zeroed) memset(o, 0, n);
     for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
         fill_packed(f, at, len, x);
-        group_forward(x, NULL, y + at, levels, table, len, keys, o, start);
+        group_forward(x, NULL, y + at, levels, table, len, keys, o, start, zeroed);
     }
     memset(pairs, 0, 65536 * sizeof(int64_t));
     for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
