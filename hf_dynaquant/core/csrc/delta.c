@@ -367,8 +367,8 @@ INLINE void group_loop(const uint8_t *k, const uint8_t *v, const uint8_t *y, con
 
 #ifdef GROUP_SIMD
 /* The cyclic forward grouping where the CPU has AVX2 and not the VBMI2 path, for at most
- * SPARSE_KEYS groups, into an o its caller zeroed (group_sparse says when): most of a delta's
- * codes did not change, and their difference, 0, is in place already. Of each 32 values only the
+ * SPARSE_KEYS groups, into an o group_sparse zeroed: most of a delta's codes did not change,
+ * and their difference, 0, is in place already. Of each 32 values only the
  * changed ones are written, each at its group's place plus the count of its key's lanes before
  * it; then each group's place moves past the block's lanes of its key (a compare and a count a
  * group). A block of more than SPARSE_DENSE changes takes the plain loop. On a Zen 1 EPYC, 32 Mi
@@ -404,20 +404,21 @@ AVX2_GROUP static Py_ssize_t group_sparse_avx2(const uint8_t *k, const uint8_t *
 }
 #endif
 
-/* Whether group_forward takes the sparse path for the cyclic difference of these many groups, for
- * which its caller zeroes o first. */
-static int group_sparse(int keys) {
+/* Whether group_forward takes the sparse path for the cyclic difference of these many groups into
+ * the n bytes of o, which it then zeroes (the differences of unchanged values are never written). */
+static int group_sparse(int keys, uint8_t *o, Py_ssize_t n) {
 #ifdef GROUP_SIMD
-    const int paths = dq_simd_paths();
-    return keys <= SPARSE_KEYS && (paths & DQ_AVX2) && !(keys <= GROUP_SIMD_KEYS && (paths & DQ_AVX512_VBMI2));
-#else
-    return 0;
+    if (keys <= SPARSE_KEYS && (dq_simd_paths() & DQ_AVX2) && !(keys <= GROUP_SIMD_KEYS && group_simd_available())) {
+        memset(o, 0, n);
+        return 1;
+    }
 #endif
+    return 0;
 }
 
 /* The forward grouping: o[start[k[i]]++] = v[i], or, with y, (k[i] - y[i]) mod levels (looked up
  * in table); 64 at a time where the vector path applies (the CPU has it, at most
- * GROUP_SIMD_KEYS groups), else, with y and an o zeroed as group_sparse asks, the changed
+ * GROUP_SIMD_KEYS groups), else, with y and an o group_sparse zeroed, the changed
  * values 32 at a time; the rest four at a time. start: group_starts of k, advanced. */
 INLINE void group_forward(const uint8_t *k, const uint8_t *v, const uint8_t *y, int levels, const uint8_t table[511],
                           Py_ssize_t n, int keys, uint8_t *o, Py_ssize_t start[256], int zeroed) {
@@ -631,9 +632,8 @@ PyObject *py_pair_counts(PyObject *self, PyObject *args) {
 static void grouped_pairs(const uint8_t *x, const uint8_t *y, Py_ssize_t n, const uint8_t table[511], int levels,
                           uint8_t *o, int64_t *pairs) {
     Py_ssize_t start[256], begin[256];
-    const int keys = group_starts(x, n, start), zeroed = group_sparse(keys);
+    const int keys = group_starts(x, n, start), zeroed = group_sparse(keys, o, n);
     memcpy(begin, start, sizeof(begin));
-    if (zeroed) memset(o, 0, n);
     group_forward(x, NULL, y, levels, table, n, keys, o, start, zeroed);
     memset(pairs, 0, 65536 * sizeof(int64_t));
     for (int k = 0; k < keys; k++) count_bytes(o + begin[k], start[k] - begin[k], pairs + ((Py_ssize_t)k << 8));
@@ -754,9 +754,8 @@ static void grouped_pairs_chunked(const first_codes_t *f, const uint8_t *y, Py_s
         for (int k = 0; k < 256; k++) count[k] += part[k];
     }
     for (int k = 0; k < 256; k++) { start[k] = pos; pos += count[k]; }
-    const int keys = groups_in(count), zeroed = group_sparse(keys);
+    const int keys = groups_in(count), zeroed = group_sparse(keys, o, n);
     memcpy(begin, start, sizeof(begin));
-    if (zeroed) memset(o, 0, n);
     for (Py_ssize_t at = 0; at < n; at += PACKED_CHUNK) {
         const Py_ssize_t len = n - at < PACKED_CHUNK ? n - at : PACKED_CHUNK;
         fill_packed(f, at, len, x);
